@@ -1,0 +1,35 @@
+"""The one interface every layer implements (DESIGN.md: everything is a block device)."""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+from openvsan.block.errors import OutOfRange
+
+Buffer = bytes | bytearray | memoryview
+
+
+@runtime_checkable
+class BlockDevice(Protocol):
+    block_size: int  # logical block, 512 or 4096
+    num_blocks: int
+
+    async def read(self, lba: int, blocks: int) -> Buffer: ...
+
+    async def write(self, lba: int, data: Buffer, *, fua: bool = False) -> None: ...
+
+    async def flush(self) -> None: ...  # everything acknowledged is durable
+
+    async def unmap(self, lba: int, blocks: int) -> None: ...
+
+    async def write_zeroes(self, lba: int, blocks: int) -> None: ...
+
+    async def close(self) -> None: ...
+
+    def to_config(self) -> dict[str, Any]: ...
+
+
+def check_range(dev: BlockDevice, lba: int, blocks: int) -> None:
+    """Bounds check, done once at the export edge (STYLE.md §2) and by leaf devices."""
+    if lba < 0 or blocks < 0 or lba + blocks > dev.num_blocks:
+        raise OutOfRange(f"lba {lba} + {blocks} blocks beyond {dev.num_blocks}")
