@@ -1,0 +1,80 @@
+"""RamDevice: blocks in memory, optionally in a file under /dev/shm so they outlive the process."""
+
+from __future__ import annotations
+
+import mmap
+import os
+from typing import Any
+
+from openvsan.block.device import Buffer, check_range
+
+
+class RamDevice:
+    def __init__(self, num_blocks: int, block_size: int = 512, *, backing: str | None = None,
+                 name: str = "ram") -> None:
+        if block_size not in (512, 4096):
+            raise ValueError(f"block_size must be 512 or 4096, not {block_size}")
+        self.name = name
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.backing = backing
+        size = num_blocks * block_size
+        self._fd: int | None = None
+        if backing:
+            self._fd = os.open(backing, os.O_RDWR | os.O_CREAT, 0o600)
+            if os.fstat(self._fd).st_size != size:
+                os.ftruncate(self._fd, size)
+            self._mem: mmap.mmap | bytearray = mmap.mmap(self._fd, size)
+        else:
+            # anonymous mmap: zero pages cost nothing until written, like a sparse file
+            self._mem = mmap.mmap(-1, size)
+        self._view = memoryview(self._mem)
+
+    async def read(self, lba: int, blocks: int) -> Buffer:
+        check_range(self, lba, blocks)
+        bs = self.block_size
+        return bytes(self._view[lba * bs:(lba + blocks) * bs])
+
+    async def write(self, lba: int, data: Buffer, *, fua: bool = False) -> None:
+        bs = self.block_size
+        n = len(data)
+        if n % bs:
+            raise ValueError(f"write of {n} bytes is not a multiple of the block size {bs}")
+        check_range(self, lba, n // bs)
+        self._view[lba * bs:lba * bs + n] = data
+
+    async def flush(self) -> None:
+        # RAM (or tmpfs) is as durable as it gets: the promise is "survives the process", which it does.
+        return None
+
+    async def unmap(self, lba: int, blocks: int) -> None:
+        await self.write_zeroes(lba, blocks)
+
+    async def write_zeroes(self, lba: int, blocks: int) -> None:
+        check_range(self, lba, blocks)
+        bs = self.block_size
+        start, end = lba * bs, (lba + blocks) * bs
+        if isinstance(self._mem, mmap.mmap) and blocks * bs >= mmap.PAGESIZE * 16 and self._fd is None:
+            # give whole pages back to the kernel (they read back as zero)
+            page = mmap.PAGESIZE
+            a, b = -(-start // page) * page, end // page * page
+            self._view[start:a] = bytes(a - start)
+            self._view[b:end] = bytes(end - b)
+            if b > a:
+                self._mem.madvise(mmap.MADV_DONTNEED, a, b - a)
+            return
+        self._view[start:end] = bytes(end - start)
+
+    async def close(self) -> None:
+        self._view.release()
+        self._mem.close()
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def to_config(self) -> dict[str, Any]:
+        cfg: dict[str, Any] = {"type": "ram", "name": self.name, "size": self.num_blocks * self.block_size,
+                               "block_size": self.block_size}
+        if self.backing:
+            cfg["backing"] = self.backing
+        return cfg
