@@ -1,0 +1,5 @@
+"""The `vsan` command (placeholder until the node lands)."""
+
+
+def main() -> None:
+    raise SystemExit("vsan: not built yet")
