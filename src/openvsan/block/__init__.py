@@ -2,8 +2,25 @@
 
 from openvsan.block.device import BlockDevice, Buffer, check_range
 from openvsan.block.errors import BlockError, Busy, DeviceFailed, MediumError, NoSpace, OutOfRange, ReadOnly
+from openvsan.block.fault import FaultDevice, FaultRule
+from openvsan.block.file import FileDevice
+from openvsan.block.null import NullDevice
+from openvsan.block.ram import RamDevice
 
 __all__ = [
-    "BlockDevice", "Buffer", "check_range",
-    "BlockError", "Busy", "DeviceFailed", "MediumError", "NoSpace", "OutOfRange", "ReadOnly",
+    "BlockDevice",
+    "BlockError",
+    "Buffer",
+    "Busy",
+    "DeviceFailed",
+    "FaultDevice",
+    "FaultRule",
+    "FileDevice",
+    "MediumError",
+    "NoSpace",
+    "NullDevice",
+    "OutOfRange",
+    "RamDevice",
+    "ReadOnly",
+    "check_range",
 ]

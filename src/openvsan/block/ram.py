@@ -24,7 +24,7 @@ class RamDevice:
             self._fd = os.open(backing, os.O_RDWR | os.O_CREAT, 0o600)
             if os.fstat(self._fd).st_size != size:
                 os.ftruncate(self._fd, size)
-            self._mem: mmap.mmap | bytearray = mmap.mmap(self._fd, size)
+            self._mem: mmap.mmap = mmap.mmap(self._fd, size)
         else:
             # anonymous mmap: zero pages cost nothing until written, like a sparse file
             self._mem = mmap.mmap(-1, size)

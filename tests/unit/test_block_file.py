@@ -1,0 +1,194 @@
+"""FileDevice: sparse files, bounds, FUA/flush, hole punching, O_DIRECT, size rules."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+
+import pytest
+
+from openvsan.block import BlockDevice, DeviceFailed, FileDevice, OutOfRange
+from openvsan.block import file as file_mod
+
+MiB = 1 << 20
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_creates_sparse_file(tmp_path: Path) -> None:
+    p = tmp_path / "disk.img"
+
+    async def go() -> None:
+        dev = FileDevice(p, size=64 * MiB, name="d0")
+        assert isinstance(dev, BlockDevice)
+        assert dev.num_blocks == 64 * MiB // 512
+        assert await dev.read(0, 8) == bytes(4096)
+        await dev.close()
+
+    run(go())
+    st = p.stat()
+    assert st.st_size == 64 * MiB
+    assert st.st_blocks * 512 < MiB  # nothing allocated
+    assert st.st_mode & 0o777 == 0o600
+
+
+def test_write_read_roundtrip_and_reopen(tmp_path: Path) -> None:
+    p = tmp_path / "disk.img"
+    pattern = os.urandom(4096 * 3)
+
+    async def write() -> None:
+        dev = FileDevice(p, size=MiB, block_size=4096)
+        await dev.write(10, pattern)
+        await dev.write(0, memoryview(bytearray(b"\x01" * 4096)), fua=True)
+        await dev.flush()
+        await dev.close()
+
+    async def read() -> None:
+        dev = FileDevice(p, block_size=4096)  # size comes from the file now
+        assert dev.num_blocks == MiB // 4096
+        assert bytes(await dev.read(10, 3)) == pattern
+        assert bytes(await dev.read(0, 1)) == b"\x01" * 4096
+        await dev.close()
+
+    run(write())
+    run(read())
+
+
+def test_bounds_and_alignment(tmp_path: Path) -> None:
+    async def go() -> None:
+        dev = FileDevice(tmp_path / "d", size=8 * 512)
+        with pytest.raises(OutOfRange):
+            await dev.read(7, 2)
+        with pytest.raises(OutOfRange):
+            await dev.write(8, bytes(512))
+        with pytest.raises(OutOfRange):
+            await dev.write_zeroes(-1, 1)
+        with pytest.raises(ValueError):
+            await dev.write(0, bytes(100))
+        assert await dev.read(8, 0) == b""
+        await dev.close()
+
+    run(go())
+
+
+def test_missing_file_needs_size(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError):
+        FileDevice(tmp_path / "nope")
+    with pytest.raises(ValueError):
+        FileDevice(tmp_path / "x", size=1000)  # not a multiple of 512
+    with pytest.raises(ValueError):
+        FileDevice(tmp_path / "x", size=4096, block_size=1024)
+
+
+def test_grows_short_file_keeps_data(tmp_path: Path) -> None:
+    p = tmp_path / "d"
+    p.write_bytes(b"\xaa" * 1024)
+
+    async def go() -> None:
+        dev = FileDevice(p, size=8192)
+        assert dev.num_blocks == 16
+        assert bytes(await dev.read(0, 2)) == b"\xaa" * 1024
+        assert bytes(await dev.read(2, 1)) == bytes(512)
+        await dev.close()
+
+    run(go())
+    assert p.stat().st_size == 8192
+
+
+def test_unmap_punches_hole_and_reads_zero(tmp_path: Path) -> None:
+    p = tmp_path / "d"
+
+    async def go() -> None:
+        dev = FileDevice(p, size=8 * MiB)
+        await dev.write(0, os.urandom(8 * MiB))
+        await dev.flush()
+        before = p.stat().st_blocks
+        await dev.unmap(0, 4 * MiB // 512)
+        await dev.write_zeroes(4 * MiB // 512, 1)
+        await dev.flush()
+        assert bytes(await dev.read(0, 4 * MiB // 512 + 1)) == bytes(4 * MiB + 512)
+        assert bytes(await dev.read(4 * MiB // 512 + 1, 1)) != bytes(512)
+        assert p.stat().st_blocks < before
+        await dev.close()
+
+    run(go())
+
+
+def test_zeroes_fall_back_to_writing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(file_mod, "_fallocate", None)
+    monkeypatch.setattr(file_mod, "_ZERO_CHUNK", 4096)  # several chunks
+
+    async def go() -> None:
+        dev = FileDevice(tmp_path / "d", size=64 * 1024)
+        await dev.write(0, b"\xff" * 65536)
+        await dev.write_zeroes(3, 50)
+        data = bytes(await dev.read(0, 128))
+        assert data[:1536] == b"\xff" * 1536
+        assert data[1536:1536 + 50 * 512] == bytes(50 * 512)
+        assert data[1536 + 50 * 512:] == b"\xff" * (65536 - 1536 - 50 * 512)
+        await dev.close()
+
+    run(go())
+
+
+def test_fua_without_rwf_dsync(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[int] = []
+    real = os.fdatasync
+    monkeypatch.setattr(file_mod.os, "fdatasync", lambda fd: (calls.append(fd), real(fd))[1])
+
+    async def go() -> None:
+        dev = FileDevice(tmp_path / "d", size=4096)
+        dev._rwf_dsync = 0
+        await dev.write(0, b"x" * 512, fua=True)
+        assert calls  # durable before returning
+        calls.clear()
+        await dev.write(1, b"y" * 512)
+        assert not calls
+        await dev.flush()
+        assert calls
+        await dev.close()
+
+    run(go())
+
+
+def test_concurrent_io_off_the_loop(tmp_path: Path) -> None:
+    async def go() -> None:
+        dev = FileDevice(tmp_path / "d", size=MiB, io_threads=3)
+        blocks = [bytes([i]) * 512 for i in range(64)]
+        await asyncio.gather(*(dev.write(i, b) for i, b in enumerate(blocks)))
+        got = await asyncio.gather(*(dev.read(i, 1) for i in range(64)))
+        assert [bytes(g) for g in got] == blocks
+        await dev.close()
+        with pytest.raises(DeviceFailed):
+            await dev.read(0, 1)
+
+    run(go())
+
+
+def test_direct_io(tmp_path: Path) -> None:
+    p = tmp_path / "direct.img"
+    try:
+        dev = FileDevice(p, size=MiB, block_size=4096, direct=True)
+    except (OSError, ValueError) as e:  # tmpfs and some others refuse O_DIRECT
+        pytest.skip(f"O_DIRECT not available on {tmp_path}: {e}")
+
+    async def go() -> None:
+        data = os.urandom(3 * 4096)
+        await dev.write(5, memoryview(data)[:], fua=True)  # caller's buffer is not aligned; the device copes
+        assert bytes(await dev.read(5, 3)) == data
+        await dev.write_zeroes(6, 1)
+        assert bytes(await dev.read(6, 1)) == bytes(4096)
+        await dev.close()
+
+    run(go())
+    assert dev.to_config()["direct"] is True
+
+
+def test_to_config(tmp_path: Path) -> None:
+    dev = FileDevice(tmp_path / "d", size=4096, name="f0")
+    assert dev.to_config() == {"type": "file", "name": "f0", "path": str(tmp_path / "d"), "size": 4096,
+                               "block_size": 512, "direct": False}
+    run(dev.close())
