@@ -1,0 +1,389 @@
+"""The node's TOML config (examples/single-node.toml) read into typed, fully validated dataclasses.
+
+A bad config raises ConfigError with one line: the key path, what is wrong, how to mend it, e.g.
+`iscsi.targets[0].luns[1].volume: unknown volume "disk9"; define it under [[volumes]] or use one of: disk0`.
+Validation is complete before anything is stored or started (STYLE.md §5).
+"""
+
+from __future__ import annotations
+
+import difflib
+import socket
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, TypeVar
+
+from openvsan.node.values import (
+    Portal,
+    check_chap_secret,
+    check_iscsi_name,
+    check_object_name,
+    parse_portal,
+    parse_size,
+)
+
+T = TypeVar("T")
+
+DEVICE_TYPES = ("ram", "file", "null")
+BLOCK_SIZES = (512, 4096)
+MAX_LUN = 16383  # SAM-5 flat/peripheral addressing as Linux and Windows use it: 14 bits
+
+
+class ConfigError(ValueError):
+    """A config that cannot be served; str() is one line naming the key."""
+
+
+@dataclass(frozen=True)
+class NodeSettings:
+    name: str
+    data_dir: Path | None = None
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    name: str
+    type: str                       # ram | file | null
+    size: int | None                # bytes; None only for a file device that takes the file's size
+    block_size: int = 512
+    backing: Path | None = None     # ram: a file (in /dev/shm) that keeps the contents across restarts
+    path: Path | None = None        # file: the file or block device
+    direct: bool = False            # file: O_DIRECT
+
+
+@dataclass(frozen=True)
+class VolumeSpec:
+    name: str
+    device: str
+    read_only: bool = False
+
+
+@dataclass(frozen=True)
+class ChapSpec:
+    user: str
+    secret: str
+
+
+@dataclass(frozen=True)
+class LunSpec:
+    lun: int
+    volume: str
+
+
+@dataclass(frozen=True)
+class TargetSpec:
+    iqn: str
+    luns: tuple[LunSpec, ...]
+    portals: tuple[Portal, ...]
+    advertised_portals: tuple[Portal, ...] = ()
+    allowed_initiators: tuple[str, ...] | None = None  # None: any initiator
+    chap: ChapSpec | None = None
+    mutual_chap: ChapSpec | None = None
+    alias: str | None = None
+    portal_group_tag: int = 1
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    node: NodeSettings
+    devices: tuple[DeviceSpec, ...] = ()
+    volumes: tuple[VolumeSpec, ...] = ()
+    targets: tuple[TargetSpec, ...] = ()
+    source: Path | None = field(default=None, compare=False)
+
+    def device(self, name: str) -> DeviceSpec:
+        return next(d for d in self.devices if d.name == name)
+
+    def volume(self, name: str) -> VolumeSpec:
+        return next(v for v in self.volumes if v.name == name)
+
+
+def load_config(path: str | Path) -> NodeConfig:
+    """Read and validate a config file; relative paths inside it are relative to the file."""
+    path = Path(path)
+    try:
+        raw = path.read_bytes()
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read the config file: {e.strerror}") from None
+    try:
+        data = tomllib.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: not UTF-8 text; save the config as UTF-8") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: not valid TOML: {e}") from None
+    cfg = parse_config(data, base_dir=path.resolve().parent)
+    return NodeConfig(cfg.node, cfg.devices, cfg.volumes, cfg.targets, source=path.resolve())
+
+
+def _fmt(v: object) -> str:
+    return f'"{v}"' if isinstance(v, str) else repr(v)
+
+
+class _Table:
+    """One TOML table being read: typed access by key, unknown keys reported with a suggestion."""
+
+    def __init__(self, value: object, path: str, *, what: str = "a table") -> None:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{path or 'config'}: expected {what}, found {_fmt(value)}")
+        self.data: dict[str, Any] = value
+        self.path = path
+        self.used: set[str] = set()
+
+    def key(self, key: str) -> str:
+        return f"{self.path}.{key}" if self.path else key
+
+    def has(self, key: str) -> bool:
+        return key in self.data
+
+    def get(self, key: str, kind: type[T] | tuple[type, ...], default: Any = None, *, required: bool = False,
+            hint: str = "") -> Any:
+        self.used.add(key)
+        if key not in self.data:
+            if required:
+                raise ConfigError(f"{self.key(key)}: missing; {hint or 'add it'}")
+            return default
+        value = self.data[key]
+        # TOML booleans are not numbers here, even though Python thinks bool is an int
+        if (isinstance(value, bool) and kind is not bool) or not isinstance(value, kind):
+            names = {str: "a string", int: "an integer", bool: "true or false", list: "a list", dict: "a table"}
+            want = " or ".join(names.get(k, k.__name__) for k in (kind if isinstance(kind, tuple) else (kind,)))
+            raise ConfigError(f"{self.key(key)}: expected {want}, found {_fmt(value)}")
+        return value
+
+    def check(self, key: str, fn: Callable[[Any], T], value: Any) -> T:
+        try:
+            return fn(value)
+        except ValueError as e:
+            raise ConfigError(f"{self.key(key)}: {e}") from None
+
+    def done(self, allowed: tuple[str, ...] | None = None) -> None:
+        allowed = allowed if allowed is not None else tuple(self.used)
+        for key in self.data:
+            if key not in allowed:
+                close = difflib.get_close_matches(key, allowed, n=1)
+                mend = f'did you mean "{close[0]}"?' if close else "remove it"
+                raise ConfigError(f"{self.key(key)}: unknown key; {mend} (known keys: {', '.join(sorted(allowed))})")
+
+
+def _items(table: _Table, key: str, *, hint: str) -> list[tuple[str, Any]]:
+    values = table.get(key, list, [], hint=hint)
+    return [(f"{table.key(key)}[{i}]", v) for i, v in enumerate(values)]
+
+
+def _resolve(p: str, base_dir: Path | None) -> Path:
+    path = Path(p).expanduser()
+    return path if path.is_absolute() or base_dir is None else base_dir / path
+
+
+def parse_config(data: dict[str, Any], *, base_dir: Path | None = None) -> NodeConfig:
+    top = _Table(data, "")
+    node = _parse_node(top, base_dir)
+    devices = _parse_devices(top, base_dir)
+    volumes = _parse_volumes(top, devices)
+    targets = _parse_iscsi(top, volumes)
+    top.done(("node", "devices", "volumes", "iscsi"))
+    return NodeConfig(node, devices, volumes, targets)
+
+
+def _parse_node(top: _Table, base_dir: Path | None) -> NodeSettings:
+    t = _Table(top.get("node", dict, {}), "node")
+    name = t.get("name", str, None)
+    name = t.check("name", check_object_name, name) if name is not None else socket.gethostname().split(".")[0]
+    data_dir = t.get("data_dir", str, None)
+    t.done(("name", "data_dir"))
+    return NodeSettings(name, _resolve(data_dir, base_dir) if data_dir else None)
+
+
+_DEVICE_KEYS = {
+    "ram": ("name", "type", "size", "block_size", "backing"),
+    "file": ("name", "type", "size", "block_size", "path", "direct"),
+    "null": ("name", "type", "size", "block_size"),
+}
+
+
+def _parse_devices(top: _Table, base_dir: Path | None) -> tuple[DeviceSpec, ...]:
+    out: list[DeviceSpec] = []
+    seen_paths: dict[Path, str] = {}
+    for path, raw in _items(top, "devices", hint="add [[devices]] tables"):
+        t = _Table(raw, path, what="a [[devices]] table")
+        name = t.check("name", check_object_name, t.get("name", str, required=True,
+                                                         hint='give the device a name, e.g. name = "ram0"'))
+        if any(d.name == name for d in out):
+            raise ConfigError(f"{t.key('name')}: a device named {_fmt(name)} is already defined; "
+                              "give each device its own name")
+        kind = t.get("type", str, required=True, hint=f'add type = "ram" (one of: {", ".join(DEVICE_TYPES)})')
+        if kind not in DEVICE_TYPES:
+            raise ConfigError(f"{t.key('type')}: unknown device type {_fmt(kind)}; use one of: "
+                              f"{', '.join(DEVICE_TYPES)}")
+        for key in t.data:
+            if key not in _DEVICE_KEYS[kind] and any(key in keys for keys in _DEVICE_KEYS.values()):
+                owner = [k for k, keys in _DEVICE_KEYS.items() if key in keys]
+                raise ConfigError(f"{t.key(key)}: not a key of a {kind} device (it belongs to type = "
+                                  f"{' or '.join(_fmt(o) for o in owner)}); remove it")
+        t.done(_DEVICE_KEYS[kind])
+        block_size = t.get("block_size", int, 512)
+        if block_size not in BLOCK_SIZES:
+            raise ConfigError(f"{t.key('block_size')}: {block_size} is not supported; use 512 or 4096")
+        size = None
+        if t.has("size"):
+            size = t.check("size", parse_size, t.get("size", (int, str)))
+            if size % block_size:
+                raise ConfigError(f"{t.key('size')}: {size} bytes is not a whole number of {block_size}-byte "
+                                  f"blocks; use {size - size % block_size or block_size}")
+        elif kind != "file":
+            raise ConfigError(f'{t.key("size")}: missing; a {kind} device needs a size, e.g. size = "1GiB"')
+        backing = dev_path = None
+        if kind == "ram" and t.has("backing"):
+            backing = _resolve(t.get("backing", str), base_dir)
+        if kind == "file":
+            dev_path = _resolve(t.get("path", str, required=True,
+                                      hint='add path = "/var/lib/openvsan/disk0.img" (a file or block device)'),
+                                base_dir)
+        direct = t.get("direct", bool, False) if kind == "file" else False
+        for key, p in (("backing", backing), ("path", dev_path)):
+            if p is not None:
+                other = seen_paths.get(p.resolve())
+                if other is not None:
+                    raise ConfigError(f"{t.key(key)}: {_fmt(str(p))} is already used by device {_fmt(other)}; "
+                                      "give each device its own file")
+                seen_paths[p.resolve()] = name
+        out.append(DeviceSpec(name, kind, size, block_size, backing, dev_path, direct))
+    return tuple(out)
+
+
+def _parse_volumes(top: _Table, devices: tuple[DeviceSpec, ...]) -> tuple[VolumeSpec, ...]:
+    out: list[VolumeSpec] = []
+    owner: dict[str, str] = {}
+    names = [d.name for d in devices]
+    for path, raw in _items(top, "volumes", hint="add [[volumes]] tables"):
+        t = _Table(raw, path, what="a [[volumes]] table")
+        name = t.check("name", check_object_name, t.get("name", str, required=True,
+                                                         hint='give the volume a name, e.g. name = "disk0"'))
+        if any(v.name == name for v in out):
+            raise ConfigError(f"{t.key('name')}: a volume named {_fmt(name)} is already defined; "
+                              "give each volume its own name")
+        device = t.get("device", str, required=True, hint='name the device it lives on, e.g. device = "ram0"')
+        if device not in names:
+            known = f"use one of: {', '.join(names)}" if names else "none is defined"
+            raise ConfigError(f"{t.key('device')}: unknown device {_fmt(device)}; define it under [[devices]] "
+                              f"or {known}")
+        if device in owner:
+            raise ConfigError(f"{t.key('device')}: device {_fmt(device)} is already used by volume "
+                              f"{_fmt(owner[device])}; give each volume its own device")
+        owner[device] = name
+        read_only = t.get("read_only", bool, False)
+        t.done(("name", "device", "read_only"))
+        out.append(VolumeSpec(name, device, read_only))
+    return tuple(out)
+
+
+def _portals(t: _Table, key: str, *, required: bool) -> tuple[Portal, ...]:
+    values = t.get(key, list, None)
+    if values is None:
+        if required:
+            raise ConfigError(f'{t.key(key)}: missing; add portals = ["127.0.0.1:3260"]')
+        return ()
+    out: list[Portal] = []
+    for i, v in enumerate(values):
+        portal = t.check(f"{key}[{i}]", parse_portal, v)
+        if portal in out:
+            raise ConfigError(f"{t.key(key)}[{i}]: {portal} is listed twice; remove one")
+        out.append(portal)
+    if required and not out:
+        raise ConfigError(f'{t.key(key)}: empty; list at least one, e.g. ["127.0.0.1:3260"]')
+    return tuple(out)
+
+
+def _chap(t: _Table, key: str) -> ChapSpec | None:
+    if not t.has(key):
+        return None
+    c = _Table(t.get(key, dict), t.key(key), what='a table { user = "...", secret = "..." }')
+    user = c.get("user", str, required=True, hint='add user = "name"')
+    if not user or not user.isprintable():
+        raise ConfigError(f"{c.key('user')}: the user name must be printable and not empty")
+    secret = c.check("secret", check_chap_secret, c.get("secret", str, required=True,
+                                                         hint='add secret = "12 to 16 bytes"'))
+    c.done(("user", "secret"))
+    return ChapSpec(user, secret)
+
+
+def _parse_iscsi(top: _Table, volumes: tuple[VolumeSpec, ...]) -> tuple[TargetSpec, ...]:
+    if not top.has("iscsi"):
+        return ()
+    t = _Table(top.get("iscsi", dict), "iscsi")
+    raw_targets = t.get("targets", list, [])
+    portals = _portals(t, "portals", required=any(isinstance(x, dict) and "portals" not in x for x in raw_targets))
+    advertised = _portals(t, "advertised_portals", required=False)
+    t.done(("portals", "advertised_portals", "targets"))
+    volume_names = [v.name for v in volumes]
+    out: list[TargetSpec] = []
+    for i, raw in enumerate(raw_targets):
+        tt = _Table(raw, f"iscsi.targets[{i}]", what="an [[iscsi.targets]] table")
+        iqn = tt.check("iqn", check_iscsi_name, tt.get("iqn", str, required=True,
+                                                       hint='add iqn = "iqn.2026-11.org.example:disk0"'))
+        if any(x.iqn == iqn for x in out):
+            raise ConfigError(f"{tt.key('iqn')}: target {_fmt(iqn)} is already defined; give each target its "
+                              "own iqn")
+        luns: list[LunSpec] = []
+        for lpath, lraw in _items(tt, "luns", hint='add luns = [{ lun = 0, volume = "disk0" }]'):
+            lt = _Table(lraw, lpath, what='a table { lun = 0, volume = "disk0" }')
+            lun = lt.get("lun", int, required=True, hint="add lun = 0")
+            if not 0 <= lun <= MAX_LUN:
+                raise ConfigError(f"{lt.key('lun')}: {lun} is out of range; use 0 to {MAX_LUN}")
+            if any(x.lun == lun for x in luns):
+                raise ConfigError(f"{lt.key('lun')}: LUN {lun} is already used in this target; pick another number")
+            volume = lt.get("volume", str, required=True, hint='add volume = "disk0"')
+            if volume not in volume_names:
+                known = f"use one of: {', '.join(volume_names)}" if volume_names else "none is defined"
+                raise ConfigError(f"{lt.key('volume')}: unknown volume {_fmt(volume)}; define it under "
+                                  f"[[volumes]] or {known}")
+            if any(x.volume == volume for x in luns):
+                raise ConfigError(f"{lt.key('volume')}: volume {_fmt(volume)} is already a LUN of this target; "
+                                  "export it once")
+            lt.done(("lun", "volume"))
+            luns.append(LunSpec(lun, volume))
+        if not luns:
+            raise ConfigError(f'{tt.key("luns")}: missing or empty; add luns = [{{ lun = 0, volume = "disk0" }}]')
+        own_portals = _portals(tt, "portals", required=False) or portals
+        own_advertised = _portals(tt, "advertised_portals", required=False) or advertised
+        allowed: tuple[str, ...] | None = None
+        if tt.has("allowed_initiators"):
+            names: list[str] = []
+            for j, n in enumerate(tt.get("allowed_initiators", list)):
+                n = tt.check(f"allowed_initiators[{j}]", check_iscsi_name, n)
+                if n in names:
+                    raise ConfigError(f"{tt.key('allowed_initiators')}[{j}]: {_fmt(n)} is listed twice; remove one")
+                names.append(n)
+            allowed = tuple(names)
+        chap = _chap(tt, "chap")
+        mutual = _chap(tt, "mutual_chap")
+        if mutual and not chap:
+            raise ConfigError(f"{tt.key('mutual_chap')}: needs chap too (the initiator authenticates first); "
+                              'add chap = { user = "...", secret = "..." }')
+        if mutual and chap and mutual.secret == chap.secret:
+            # RFC 7143 §12.1.3: a secret is never used in both directions
+            raise ConfigError(f"{tt.key('mutual_chap')}.secret: must differ from chap.secret (RFC 7143 §12.1.3)")
+        alias = tt.get("alias", str, None)
+        if alias is not None and (len(alias.encode()) > 255 or not alias.isprintable()):
+            raise ConfigError(f"{tt.key('alias')}: use up to 255 bytes of printable text")
+        tpgt = tt.get("portal_group_tag", int, 1)
+        if not 1 <= tpgt <= 65535:
+            raise ConfigError(f"{tt.key('portal_group_tag')}: {tpgt} is out of range; use 1 to 65535")
+        tt.done(("iqn", "luns", "portals", "advertised_portals", "allowed_initiators", "chap", "mutual_chap",
+                 "alias", "portal_group_tag"))
+        luns.sort(key=lambda x: x.lun)
+        out.append(TargetSpec(iqn, tuple(luns), own_portals, own_advertised, allowed, chap, mutual, alias, tpgt))
+    return tuple(out)
+
+
+def preflight(cfg: NodeConfig) -> None:
+    """Checks that depend on this machine rather than the text: can the devices be opened as declared."""
+    for i, d in enumerate(cfg.devices):
+        if d.type == "file" and d.path is not None:
+            if d.size is None and not d.path.exists():
+                raise ConfigError(f"devices[{i}].size: {d.path} does not exist; add a size to create it, "
+                                  'e.g. size = "10GiB"')
+            if not d.path.exists() and not d.path.parent.is_dir():
+                raise ConfigError(f"devices[{i}].path: the directory {d.path.parent} does not exist; create it")
+        if d.type == "ram" and d.backing is not None and not d.backing.parent.is_dir():
+            raise ConfigError(f"devices[{i}].backing: the directory {d.backing.parent} does not exist; create it")
