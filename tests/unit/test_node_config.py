@@ -111,8 +111,8 @@ def test_full_featured_target() -> None:
      'iscsi.targets[0].luns[1].volume: volume "disk0" is already a LUN of this target'),
     (target(luns=[]), "iscsi.targets[0].luns: missing or empty"),
     (target(iqn="iqn.2026-13.org.x:y"), "iscsi.targets[0].iqn: 'iqn.2026-13.org.x:y' is not an iqn name"),
-    (target(iqn="iqn.2026-11.Org.X:y"), "iscsi.targets[0].iqn: 'iqn.2026-11.Org.X:y' has upper case letters; "
-                                        "iSCSI names compare in lower case, write 'iqn.2026-11.org.x:y'"),
+    (target(iqn="iqn.2026-11.Org.X:y"), ("iscsi.targets[0].iqn: 'iqn.2026-11.Org.X:y' has upper case letters; "
+                                         "iSCSI names compare in lower case, write 'iqn.2026-11.org.x:y'")),
     (target(iqn="disk0"), "iscsi.targets[0].iqn: 'disk0' is not an iSCSI name"),
     (target(iqn="eui.0123"), "iscsi.targets[0].iqn: 'eui.0123' is not an eui name"),
     (target(allowed_initiators=["iqn.2026-11.org.x", "nope"]), "iscsi.targets[0].allowed_initiators[1]: 'nope'"),

@@ -10,9 +10,10 @@ from __future__ import annotations
 import difflib
 import socket
 import tomllib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, TypeVar
+from typing import Any, TypeVar
 
 from openvsan.node.values import (
     Portal,

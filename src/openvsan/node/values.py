@@ -25,7 +25,7 @@ _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 def parse_size(value: object) -> int:
     """'1GiB', '512MiB', '100G' (binary), '10GB' (decimal), or a plain number of bytes."""
     if isinstance(value, bool):
-        raise ValueError(f"{value!r} is not a size; write bytes or a string such as \"1GiB\"")
+        raise ValueError(f"{value!r} is not a size; write bytes or a string such as \"1GiB\"")  # noqa: TRY004
     if isinstance(value, int):
         n = value
     elif isinstance(value, str):
@@ -41,7 +41,7 @@ def parse_size(value: object) -> int:
         if frac and (int(frac) * scale) % 10 ** len(frac):
             raise ValueError(f"{value!r} is not a whole number of bytes")
     else:
-        raise ValueError(f"{value!r} is not a size; write bytes or a string such as \"1GiB\"")
+        raise ValueError(f"{value!r} is not a size; write bytes or a string such as \"1GiB\"")  # noqa: TRY004
     if n <= 0:
         raise ValueError(f"size must be positive, not {value!r}")
     return n
@@ -107,7 +107,7 @@ def parse_portal(value: object) -> Portal:
     """'127.0.0.1:3260', '[::1]:3260' or 'host.example:3260'."""
     hint = "write it as \"host:port\", e.g. \"127.0.0.1:3260\" or \"[::1]:3260\""
     if not isinstance(value, str):
-        raise ValueError(f"{value!r} is not a portal; {hint}")
+        raise ValueError(f"{value!r} is not a portal; {hint}")  # noqa: TRY004 - a config value, not a bug
     if value.startswith("["):
         host, sep, port_s = value[1:].partition("]:")
         try:
@@ -135,7 +135,7 @@ CHAP_SECRET_MIN, CHAP_SECRET_MAX = 12, 16
 
 def check_chap_secret(secret: object) -> str:
     if not isinstance(secret, str):
-        raise ValueError("the secret is a string of 12 to 16 bytes")
+        raise ValueError("the secret is a string of 12 to 16 bytes")  # noqa: TRY004
     n = len(secret.encode())
     if not CHAP_SECRET_MIN <= n <= CHAP_SECRET_MAX:
         raise ValueError(f"the secret is {n} bytes; use {CHAP_SECRET_MIN} to {CHAP_SECRET_MAX} bytes "

@@ -1,0 +1,226 @@
+"""The node's desired state in SQLite (`<data_dir>/state.db`), and each volume's stable identity.
+
+`vsan serve` imports a validated config here in one transaction (the config file wins over what was
+stored), then assembles the node from what the store holds. A volume's uuid and serial are made once, the
+first time its name is seen, and kept for good: SCSI NAA/T10 ids are derived from them, and an initiator
+that sees a new id thinks it is looking at a new disk.
+"""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Self
+
+from openvsan.node.config import (
+    ChapSpec,
+    DeviceSpec,
+    LunSpec,
+    NodeConfig,
+    NodeSettings,
+    TargetSpec,
+    VolumeSpec,
+)
+from openvsan.node.values import Portal
+
+SCHEMA_VERSION = 1
+STATE_DB = "state.db"
+
+# Each entry moves the schema from version i to i+1; a released migration is never edited.
+_MIGRATIONS: list[str] = [
+    """
+    CREATE TABLE node (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+    CREATE TABLE devices (
+        name TEXT PRIMARY KEY, position INTEGER NOT NULL, type TEXT NOT NULL CHECK (type IN ('ram', 'file', 'null')),
+        size INTEGER, block_size INTEGER NOT NULL, backing TEXT, path TEXT, direct INTEGER NOT NULL DEFAULT 0);
+    CREATE TABLE volumes (
+        name TEXT PRIMARY KEY, position INTEGER NOT NULL,
+        device TEXT NOT NULL UNIQUE REFERENCES devices (name), read_only INTEGER NOT NULL DEFAULT 0);
+    -- never deleted by an import: a name keeps its identity even while it is out of the config
+    CREATE TABLE volume_identities (
+        name TEXT PRIMARY KEY, uuid TEXT NOT NULL UNIQUE, serial TEXT NOT NULL UNIQUE, created TEXT NOT NULL);
+    CREATE TABLE targets (
+        iqn TEXT PRIMARY KEY, position INTEGER NOT NULL, alias TEXT, portal_group_tag INTEGER NOT NULL,
+        any_initiator INTEGER NOT NULL);
+    CREATE TABLE target_portals (
+        iqn TEXT NOT NULL REFERENCES targets (iqn) ON DELETE CASCADE, advertised INTEGER NOT NULL,
+        position INTEGER NOT NULL, host TEXT NOT NULL, port INTEGER NOT NULL,
+        PRIMARY KEY (iqn, advertised, host, port));
+    CREATE TABLE luns (
+        iqn TEXT NOT NULL REFERENCES targets (iqn) ON DELETE CASCADE, lun INTEGER NOT NULL,
+        volume TEXT NOT NULL REFERENCES volumes (name), PRIMARY KEY (iqn, lun));
+    CREATE TABLE acls (
+        iqn TEXT NOT NULL REFERENCES targets (iqn) ON DELETE CASCADE, position INTEGER NOT NULL,
+        initiator TEXT NOT NULL, PRIMARY KEY (iqn, initiator));
+    -- role 'initiator': the secret the initiator proves (CHAP), 'target': the one we prove back (mutual)
+    CREATE TABLE chap_users (
+        iqn TEXT NOT NULL REFERENCES targets (iqn) ON DELETE CASCADE,
+        role TEXT NOT NULL CHECK (role IN ('initiator', 'target')), user TEXT NOT NULL, secret TEXT NOT NULL,
+        PRIMARY KEY (iqn, role));
+    """,
+]
+
+
+class StoreError(RuntimeError):
+    """The state database cannot be used (newer schema, unreadable, corrupt)."""
+
+
+@dataclass(frozen=True)
+class VolumeIdentity:
+    uuid: uuid.UUID
+    serial: str  # VPD page 0x80 unit serial number
+
+
+@dataclass(frozen=True)
+class StoredState:
+    config: NodeConfig
+    identities: dict[str, VolumeIdentity]
+
+
+class Store:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        fresh = not path.exists()
+        try:
+            # autocommit mode: transactions are ours to open (BEGIN IMMEDIATE) and close
+            self._db = sqlite3.connect(path, isolation_level=None)
+            if fresh:
+                os.chmod(path, 0o600)  # CHAP secrets live here
+            self._db.execute("PRAGMA foreign_keys = ON")
+            self._db.execute("PRAGMA synchronous = FULL")
+            self._migrate()
+        except sqlite3.DatabaseError as e:
+            raise StoreError(f"{path}: cannot use the state database: {e}") from None
+
+    @classmethod
+    def open(cls, data_dir: Path) -> Store:
+        data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        return cls(data_dir / STATE_DB)
+
+    def close(self) -> None:
+        self._db.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @contextmanager
+    def _transaction(self) -> Iterator[sqlite3.Connection]:
+        self._db.execute("BEGIN IMMEDIATE")
+        try:
+            yield self._db
+        except BaseException:
+            self._db.execute("ROLLBACK")
+            raise
+        self._db.execute("COMMIT")
+
+    def _migrate(self) -> None:
+        with self._transaction() as db:
+            db.execute("CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL)")
+            row = db.execute("SELECT version FROM schema_version").fetchone()
+            version = row[0] if row else 0
+            if version > SCHEMA_VERSION:
+                raise StoreError(f"{self.path}: written by a newer openvsan (schema {version}, this one knows "
+                                 f"{SCHEMA_VERSION}); upgrade openvsan or use another --data-dir")
+            for script in _MIGRATIONS[version:]:
+                for statement in script.split(";\n"):
+                    if statement.strip():
+                        db.execute(statement)
+            if not row:
+                db.execute("INSERT INTO schema_version VALUES (?)", (SCHEMA_VERSION,))
+            elif version < SCHEMA_VERSION:
+                db.execute("UPDATE schema_version SET version = ?", (SCHEMA_VERSION,))
+
+    def schema_version(self) -> int:
+        return int(self._db.execute("SELECT version FROM schema_version").fetchone()[0])
+
+    # --- writing --------------------------------------------------------------------------------
+
+    def import_config(self, cfg: NodeConfig) -> None:
+        """Make `cfg` the desired state, all or nothing. Identities of known volume names are kept."""
+        with self._transaction() as db:
+            for table in ("chap_users", "acls", "luns", "target_portals", "targets", "volumes", "devices", "node"):
+                db.execute(f"DELETE FROM {table}")
+            db.executemany("INSERT INTO node VALUES (?, ?)", [
+                ("name", cfg.node.name),
+                ("data_dir", str(cfg.node.data_dir) if cfg.node.data_dir else ""),
+                ("source", str(cfg.source) if cfg.source else ""),
+                ("imported", datetime.now(UTC).isoformat(timespec="seconds")),
+            ])
+            db.executemany("INSERT INTO devices VALUES (?, ?, ?, ?, ?, ?, ?, ?)", [
+                (d.name, i, d.type, d.size, d.block_size, _str(d.backing), _str(d.path), int(d.direct))
+                for i, d in enumerate(cfg.devices)])
+            db.executemany("INSERT INTO volumes VALUES (?, ?, ?, ?)", [
+                (v.name, i, v.device, int(v.read_only)) for i, v in enumerate(cfg.volumes)])
+            for v in cfg.volumes:
+                self._ensure_identity(db, v.name)
+            for i, t in enumerate(cfg.targets):
+                db.execute("INSERT INTO targets VALUES (?, ?, ?, ?, ?)",
+                           (t.iqn, i, t.alias, t.portal_group_tag, int(t.allowed_initiators is None)))
+                db.executemany("INSERT INTO target_portals VALUES (?, ?, ?, ?, ?)",
+                               [(t.iqn, 0, j, p.host, p.port) for j, p in enumerate(t.portals)]
+                               + [(t.iqn, 1, j, p.host, p.port) for j, p in enumerate(t.advertised_portals)])
+                db.executemany("INSERT INTO luns VALUES (?, ?, ?)", [(t.iqn, x.lun, x.volume) for x in t.luns])
+                db.executemany("INSERT INTO acls VALUES (?, ?, ?)",
+                               [(t.iqn, j, n) for j, n in enumerate(t.allowed_initiators or ())])
+                for role, chap in (("initiator", t.chap), ("target", t.mutual_chap)):
+                    if chap:
+                        db.execute("INSERT INTO chap_users VALUES (?, ?, ?, ?)", (t.iqn, role, chap.user, chap.secret))
+
+    @staticmethod
+    def _ensure_identity(db: sqlite3.Connection, name: str) -> None:
+        if db.execute("SELECT 1 FROM volume_identities WHERE name = ?", (name,)).fetchone():
+            return
+        u = uuid.uuid4()
+        # the serial is the uuid's hex: unique, ASCII (SPC-4 7.8.16), and short enough for every initiator
+        db.execute("INSERT INTO volume_identities VALUES (?, ?, ?, ?)",
+                   (name, str(u), u.hex, datetime.now(UTC).isoformat(timespec="seconds")))
+
+    # --- reading --------------------------------------------------------------------------------
+
+    def identities(self) -> dict[str, VolumeIdentity]:
+        return {name: VolumeIdentity(uuid.UUID(u), serial)
+                for name, u, serial in self._db.execute("SELECT name, uuid, serial FROM volume_identities")}
+
+    def load(self) -> StoredState:
+        db = self._db
+        node = dict(db.execute("SELECT key, value FROM node").fetchall())
+        devices = tuple(
+            DeviceSpec(name, kind, size, bs, Path(backing) if backing else None, Path(path) if path else None,
+                       bool(direct))
+            for name, kind, size, bs, backing, path, direct in db.execute(
+                "SELECT name, type, size, block_size, backing, path, direct FROM devices ORDER BY position"))
+        volumes = tuple(VolumeSpec(name, dev, bool(ro)) for name, dev, ro in db.execute(
+            "SELECT name, device, read_only FROM volumes ORDER BY position"))
+        targets = []
+        for iqn, alias, tpgt, any_initiator in db.execute(
+                "SELECT iqn, alias, portal_group_tag, any_initiator FROM targets ORDER BY position").fetchall():
+            portals: dict[int, list[Portal]] = {0: [], 1: []}
+            for adv, host, port in db.execute("SELECT advertised, host, port FROM target_portals WHERE iqn = ? "
+                                              "ORDER BY advertised, position", (iqn,)):
+                portals[adv].append(Portal(host, port))
+            luns = tuple(LunSpec(lun, vol) for lun, vol in db.execute(
+                "SELECT lun, volume FROM luns WHERE iqn = ? ORDER BY lun", (iqn,)))
+            acl = tuple(n for (n,) in db.execute("SELECT initiator FROM acls WHERE iqn = ? ORDER BY position",
+                                                 (iqn,)))
+            chap = {role: ChapSpec(user, secret) for role, user, secret in db.execute(
+                "SELECT role, user, secret FROM chap_users WHERE iqn = ?", (iqn,))}
+            targets.append(TargetSpec(iqn, luns, tuple(portals[0]), tuple(portals[1]),
+                                      None if any_initiator else acl, chap.get("initiator"), chap.get("target"),
+                                      alias, tpgt))
+        settings = NodeSettings(node.get("name", ""), Path(node["data_dir"]) if node.get("data_dir") else None)
+        cfg = NodeConfig(settings, devices, volumes, tuple(targets),
+                         source=Path(node["source"]) if node.get("source") else None)
+        return StoredState(cfg, self.identities())
+
+
+def _str(p: Path | None) -> str | None:
+    return str(p) if p is not None else None

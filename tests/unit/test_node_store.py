@@ -1,0 +1,105 @@
+"""The SQLite store: desired state round trip, stable identities, transactions, schema versions."""
+
+from __future__ import annotations
+
+import sqlite3
+import stat
+from pathlib import Path
+
+import pytest
+
+from openvsan.node.config import parse_config
+from openvsan.node.store import SCHEMA_VERSION, Store, StoreError
+
+
+def config(volumes: tuple[str, ...] = ("disk0", "disk1"), **target: object):  # noqa: ANN201
+    t = {"iqn": "iqn.2026-11.org.openvsan:t0",
+         "luns": [{"lun": i, "volume": v} for i, v in enumerate(volumes)], **target}
+    return parse_config({
+        "node": {"name": "n1"},
+        "devices": [{"name": f"dev-{v}", "type": "ram", "size": "1MiB"} for v in volumes]
+        + [{"name": "f0", "type": "file", "path": "/tmp/x.img", "size": "4MiB", "direct": True, "block_size": 4096}],
+        "volumes": [{"name": v, "device": f"dev-{v}", "read_only": v.endswith("1")} for v in volumes],
+        "iscsi": {"portals": ["127.0.0.1:3260", "[::1]:3260"], "targets": [t]},
+    })
+
+
+def test_round_trip(tmp_path: Path) -> None:
+    cfg = config(allowed_initiators=["iqn.1993-08.org.debian:01:b", "iqn.1993-08.org.debian:01:a"],
+                 chap={"user": "alice", "secret": "twelve+chars"},
+                 mutual_chap={"user": "tgt", "secret": "another+secret"},
+                 advertised_portals=["192.0.2.1:3260"], alias="zero", portal_group_tag=7)
+    with Store.open(tmp_path / "data") as s:
+        s.import_config(cfg)
+        assert s.load().config == cfg
+        assert s.schema_version() == SCHEMA_VERSION
+    # and from a fresh process's point of view
+    with Store.open(tmp_path / "data") as s:
+        state = s.load()
+    assert state.config == cfg
+    assert set(state.identities) == {"disk0", "disk1"}
+    db = tmp_path / "data" / "state.db"
+    assert stat.S_IMODE(db.stat().st_mode) == 0o600
+    assert stat.S_IMODE(db.parent.stat().st_mode) == 0o700
+
+
+def test_no_acl_differs_from_empty_acl(tmp_path: Path) -> None:
+    with Store.open(tmp_path) as s:
+        s.import_config(config())
+        assert s.load().config.targets[0].allowed_initiators is None
+        s.import_config(config(allowed_initiators=[]))
+        assert s.load().config.targets[0].allowed_initiators == ()
+
+
+def test_identities_stable_and_kept_by_name(tmp_path: Path) -> None:
+    with Store.open(tmp_path) as s:
+        s.import_config(config(("disk0", "disk1")))
+        first = s.identities()
+    assert first["disk0"].uuid != first["disk1"].uuid
+    assert first["disk0"].serial == first["disk0"].uuid.hex and first["disk0"].serial.isascii()
+    with Store.open(tmp_path) as s:
+        s.import_config(config(("disk1",)))  # disk0 leaves the config ...
+        assert s.load().config.volumes[0].name == "disk1"
+        s.import_config(config(("disk0", "disk1", "disk2")))  # ... and comes back
+        again = s.identities()
+    assert again["disk0"] == first["disk0"] and again["disk1"] == first["disk1"]
+    assert again["disk2"] not in first.values()
+
+
+def test_config_wins_over_stored_state(tmp_path: Path) -> None:
+    with Store.open(tmp_path) as s:
+        s.import_config(config(("a", "b", "c"), chap={"user": "u", "secret": "twelve+chars"}))
+        s.import_config(config(("a",)))
+        state = s.load().config
+    assert [v.name for v in state.volumes] == ["a"]
+    assert state.targets[0].chap is None
+    assert [x.lun for x in state.targets[0].luns] == [0]
+
+
+def test_failed_import_changes_nothing(tmp_path: Path) -> None:
+    with Store.open(tmp_path) as s:
+        s.import_config(config(("a",)))
+        before = s.load()
+        bad = config(("a", "b"))
+        # a config that breaks a constraint half way: b's LUN names a volume the store does not get
+        broken = type(bad)(bad.node, bad.devices, bad.volumes[:1], bad.targets)
+        with pytest.raises(sqlite3.IntegrityError):
+            s.import_config(broken)
+        assert s.load() == before
+
+
+def test_newer_schema_refused(tmp_path: Path) -> None:
+    with Store.open(tmp_path):
+        pass
+    db = sqlite3.connect(tmp_path / "state.db")
+    db.execute("UPDATE schema_version SET version = 99")
+    db.commit()
+    db.close()
+    with pytest.raises(StoreError, match="newer openvsan"):
+        Store.open(tmp_path)
+
+
+def test_not_a_database(tmp_path: Path) -> None:
+    (tmp_path / "state.db").write_bytes(b"this is not sqlite" * 100)
+    with pytest.raises(StoreError, match="cannot use the state database"):
+        Store.open(tmp_path)
