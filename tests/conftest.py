@@ -1,0 +1,49 @@
+"""Fixtures for the tests that run a real `vsan serve` (tests/interop, tests/fault).
+
+The helpers live in tests/interop/vsan_harness.py; this puts that folder on sys.path so every test
+folder can `import vsan_harness`.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent / "interop"))
+
+from vsan_harness import VsanServer, free_port, make_device
+
+StartVsan = Callable[..., VsanServer]
+
+
+@pytest.fixture
+def vsan(tmp_path: Path) -> Iterator[StartVsan]:
+    """A factory: `vsan(device="ram"|"shm"|"file"|"null", size="64MiB", chap=(u, s), allowed_initiators=[...],
+    start=True)` writes a config like examples/single-node.toml on a free port and starts `vsan serve` on it.
+
+    Teardown SIGTERMs every server still running and fails the test unless each exited 0 with no Traceback
+    in its log: a crash of the target is a test failure even when the initiator did not notice.
+    """
+    servers: list[VsanServer] = []
+
+    def start(device: str = "ram", size: str = "64MiB", *, block_size: int = 512, start: bool = True,
+              **kwargs: object) -> VsanServer:
+        workdir = tmp_path / f"vsan{len(servers)}"
+        server = VsanServer(workdir, free_port(), make_device(device, workdir, size, block_size), **kwargs)
+        servers.append(server)
+        if start:
+            server.start()
+        return server
+
+    yield start
+    problems = []
+    for server in servers:
+        try:
+            server.cleanup()
+        except BaseException as e:  # noqa: BLE001  (pytest.fail raises an OutcomeException, a BaseException)
+            problems.append(f"{server.workdir}: {e}")
+    if problems:
+        pytest.fail("\n".join(problems), pytrace=False)

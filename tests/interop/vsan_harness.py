@@ -1,0 +1,314 @@
+"""Run a real `vsan serve` and real third-party tools from tests.
+
+Imported by tests/conftest.py (which puts this folder on sys.path) and by the interop and fault tests.
+Nothing here imports openvsan: these tests see the target only from the outside, as users do.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+VSAN = REPO / ".venv" / "bin" / "vsan"
+# CI clones the repo with ../shared beside it; so does the development checkout.
+SHARED_PEERS = (REPO.parent / "shared" / "peers").resolve()
+
+IQN = "iqn.2026-11.org.openvsan:disk0"
+# A name of its own, so the readiness probe's logout cannot race a test's login.
+PROBE_INITIATOR = "iqn.2026-11.org.openvsan.test:probe"
+TEST_INITIATOR = "iqn.2026-11.org.openvsan.test:init1"
+
+# Executable -> the Debian package that ships it (what `.ci/run` installs).
+TOOL_PACKAGES = {
+    "iscsi-ls": "libiscsi-bin",
+    "iscsi-inq": "libiscsi-bin",
+    "iscsi-readcapacity16": "libiscsi-bin",
+    "iscsi-test-cu": "libiscsi-bin",
+    "qemu-img": "qemu-utils",
+    "qemu-io": "qemu-utils",
+    "qemu-storage-daemon": "qemu-system-common",
+    "qemu-system-x86_64": "qemu-system-x86",
+    "mkfs.ext4": "e2fsprogs",
+    "e2fsck": "e2fsprogs",
+    "losetup": "mount",
+    "mount": "mount",
+    "umount": "mount",
+    "fusermount3": "fuse3",
+    "tshark": "tshark",
+    "fio": "fio",
+    "debootstrap": "debootstrap",
+    "socat": "socat",
+    "cpio": "cpio",
+    "ss": "iproute2",
+}
+# QEMU's iscsi:// driver is a loadable module, not part of qemu-utils.
+QEMU_ISCSI_MODULE = Path("/usr/lib/x86_64-linux-gnu/qemu/block-iscsi.so")
+
+
+def require_tools(*names: str) -> None:
+    """Fail (never skip) when a tool a test needs is missing, naming the package that provides it."""
+    missing = [n for n in names if shutil.which(n) is None]
+    if missing:
+        pkgs = sorted({TOOL_PACKAGES.get(n, "?") for n in missing})
+        pytest.fail(
+            f"missing {', '.join(missing)}: apt-get install {' '.join(pkgs)} (or run `sudo bash .ci/run`)",
+            pytrace=False,
+        )
+    if {"qemu-img", "qemu-io", "qemu-storage-daemon"} & set(names) and not QEMU_ISCSI_MODULE.exists():
+        pytest.fail("QEMU has no iscsi:// driver: apt-get install qemu-block-extra", pytrace=False)
+
+
+def require_root(why: str) -> None:
+    if os.geteuid() != 0:
+        pytest.fail(f"must run as root: {why} (CI runs as root)", pytrace=False)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run(
+    argv: Sequence[str | os.PathLike[str]],
+    *,
+    timeout: float = 120,
+    check: bool = True,
+    input: bytes | None = None,
+    env: dict[str, str] | None = None,
+) -> subprocess.CompletedProcess[str]:
+    """Run a tool; on a non-zero exit (with check) fail with the command line and everything it printed."""
+    argv = [str(a) for a in argv]
+    try:
+        p = subprocess.run(
+            argv, check=False, input=input, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=timeout,
+            env=None if env is None else {**os.environ, **env},
+        )
+    except subprocess.TimeoutExpired as e:
+        out = (e.stdout or b"").decode(errors="replace")
+        pytest.fail(f"timed out after {timeout}s: {' '.join(argv)}\n{out}", pytrace=False)
+    out = p.stdout.decode(errors="replace")
+    result = subprocess.CompletedProcess(argv, p.returncode, out, "")
+    if check and p.returncode != 0:
+        pytest.fail(f"exit {p.returncode}: {' '.join(argv)}\n{out}", pytrace=False)
+    return result
+
+
+@dataclass
+class Device:
+    """The one device behind LUN 0. kind: ram | shm (RAM kept in a /dev/shm file) | file | null."""
+
+    kind: str = "ram"
+    size: str = "64MiB"
+    block_size: int = 512
+    path: Path | None = None  # the file of a file device, or the /dev/shm backing of a shm device
+
+    def toml(self) -> list[str]:
+        kind = "ram" if self.kind == "shm" else self.kind
+        lines = ["[[devices]]", 'name = "dev0"', f'type = "{kind}"', f'size = "{self.size}"',
+                 f"block_size = {self.block_size}"]
+        if self.kind == "shm":
+            lines.append(f"backing = {json.dumps(str(self.path))}")
+        elif self.kind == "file":
+            lines.append(f"path = {json.dumps(str(self.path))}")
+        return lines
+
+
+@dataclass
+class VsanServer:
+    """One `vsan serve` with one target and one LUN, configured like examples/single-node.toml."""
+
+    workdir: Path
+    port: int
+    device: Device = field(default_factory=Device)
+    iqn: str = IQN
+    chap: tuple[str, str] | None = None
+    mutual_chap: tuple[str, str] | None = None
+    allowed_initiators: list[str] | None = None
+    probe_initiator: str = PROBE_INITIATOR
+    proc: subprocess.Popen[bytes] | None = None
+    starts: int = 0
+    killed: bool = False  # the test killed it with SIGKILL on purpose
+
+    def __post_init__(self) -> None:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.config = self.workdir / "vsan.toml"
+        self.data_dir = self.workdir / "data"
+        self.log = self.workdir / "vsan.log"
+        self.write_config()
+
+    # ---------------------------------------------------------------- config
+    def write_config(self) -> None:
+        lines = ["# written by tests/interop/vsan_harness.py", "[node]", 'name = "test-node"', ""]
+        lines += self.device.toml()
+        lines += ["", "[[volumes]]", 'name = "disk0"', 'device = "dev0"', "",
+                  "[iscsi]", f'portals = ["127.0.0.1:{self.port}"]', "",
+                  "[[iscsi.targets]]", f"iqn = {json.dumps(self.iqn)}", 'luns = [{ lun = 0, volume = "disk0" }]']
+        if self.allowed_initiators is not None:
+            lines.append(f"allowed_initiators = {json.dumps(self.allowed_initiators)}")
+        if self.chap:
+            lines.append(f"chap = {{ user = {json.dumps(self.chap[0])}, secret = {json.dumps(self.chap[1])} }}")
+        if self.mutual_chap:
+            u, s = self.mutual_chap
+            lines.append(f"mutual_chap = {{ user = {json.dumps(u)}, secret = {json.dumps(s)} }}")
+        self.config.write_text("\n".join(lines) + "\n")
+
+    def command(self) -> list[str]:
+        return [str(VSAN), "serve", "--config", str(self.config), "--data-dir", str(self.data_dir)]
+
+    # ------------------------------------------------------------------ URLs
+    @property
+    def portal(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def portal_url(self, *, user: str | None = None, secret: str | None = None) -> str:
+        cred = f"{user}%{secret}@" if user is not None else ""
+        return f"iscsi://{cred}127.0.0.1:{self.port}"
+
+    def url(self, lun: int = 0, *, user: str | None = None, secret: str | None = None, **args: str) -> str:
+        """libiscsi URL; args become URL arguments (header_digest=crc32c, target_user=..., target_password=...)."""
+        if user is None and self.chap:
+            user, secret = self.chap
+        if self.mutual_chap and "target_user" not in args:
+            args = {"target_user": self.mutual_chap[0], "target_password": self.mutual_chap[1], **args}
+        query = ("?" + "&".join(f"{k}={v}" for k, v in args.items())) if args else ""
+        return f"{self.portal_url(user=user, secret=secret)}/{self.iqn}/{lun}{query}"
+
+    # ------------------------------------------------------------- lifecycle
+    def start(self, timeout: float = 30) -> None:
+        assert self.proc is None or self.proc.poll() is not None, "already running"
+        require_tools("iscsi-readcapacity16")
+        if not VSAN.exists():
+            pytest.fail(f"{VSAN} is missing: run `make install`", pytrace=False)
+        self.starts += 1
+        self.killed = False
+        with open(self.log, "ab") as log:
+            log.write(f"\n==== start #{self.starts}: {' '.join(self.command())}\n".encode())
+            log.flush()
+            # its own process group: a test can kill it (and anything it spawns) without touching pytest
+            self.proc = subprocess.Popen(self.command(), stdin=subprocess.DEVNULL, stdout=log,
+                                         stderr=subprocess.STDOUT, start_new_session=True)
+        self.wait_ready(timeout)
+
+    def wait_ready(self, timeout: float) -> None:
+        """Ready = a login and READ CAPACITY(16) succeed; a listening port is not enough."""
+        deadline = time.monotonic() + timeout
+        while True:
+            assert self.proc is not None
+            if self.proc.poll() is not None:
+                pytest.fail(f"vsan serve exited {self.proc.returncode} while starting:\n{self.log_tail()}",
+                            pytrace=False)
+            try:
+                p = subprocess.run(["iscsi-readcapacity16", "-i", self.probe_initiator, self.url()],
+                                   check=False, capture_output=True, timeout=5)
+                if p.returncode == 0:
+                    return
+            except subprocess.TimeoutExpired:
+                pass
+            if time.monotonic() > deadline:
+                self.kill9()
+                pytest.fail(f"vsan serve did not serve {self.url()} within {timeout}s:\n{self.log_tail()}",
+                            pytrace=False)
+            time.sleep(0.2)
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self, timeout: float = 30) -> None:
+        """SIGTERM: drain, flush, exit 0. Anything else is a failure of the target."""
+        if self.proc is None or self.killed:
+            return
+        if self.proc.poll() is not None:
+            rc = self.proc.returncode
+            pytest.fail(f"vsan serve died on its own (exit {rc}) before it was stopped:\n{self.log_tail()}",
+                        pytrace=False)
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            rc = self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill9()
+            pytest.fail(f"vsan serve did not exit within {timeout}s of SIGTERM:\n{self.log_tail()}", pytrace=False)
+        if rc != 0:
+            pytest.fail(f"vsan serve exited {rc} after SIGTERM (want 0):\n{self.log_tail()}", pytrace=False)
+        self.check_log()
+
+    def kill9(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+            self.killed = True
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+    def log_text(self) -> str:
+        return self.log.read_text(errors="replace") if self.log.exists() else ""
+
+    def log_tail(self, lines: int = 60) -> str:
+        return "\n".join(self.log_text().splitlines()[-lines:])
+
+    def check_log(self) -> None:
+        text = self.log_text()
+        if "Traceback" in text:
+            i = text.index("Traceback")
+            pytest.fail(f"vsan serve logged a Traceback ({self.log}):\n{text[max(0, i - 2000):i + 4000]}",
+                        pytrace=False)
+
+    def cleanup(self) -> None:
+        """Teardown: stop (asserting a clean exit), check the log, remove a /dev/shm backing."""
+        try:
+            if self.running:
+                self.stop()
+            self.check_log()
+        finally:
+            self.kill9()
+            if self.device.kind == "shm" and self.device.path is not None:
+                self.device.path.unlink(missing_ok=True)
+
+
+def make_device(kind: str, workdir: Path, size: str = "64MiB", block_size: int = 512) -> Device:
+    if kind == "shm":
+        return Device("shm", size, block_size, Path(f"/dev/shm/openvsan-test-{uuid.uuid4().hex[:12]}"))
+    if kind == "file":
+        return Device("file", size, block_size, workdir / "dev0.img")
+    return Device(kind, size, block_size)
+
+
+# ------------------------------------------------------------------- QEMU
+def qemu_io(target: str, *commands: str, image_opts: bool = False, check: bool = True,
+            timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    """qemu-io on an iscsi:// URL (or --image-opts string); fails on any error, including a pattern mismatch."""
+    require_tools("qemu-io")
+    argv = ["qemu-io"]
+    argv += ["--image-opts", target] if image_opts else ["-f", "raw", target]
+    for c in commands:
+        argv += ["-c", c]
+    p = run(argv, check=False, timeout=timeout)
+    bad = p.returncode != 0 or "Pattern verification failed" in p.stdout or "failed:" in p.stdout
+    if check and bad:
+        pytest.fail(f"qemu-io exit {p.returncode}: {' '.join(argv)}\n{p.stdout}", pytrace=False)
+    return p
+
+
+def qemu_iscsi_opts(server: VsanServer, **extra: str) -> str:
+    """A QEMU --blockdev/--image-opts string for LUN 0 of server (QEMU's own iSCSI initiator, via libiscsi)."""
+    opts = {"driver": "iscsi", "transport": "tcp", "portal": server.portal, "target": server.iqn, "lun": "0",
+            "initiator-name": TEST_INITIATOR}
+    if server.chap:
+        opts["user"], opts["password"] = server.chap
+    opts.update(extra)
+    return ",".join(f"{k}={v}" for k, v in opts.items())
