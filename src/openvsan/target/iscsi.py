@@ -1,0 +1,610 @@
+"""The asyncio iSCSI target: portals, connections and the full feature phase (RFC 7143).
+
+A Connection is an asyncio.Protocol that feeds received bytes to the sans-IO parts in protocol/iscsi
+(framing, login machine, transfer bookkeeping) and runs SCSI commands on the target's ScsiTarget.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import socket
+import struct
+from collections.abc import Sequence
+
+from openvsan.protocol.iscsi import pdu as P
+from openvsan.protocol.iscsi.framing import FramingError, PduReader, frame
+from openvsan.protocol.iscsi.keys import TextError, encode_text, parse_text
+from openvsan.protocol.iscsi.login import LoginFailed, LoginMachine, LoginState, Status
+from openvsan.protocol.iscsi.sequencing import WriteTransfer, data_in_segments
+from openvsan.protocol.scsi import Nexus, ScsiResult
+from openvsan.protocol.scsi.sense import ABORTED_COMMAND, CHECK_CONDITION, GOOD, ILLEGAL_REQUEST, build_sense
+from openvsan.target.config import IscsiTargetConfig
+from openvsan.target.iscsi_session import Session, Task
+
+log = logging.getLogger("openvsan.iscsi")
+
+OUR_MRDSL = 262144                 # the data segment we accept per PDU (declared in login)
+MAX_TRANSFER = 64 * 1024 * 1024    # the largest command we buffer; VPD 0xB0 advertises less
+NOP_INTERVAL = 15.0                # idle seconds before we ping the initiator (§11.19)
+NOP_TIMEOUT = 30.0                 # no answer to a ping for this long: the connection is dead
+ASC_INVALID_FIELD_IN_IU = 0x0E03   # SAM-5: EDTL smaller than the command's transfer
+_U32 = struct.Struct(">I")
+
+
+class IscsiServer:
+    def __init__(self, targets: Sequence[IscsiTargetConfig], *, nop_interval: float = NOP_INTERVAL,
+                 nop_timeout: float = NOP_TIMEOUT) -> None:
+        self.targets = {t.iqn: t for t in targets}
+        self.nop_interval = nop_interval
+        self.nop_timeout = nop_timeout
+        self.sessions: dict[tuple[str, bytes, str], Session] = {}
+        self.by_tsih: dict[int, Session] = {}
+        self.connections: set[Connection] = set()
+        self._servers: list[asyncio.base_events.Server] = []
+        self._tsih = itertools.count(1)
+        self._closing = False
+
+    # --- life cycle ---------------------------------------------------------------------------------
+    def portals(self) -> list[tuple[str, int]]:
+        seen: dict[tuple[str, int], None] = {}
+        for t in self.targets.values():
+            for p in t.portals:
+                seen[(p[0], int(p[1]))] = None
+        return list(seen)
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        for host, port in self.portals():
+            try:
+                srv = await loop.create_server(lambda h=host, p=port: Connection(self, (h, p)),  # type: ignore[misc]
+                                               host, port, reuse_address=True, backlog=128)
+            except OSError as e:
+                await self.stop()
+                raise OSError(e.errno, f"cannot listen on {host}:{port}: {e.strerror}") from e
+            self._servers.append(srv)
+            log.info("iSCSI portal listening on %s:%d", host, port)
+
+    async def serve_forever(self) -> None:
+        await asyncio.gather(*(s.serve_forever() for s in self._servers))
+
+    async def stop(self) -> None:
+        """Stop accepting, let commands in flight finish, then close every connection."""
+        self._closing = True
+        for s in self._servers:
+            s.close()
+        runners = [t.runner for s in list(self.sessions.values()) + list(self.by_tsih.values())
+                   for t in s.tasks.values() if t.runner]
+        if runners:
+            await asyncio.wait(runners, timeout=30)
+        for c in list(self.connections):
+            c.close()
+        for s in self._servers:
+            await s.wait_closed()
+        self._servers.clear()
+
+    # --- directory --------------------------------------------------------------------------------
+    def target_on_portal(self, name: str, portal: tuple[str, int]) -> IscsiTargetConfig | None:
+        t = self.targets.get(name)
+        if t is None or not any((h, int(p)) == portal or h in ("0.0.0.0", "::") and int(p) == portal[1]
+                                for h, p in t.portals):
+            return None
+        return t
+
+    def admit(self, conn: Connection, st: LoginState) -> int:
+        """Bind a finished login to a session: new, reinstated (§6.3.5) or refused."""
+        key = (st.initiator_name, st.isid, st.target_name)
+        if st.tsih == 0:
+            old = self.sessions.get(key)
+            if old is not None:
+                log.info("reinstating session tsih=%d of %s", old.tsih, st.initiator_name)
+                self.end_session(old, "reinstated")
+            tsih = next(self._tsih) & 0xFFFF or next(self._tsih)
+            s = Session(tsih, st.isid, st.initiator_name, st.target, st.params, st.cmdsn, st.cid)  # type: ignore[arg-type]
+            if st.target is not None:
+                s.nexus = Nexus(st.initiator_name, int.from_bytes(st.isid, "big"), st.target_name,
+                                st.target.portal_group_tag)
+            self.sessions[key] = s
+            self.by_tsih[tsih] = s
+            conn.attach(s)
+            return tsih
+        s = self.by_tsih.get(st.tsih)
+        if s is None or s.key() != key:
+            raise LoginFailed(Status.SESSION_DOES_NOT_EXIST, f"no session with TSIH {st.tsih}")
+        if s.conn is not None and s.cid != st.cid:
+            raise LoginFailed(Status.TOO_MANY_CONNECTIONS, "MaxConnections=1: one connection per session")
+        # connection reinstatement: at ERL 0 the old connection's tasks are gone with it (§7.1.1)
+        if s.conn is not None:
+            s.conn.detach_and_close()
+        self.abort_tasks(s, lambda t: True)
+        s.params = st.params
+        s.exp_cmdsn = st.cmdsn
+        s.pending.clear()
+        conn.attach(s)
+        return s.tsih
+
+    def end_session(self, s: Session, why: str) -> None:
+        if s.closed:
+            return
+        s.closed = True
+        self.abort_tasks(s, lambda t: True)
+        if self.sessions.get(s.key()) is s:
+            del self.sessions[s.key()]
+        if self.by_tsih.get(s.tsih) is s:
+            del self.by_tsih[s.tsih]
+        if s.target is not None and s.nexus is not None:
+            s.target.scsi.nexus_lost(s.nexus)
+        if s.conn is not None:
+            s.conn.detach_and_close()
+        log.debug("session tsih=%d ended: %s", s.tsih, why)
+
+    def abort_tasks(self, s: Session, match: object) -> None:
+        for t in list(s.tasks.values()):
+            if match(t):  # type: ignore[operator]
+                t.aborted = True
+                del s.tasks[t.itt]
+
+
+class Connection(asyncio.Protocol):
+    """One TCP connection to a portal: login, then the full feature phase."""
+
+    def __init__(self, server: IscsiServer, portal: tuple[str, int]) -> None:
+        self.server = server
+        self.portal = portal
+        self.transport: asyncio.Transport | None = None
+        self.reader = PduReader()
+        self.login: LoginMachine | None = LoginMachine(self._lookup, self._admit, our_mrdsl=OUR_MRDSL)
+        self.session: Session | None = None
+        self.statsn = 0
+        self.hd = self.dd = False
+        self.peer = ""
+        self._ttt = itertools.count(1)
+        self._ping_ttt: int | None = None
+        self._ping_sent = 0.0
+        self._last_rx = 0.0
+        self._timer: asyncio.TimerHandle | None = None
+        self._text_pending: dict[int, bytes] = {}
+        self._closed = False
+        self._write_paused = False
+
+    # --- asyncio.Protocol ---------------------------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        peer = transport.get_extra_info("peername")
+        self.peer = f"{peer[0]}:{peer[1]}" if peer else "?"
+        self.server.connections.add(self)
+        loop = asyncio.get_running_loop()
+        self._last_rx = loop.time()
+        self._timer = loop.call_later(self.server.nop_interval, self._idle_check)
+        self.reader.max_dsl = 8192
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._closed = True
+        self.server.connections.discard(self)
+        if self._timer:
+            self._timer.cancel()
+        s = self.session
+        if s is not None and s.conn is self:
+            s.conn = None
+            self.server.end_session(s, "connection lost")
+
+    def pause_writing(self) -> None:
+        self._write_paused = True
+        if self.transport:
+            self.transport.pause_reading()
+
+    def resume_writing(self) -> None:
+        self._write_paused = False
+        if self.transport and not self._closed:
+            self.transport.resume_reading()
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            pdus = self.reader.receive_data(data)
+        except FramingError as e:
+            log.warning("%s: %s; closing the connection", self.peer, e)
+            self.close()
+            return
+        self._last_rx = asyncio.get_running_loop().time()
+        for pdu in pdus:
+            if self._closed:
+                return
+            if self.login is not None:
+                self._login_pdu(pdu)
+            else:
+                self._ffp_pdu(pdu)
+
+    # --- sending ----------------------------------------------------------------------------------
+    def send(self, bhs: bytes, data: bytes | memoryview | Sequence[bytes | memoryview] = b"") -> None:
+        if self._closed or self.transport is None:
+            return
+        self.transport.writelines(frame(bhs, data, header_digest=self.hd, data_digest=self.dd))
+
+    def next_statsn(self) -> int:
+        sn = self.statsn
+        self.statsn = (sn + 1) & 0xFFFFFFFF
+        return sn
+
+    def close(self) -> None:
+        if not self._closed and self.transport is not None:
+            self._closed = True
+            self.transport.close()
+
+    def detach_and_close(self) -> None:
+        self.session = None
+        self.close()
+
+    def attach(self, s: Session) -> None:
+        self.session = s
+        s.conn = self
+
+    # --- login ------------------------------------------------------------------------------------
+    def _lookup(self, name: str) -> IscsiTargetConfig | None:
+        return self.server.target_on_portal(name, self.portal)
+
+    def _admit(self, st: LoginState) -> int:
+        if self.server._closing:
+            raise LoginFailed(Status.SERVICE_UNAVAILABLE, "target is shutting down")
+        return self.server.admit(self, st)
+
+    def _login_pdu(self, pdu: P.Pdu) -> None:
+        assert self.login is not None
+        result = self.login.receive(pdu)
+        bhs, *data = result.response
+        self.send(bhs, data[0] if data else b"")
+        if result.failed:
+            log.info("%s: login failed: %s", self.peer, result.reason)
+            self.close()
+        elif result.done:
+            self.statsn = self.login.statsn
+            params = self.login.state.params
+            self.login = None
+            self.hd, self.dd = params.header_digest, params.data_digest
+            self.reader.header_digest, self.reader.data_digest = self.hd, self.dd
+            self.reader.max_dsl = params.target_mrdsl
+            s = self.session
+            assert s is not None
+            log.info("%s: %s session tsih=%d for %s%s", self.peer, "discovery" if s.discovery else "normal",
+                     s.tsih, s.initiator_name, "" if s.discovery else f" on {s.target.iqn}")  # type: ignore[union-attr]
+
+    # --- full feature phase -----------------------------------------------------------------------
+    def _reject(self, pdu: P.Pdu, reason: int) -> None:
+        s = self.session
+        exp, mx = (s.exp_cmdsn, s.max_cmdsn) if s else (0, 0)
+        self.send(P.reject(reason, self.next_statsn(), exp, mx), bytes(pdu.bhs))
+
+    def _ffp_pdu(self, pdu: P.Pdu) -> None:
+        s = self.session
+        if s is None:
+            return
+        op = pdu.opcode
+        if len(pdu.data) > self.reader.max_dsl:
+            self._reject(pdu, P.RejectReason.PROTOCOL_ERROR)  # §13.12: beyond our MaxRecvDataSegmentLength
+            return
+        if not pdu.digest_ok:
+            self._reject(pdu, P.RejectReason.DATA_DIGEST_ERROR)  # §7.8: discard, Reject
+            return
+        if op == P.Op.DATA_OUT:
+            self._data_out(pdu)
+            return
+        if op == P.Op.NOP_OUT:
+            if pdu.itt == P.RESERVED_TAG:
+                # a reply to our ping (or a ping that wants no answer); must be immediate (§11.18)
+                if self._ping_ttt is not None and pdu.u32(20) == self._ping_ttt:
+                    self._ping_ttt = None
+                return
+            s.order(pdu, pdu.u32(24), self._nop_out)
+            return
+        if op == P.Op.SCSI_CMD:
+            s.order(pdu, pdu.u32(24), self._scsi_cmd)
+        elif op == P.Op.TASK_MGMT_REQ:
+            s.order(pdu, pdu.u32(24), self._task_mgmt)
+        elif op == P.Op.TEXT_REQ:
+            s.order(pdu, pdu.u32(24), self._text)
+        elif op == P.Op.LOGOUT_REQ:
+            s.order(pdu, pdu.u32(24), self._logout)
+        elif op == P.Op.SNACK:
+            self._reject(pdu, P.RejectReason.SNACK_REJECT)  # ErrorRecoveryLevel 0 has no SNACK (§7.1.4)
+        elif op == P.Op.LOGIN_REQ:
+            self._reject(pdu, P.RejectReason.PROTOCOL_ERROR)
+        else:
+            self._reject(pdu, P.RejectReason.COMMAND_NOT_SUPPORTED)
+
+    def _nop_out(self, pdu: P.Pdu) -> None:
+        s = self.session
+        assert s is not None
+        data = pdu.data[:s.params.initiator_mrdsl]
+        # §11.19: answer with the same ITT and the ping data; StatSN advances
+        self.send(P.nop_in(pdu.itt, P.RESERVED_TAG, self.next_statsn(), s.exp_cmdsn, s.max_cmdsn,
+                           lun=pdu.lun_raw, dsl=len(data)), data)
+
+    def _idle_check(self) -> None:
+        if self._closed:
+            return
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        s = self.session
+        if self._ping_ttt is not None and now - self._ping_sent > self.server.nop_timeout:
+            log.warning("%s: no answer to NOP-In for %.0f s; dropping the connection", self.peer,
+                        now - self._ping_sent)
+            self.close()
+            return
+        if (self.login is None and s is not None and self._ping_ttt is None
+                and now - self._last_rx >= self.server.nop_interval):
+            self._ping_ttt = next(self._ttt) & 0xFFFFFFFF
+            self._ping_sent = now
+            # target-initiated ping: ITT reserved, a TTT the initiator echoes; StatSN not advanced (§11.19)
+            self.send(P.nop_in(P.RESERVED_TAG, self._ping_ttt, self.statsn, s.exp_cmdsn, s.max_cmdsn))
+        self._timer = loop.call_later(min(self.server.nop_interval, 5.0), self._idle_check)
+
+    # --- SCSI commands ----------------------------------------------------------------------------
+    def _scsi_cmd(self, pdu: P.Pdu) -> None:
+        s = self.session
+        assert s is not None
+        if s.discovery:
+            self._reject(pdu, P.RejectReason.PROTOCOL_ERROR)  # §4.3: no SCSI in a discovery session
+            return
+        b = pdu.bhs
+        flags = b[1]
+        itt = pdu.itt
+        if itt in s.tasks:
+            self._reject(pdu, P.RejectReason.TASK_IN_PROGRESS)
+            return
+        cdb = bytes(b[32:48])
+        ahs = pdu.ahs
+        pos = 0
+        while pos + 4 <= len(ahs):  # §11.3.5 extended CDB AHS (type 1)
+            alen = int.from_bytes(ahs[pos:pos + 2], "big")
+            if ahs[pos + 2] == 1:
+                cdb += bytes(ahs[pos + 4:pos + 3 + alen])
+            pos += 4 + alen + (-alen & 3)
+        edtl = pdu.u32(20)
+        lun_raw = bytes(b[8:16])
+        task = Task(itt, lun_raw, P.decode_lun(lun_raw), cdb, edtl, bool(flags & P.F_READ),
+                    bool(flags & P.F_WRITE), pdu.immediate, s)
+        imm = pdu.data
+        if len(imm) and (not s.params.immediate_data or not task.write or len(imm) > edtl
+                         or len(imm) > s.params.first_burst_length):
+            self._reject(pdu, P.RejectReason.PROTOCOL_ERROR)  # §10.3.4 / §13.11
+            return
+        s.tasks[itt] = task
+        if task.write and edtl:
+            if edtl > MAX_TRANSFER:
+                self._respond(task, ScsiResult(CHECK_CONDITION, b"", build_sense(ILLEGAL_REQUEST, 0x2400)))
+                return
+            assert s.target is not None
+            needed = s.target.scsi.data_out_length(task.lun, cdb)
+            want = min(edtl, needed)
+            task.transfer = WriteTransfer.start(edtl, want, imm, bool(flags & P.F_FINAL), s.params)
+            self._send_r2ts(task)
+            if not task.transfer.complete:
+                return
+        self._run(task)
+
+    def _send_r2ts(self, task: Task) -> None:
+        s = task.session
+        assert task.transfer is not None
+        for r in task.transfer.r2ts(self._ttt):
+            self.send(P.r2t(task.itt, r.ttt & 0xFFFFFFFF, task.lun_raw, self.statsn, s.exp_cmdsn, s.max_cmdsn,
+                            r.r2tsn, r.offset, r.length))
+
+    def _data_out(self, pdu: P.Pdu) -> None:
+        s = self.session
+        assert s is not None
+        task = s.tasks.get(pdu.itt)
+        if task is None or task.transfer is None or task.runner is not None:
+            # Data for a task already ended (aborted, or failed early): drop it quietly.
+            return
+        t = task.transfer
+        t.data_out(pdu.u32(20), pdu.u32(36), pdu.u32(40), pdu.data, bool(pdu.flags & P.F_FINAL))
+        if t.error is None:
+            self._send_r2ts(task)
+        if t.complete:
+            self._run(task)
+
+    def _run(self, task: Task) -> None:
+        task.runner = asyncio.get_running_loop().create_task(self._execute(task))
+
+    async def _execute(self, task: Task) -> None:
+        s = task.session
+        assert s.target is not None and s.nexus is not None
+        t = task.transfer
+        if t is not None and t.error is not None:
+            result = ScsiResult(CHECK_CONDITION, b"", build_sense(ABORTED_COMMAND, t.error.asc))
+        elif t is not None and t.want < s.target.scsi.data_out_length(task.lun, task.cdb):
+            # EDTL shorter than the CDB's transfer: refuse rather than write a part (SAM-5 5.4.3)
+            result = ScsiResult(CHECK_CONDITION, b"", build_sense(ILLEGAL_REQUEST, ASC_INVALID_FIELD_IN_IU))
+        else:
+            data_out = memoryview(t.buffer)[:t.want] if t is not None else memoryview(b"")
+            try:
+                result = await s.target.scsi.execute(task.lun, task.cdb, data_out, s.nexus)
+            except Exception:
+                log.exception("SCSI command 0x%02x failed", task.cdb[0])
+                result = ScsiResult(CHECK_CONDITION, b"", build_sense(0x04, 0x4400))  # HARDWARE ERROR
+        self._respond(task, result)
+
+    def _respond(self, task: Task, result: ScsiResult) -> None:
+        s = task.session
+        if task.aborted or s.closed or s.conn is not self:
+            return
+        s.tasks.pop(task.itt, None)
+        data = result.data
+        n = len(data)
+        flags = residual = 0
+        if task.write and task.transfer is not None:
+            needed = task.transfer.want
+            if s.target is not None:
+                needed = s.target.scsi.data_out_length(task.lun, task.cdb)
+            if needed > task.edtl:
+                flags, residual = P.F_OVERFLOW, needed - task.edtl
+            elif needed < task.edtl:
+                flags, residual = P.F_UNDERFLOW, task.edtl - needed
+        elif task.write and task.edtl == 0 and s.target is not None:
+            needed = s.target.scsi.data_out_length(task.lun, task.cdb)
+            if needed:
+                flags, residual = P.F_OVERFLOW, needed
+        else:
+            expected = task.edtl if task.read else 0
+            if n > expected:
+                flags, residual = P.F_OVERFLOW, n - expected
+                n = expected
+            elif n < expected:
+                flags, residual = P.F_UNDERFLOW, expected - n
+        datasn = 0
+        if n:
+            view = memoryview(data)
+            segs = data_in_segments(n, s.params)
+            collapse = result.status == GOOD and not result.sense
+            last = len(segs) - 1
+            for i, (off, size, final) in enumerate(segs):
+                if i == last and collapse:
+                    # §11.7: status in the last Data-In (phase collapse), residuals there too
+                    self.send(P.data_in(task.itt, datasn, off, size, final=True, expcmdsn=s.exp_cmdsn,
+                                        maxcmdsn=s.max_cmdsn, lun=task.lun_raw, status=result.status,
+                                        statsn=self.next_statsn(), flags=flags, residual=residual),
+                              view[off:off + size])
+                    return
+                self.send(P.data_in(task.itt, datasn, off, size, final=final, expcmdsn=s.exp_cmdsn,
+                                    maxcmdsn=s.max_cmdsn, lun=task.lun_raw), view[off:off + size])
+                datasn += 1
+        sense = result.sense
+        payload = struct.pack(">H", len(sense)) + sense if sense else b""
+        self.send(P.scsi_response(task.itt, result.status, self.next_statsn(), s.exp_cmdsn, s.max_cmdsn,
+                                  dsl=len(payload), flags=flags, expdatasn=datasn, residual=residual), payload)
+
+    # --- task management (§11.5) ------------------------------------------------------------------
+    def _task_mgmt(self, pdu: P.Pdu) -> None:
+        s = self.session
+        assert s is not None
+        fn = pdu.flags & 0x7F
+        lun_raw = pdu.lun_raw
+        lun = P.decode_lun(lun_raw)
+        resp = P.TmfResponse.COMPLETE
+        srv = self.server
+        scsi = s.target.scsi if s.target else None
+        lun_known = scsi is not None and lun in scsi.luns
+        if s.discovery:
+            resp = P.TmfResponse.REJECTED
+        elif fn == P.TmfFunction.ABORT_TASK:
+            ref = pdu.u32(20)
+            t = s.tasks.get(ref)
+            if t is not None and t.lun == lun:
+                srv.abort_tasks(s, lambda x: x is t)
+            elif not s.consider_received(pdu.u32(32), pdu.u32(24)):
+                resp = P.TmfResponse.NO_TASK
+        elif fn in (P.TmfFunction.ABORT_TASK_SET, P.TmfFunction.CLEAR_TASK_SET, P.TmfFunction.LOGICAL_UNIT_RESET):
+            if not lun_known:
+                resp = P.TmfResponse.NO_LUN
+            else:
+                everyone = fn != P.TmfFunction.ABORT_TASK_SET
+                for other in list(srv.by_tsih.values()):
+                    if other is s or (everyone and other.target is s.target):
+                        srv.abort_tasks(other, lambda x: x.lun == lun)
+                if fn == P.TmfFunction.LOGICAL_UNIT_RESET:
+                    assert scsi is not None and s.nexus is not None
+                    scsi.logical_unit_reset(lun, s.nexus)
+        elif fn in (P.TmfFunction.TARGET_WARM_RESET, P.TmfFunction.TARGET_COLD_RESET):
+            assert scsi is not None and s.nexus is not None
+            for other in list(srv.by_tsih.values()):
+                if other.target is s.target:
+                    srv.abort_tasks(other, lambda x: True)
+            scsi.target_reset(s.nexus, fn == P.TmfFunction.TARGET_COLD_RESET)
+            if fn == P.TmfFunction.TARGET_COLD_RESET:
+                # §11.5.1: a cold reset also drops every connection of the target, after this response
+                self.send(P.tmf_response(pdu.itt, resp, self.next_statsn(), s.exp_cmdsn, s.max_cmdsn))
+                for other in list(srv.by_tsih.values()):
+                    if other.target is s.target:
+                        srv.end_session(other, "target cold reset")
+                return
+        elif fn == P.TmfFunction.TASK_REASSIGN:
+            resp = P.TmfResponse.REASSIGN_NOT_SUPPORTED
+        else:
+            resp = P.TmfResponse.NOT_SUPPORTED
+        self.send(P.tmf_response(pdu.itt, resp, self.next_statsn(), s.exp_cmdsn, s.max_cmdsn))
+
+    # --- text and logout --------------------------------------------------------------------------
+    def _text(self, pdu: P.Pdu) -> None:
+        s = self.session
+        assert s is not None
+        ttt = pdu.u32(20)
+        if ttt != P.RESERVED_TAG and ttt in self._text_pending:
+            body = self._text_pending.pop(ttt)
+        else:
+            try:
+                pairs = parse_text(pdu.data)
+            except TextError:
+                self._reject(pdu, P.RejectReason.PROTOCOL_ERROR)
+                return
+            answer: list[tuple[str, str]] = []
+            for k, v in pairs:
+                if k == "SendTargets":
+                    answer.extend(self._send_targets(v, s))
+                else:
+                    answer.append((k, "NotUnderstood"))
+            body = encode_text(answer)
+        limit = s.params.initiator_mrdsl
+        if len(body) > limit:
+            # §11.11: a long answer goes out in pieces; the initiator asks for each with our TTT
+            nttt = next(self._ttt) & 0xFFFFFFFF
+            self._text_pending[nttt] = body[limit:]
+            self.send(P.text_response(pdu.itt, nttt, self.next_statsn(), s.exp_cmdsn, s.max_cmdsn, final=False,
+                                      cont=True, dsl=limit), body[:limit])
+            return
+        self.send(P.text_response(pdu.itt, P.RESERVED_TAG, self.next_statsn(), s.exp_cmdsn, s.max_cmdsn,
+                                  final=True, cont=False, dsl=len(body)), body)
+
+    def _send_targets(self, which: str, s: Session) -> list[tuple[str, str]]:
+        """§13.3 / Appendix C: targets this initiator may reach through this portal, with their addresses."""
+        out: list[tuple[str, str]] = []
+        if s.discovery:
+            if which not in ("All", "") and which not in self.server.targets:
+                return out
+            names = list(self.server.targets) if which == "All" else [which]
+        else:
+            assert s.target is not None
+            names = [s.target.iqn] if which in ("", s.target.iqn) else []
+        for name in names:
+            t = self.server.target_on_portal(name, self.portal)
+            if t is None:
+                continue
+            if t.allowed_initiators is not None and s.initiator_name not in t.allowed_initiators:
+                continue
+            out.append(("TargetName", t.iqn))
+            for host, port in (t.advertised_portals or t.portals):
+                if host in ("0.0.0.0", "::"):
+                    host = self.portal[0] if self.portal[0] not in ("0.0.0.0", "::") else self._local_host()
+                h = f"[{host}]" if ":" in host else host
+                out.append(("TargetAddress", f"{h}:{port},{t.portal_group_tag}"))
+        return out
+
+    def _local_host(self) -> str:
+        assert self.transport is not None
+        sock = self.transport.get_extra_info("sockname")
+        return str(sock[0]) if sock else "127.0.0.1"
+
+    def _logout(self, pdu: P.Pdu) -> None:
+        s = self.session
+        assert s is not None
+        reason = pdu.flags & 0x7F
+        if reason == 2:
+            self.send(P.logout_response(pdu.itt, 2, self.next_statsn(), s.exp_cmdsn, s.max_cmdsn))
+            return
+        if reason == 1 and pdu.u16(20) != s.cid:
+            self.send(P.logout_response(pdu.itt, 1, self.next_statsn(), s.exp_cmdsn, s.max_cmdsn))
+            return
+        asyncio.get_running_loop().create_task(self._finish_logout(pdu.itt, s))
+
+    async def _finish_logout(self, itt: int, s: Session) -> None:
+        # §11.14: commands received before the logout are completed first
+        runners = [t.runner for t in s.tasks.values() if t.runner]
+        if runners:
+            await asyncio.wait(runners, timeout=30)
+        self.send(P.logout_response(itt, 0, self.next_statsn(), s.exp_cmdsn, s.max_cmdsn,
+                                    time2wait=s.params.default_time2wait,
+                                    time2retain=s.params.default_time2retain))
+        self.server.end_session(s, "logout")
