@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from openvsan.protocol.scsi.target import ScsiTarget
+if TYPE_CHECKING:
+    from openvsan.protocol.scsi.target import ScsiTarget
 
 
 @dataclass(frozen=True)
