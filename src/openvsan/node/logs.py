@@ -1,0 +1,27 @@
+"""The node's log format, for people: `2026-11-30 04:50:00 INFO  node: serving ...`."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import TextIO
+
+
+class HumanFormatter(logging.Formatter):
+    def __init__(self) -> None:
+        super().__init__("%(asctime)s %(levelname)-5s %(short)s: %(message)s", datefmt="%Y-%m-%d %H:%M:%S")
+
+    def format(self, record: logging.LogRecord) -> str:
+        # openvsan.target.iscsi -> target.iscsi: the package name on every line is noise
+        record.short = record.name.removeprefix("openvsan.")
+        return super().format(record)
+
+
+def setup_logging(level: str | int = "info", stream: TextIO | None = None) -> None:
+    handler = logging.StreamHandler(stream or sys.stderr)
+    handler.setFormatter(HumanFormatter())
+    root = logging.getLogger()
+    for h in list(root.handlers):
+        root.removeHandler(h)
+    root.addHandler(handler)
+    root.setLevel(level.upper() if isinstance(level, str) else level)

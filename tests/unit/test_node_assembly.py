@@ -1,0 +1,215 @@
+"""Node assembly and shutdown, around stand-ins of the SCSI and iSCSI layers."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from openvsan.block import FileDevice, NullDevice, RamDevice
+from openvsan.node.config import parse_config
+from openvsan.node.logs import HumanFormatter
+from openvsan.node.node import DataDirLock, Factories, Node, NodeError, serve
+from openvsan.node.store import Store
+
+
+class FakeLun:
+    def __init__(self, device: Any, **kw: Any) -> None:
+        self.device = device
+        self.kw = kw
+
+
+class FakeScsiTarget:
+    def __init__(self, name: str, luns: dict[int, Any]) -> None:
+        self.name, self.luns = name, luns
+        self.flushed = 0
+
+    async def flush_all(self) -> None:
+        self.flushed += 1
+        for lun in self.luns.values():
+            await lun.device.flush()
+
+
+class FakeTargetConfig:
+    def __init__(self, **kw: Any) -> None:
+        self.__dict__.update(kw)
+
+
+class FakeServer:
+    instances: list[FakeServer] = []  # noqa: RUF012
+
+    def __init__(self, targets: list[Any], fail: OSError | None = None) -> None:
+        self.targets = targets
+        self.events: list[str] = []
+        self.fail = fail
+        FakeServer.instances.append(self)
+
+    async def start(self) -> None:
+        if self.fail:
+            raise self.fail
+        self.events.append("start")
+
+    async def stop(self) -> None:
+        self.events.append("stop")
+
+
+def fakes(**kw: Any) -> Factories:
+    return Factories(FakeLun, FakeScsiTarget, FakeTargetConfig, lambda u, s: ("chap", u, s),
+                     kw.get("server", FakeServer))
+
+
+def node_for(tmp_path: Path, data: dict[str, Any], **kw: Any) -> Node:
+    cfg = parse_config(data)
+    with Store.open(tmp_path / "data") as s:
+        s.import_config(cfg)
+        state = s.load()
+    return Node(state, tmp_path / "data", factories=fakes(**kw))
+
+
+def config(tmp_path: Path) -> dict[str, Any]:
+    return {
+        "node": {"name": "n1"},
+        "devices": [{"name": "ram0", "type": "ram", "size": "1MiB"},
+                    {"name": "f0", "type": "file", "path": str(tmp_path / "f0.img"), "size": "2MiB",
+                     "block_size": 4096},
+                    {"name": "n0", "type": "null", "size": "1GiB"}],
+        "volumes": [{"name": "disk0", "device": "ram0"}, {"name": "disk1", "device": "f0", "read_only": True},
+                    {"name": "disk2", "device": "n0"}],
+        "iscsi": {"portals": ["127.0.0.1:3260"], "targets": [
+            {"iqn": "iqn.2026-11.org.openvsan:a", "luns": [{"lun": 0, "volume": "disk0"},
+                                                          {"lun": 3, "volume": "disk1"}],
+             "chap": {"user": "alice", "secret": "twelve+chars"}, "allowed_initiators": ["iqn.2026-11.org.x:i"]},
+            {"iqn": "iqn.2026-11.org.openvsan:b", "luns": [{"lun": 0, "volume": "disk0"}],
+             "portals": ["127.0.0.1:3261"], "advertised_portals": ["192.0.2.1:3260"], "portal_group_tag": 2},
+        ]},
+    }
+
+
+def test_assembly(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    node = node_for(tmp_path, config(tmp_path))
+
+    async def go() -> None:
+        with caplog.at_level(logging.INFO, "openvsan.node"):
+            await node.start()
+        assert isinstance(node.devices["ram0"], RamDevice)
+        assert isinstance(node.devices["f0"], FileDevice)
+        assert isinstance(node.devices["n0"], NullDevice)
+        server = node.server
+        assert server.events == ["start"]
+        a, b = server.targets
+        assert a.iqn == "iqn.2026-11.org.openvsan:a" and a.portals == [("127.0.0.1", 3260)]
+        assert a.chap == ("chap", "alice", "twelve+chars") and a.mutual_chap is None
+        assert a.allowed_initiators == ["iqn.2026-11.org.x:i"] and b.allowed_initiators is None
+        assert b.portals == [("127.0.0.1", 3261)] and b.advertised_portals == [("192.0.2.1", 3260)]
+        assert b.portal_group_tag == 2
+        assert set(a.scsi.luns) == {0, 3}
+        lun0, lun3 = a.scsi.luns[0], a.scsi.luns[3]
+        assert b.scsi.luns[0] is lun0  # one Lun per volume, shared: one PR state, one identity
+        ident = node.state.identities["disk0"]
+        assert lun0.kw == {"name": "disk0", "uuid": ident.uuid, "serial": ident.serial, "read_only": False,
+                           "pr_state_path": tmp_path / "data" / "pr" / "disk0.json"}
+        assert lun3.kw["read_only"] is True and lun3.device is node.devices["f0"]
+        await lun0.device.write(0, b"x" * 512)
+        await node.stop()
+        assert server.events == ["start", "stop"]
+        assert a.scsi.flushed == 1 and b.scsi.flushed == 1
+        assert node.devices == {}
+
+    asyncio.run(go())
+    text = caplog.text
+    assert "serving iqn.2026-11.org.openvsan:a LUN 0 (disk0, 1.0 MiB) on 127.0.0.1:3260" in text
+    assert "LUN 3 (disk1, 2.0 MiB, read-only)" in text
+    assert "iqn.2026-11.org.openvsan:a: CHAP, 1 allowed initiator(s)" in text
+
+
+def test_port_in_use_closes_devices(tmp_path: Path) -> None:
+    err = OSError(98, "cannot listen on 127.0.0.1:3260: address already in use")
+    node = node_for(tmp_path, config(tmp_path), server=lambda t: FakeServer(t, fail=err))
+
+    async def go() -> None:
+        with pytest.raises(OSError, match="127.0.0.1:3260"):
+            await node.start()
+        assert node.devices == {}
+
+    asyncio.run(go())
+
+
+def test_device_that_cannot_open(tmp_path: Path) -> None:
+    data = config(tmp_path)
+    data["devices"][1]["path"] = str(tmp_path / "no-such-dir" / "f0.img")
+    node = node_for(tmp_path, data)
+
+    async def go() -> None:
+        with pytest.raises(NodeError, match=r"^device f0: .*no-such-dir/f0.img: No such file or directory$"):
+            await node.start()
+        assert node.devices == {}
+
+    asyncio.run(go())
+
+
+def test_ram_backing_survives_restart(tmp_path: Path) -> None:
+    data = config(tmp_path)
+    data["devices"][0]["backing"] = str(tmp_path / "shm-ram0")
+
+    async def cycle(write: bool) -> bytes:
+        node = node_for(tmp_path, data)
+        await node.start()
+        if write:
+            await node.volumes["disk0"].write(7, b"k" * 512)
+        got = bytes(await node.volumes["disk0"].read(7, 1))
+        await node.stop()
+        return got
+
+    assert asyncio.run(cycle(True)) == b"k" * 512
+    assert asyncio.run(cycle(False)) == b"k" * 512
+
+
+def test_serve_stops_on_sigterm(tmp_path: Path) -> None:
+    node = node_for(tmp_path, config(tmp_path))
+
+    async def go() -> None:
+        loop = asyncio.get_running_loop()
+        loop.call_later(0.1, os.kill, os.getpid(), signal.SIGTERM)
+        await asyncio.wait_for(serve(node), 5)
+
+    asyncio.run(go())
+    assert FakeServer.instances[-1].events == ["start", "stop"]
+    assert node.devices == {}
+
+
+def test_second_signal_skips_the_drain(tmp_path: Path) -> None:
+    class SlowServer(FakeServer):
+        async def stop(self) -> None:
+            await asyncio.sleep(30)
+
+    node = node_for(tmp_path, config(tmp_path), server=SlowServer)
+
+    async def go() -> None:
+        loop = asyncio.get_running_loop()
+        loop.call_later(0.1, os.kill, os.getpid(), signal.SIGINT)
+        loop.call_later(0.3, os.kill, os.getpid(), signal.SIGINT)
+        await asyncio.wait_for(serve(node), 5)
+
+    asyncio.run(go())
+    assert node.devices == {}
+
+
+def test_data_dir_lock(tmp_path: Path) -> None:
+    with DataDirLock(tmp_path):
+        with pytest.raises(NodeError, match="another vsan serve is using"), DataDirLock(tmp_path):
+            pass
+    with DataDirLock(tmp_path):
+        pass
+
+
+def test_log_format() -> None:
+    rec = logging.LogRecord("openvsan.node", logging.INFO, __file__, 1, "serving %s", ("x",), None)
+    line = HumanFormatter().format(rec)
+    date, time, rest = line.split(" ", 2)
+    assert len(date) == 10 and len(time) == 8
+    assert rest == "INFO  node: serving x"
