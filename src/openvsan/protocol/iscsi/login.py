@@ -142,6 +142,8 @@ class LoginMachine:
             if vmin > VERSION or vmax < VERSION:  # §11.12.4
                 raise LoginFailed(Status.UNSUPPORTED_VERSION, f"version {vmin}..{vmax}")
             st.isid, st.tsih, st.itt, st.cid, st.cmdsn = isid, tsih, itt, cid, pdu.u32(24)
+            if csg == Stage.OPERATIONAL:
+                self.stage = Stage.OPERATIONAL  # §6.3: the security stage may be skipped
         elif (isid, tsih, itt, cid) != (st.isid, st.tsih, st.itt, st.cid):
             raise LoginFailed(Status.INITIATOR_ERROR, "ISID/TSIH/ITT/CID changed within a login")
         if transit and cont:
