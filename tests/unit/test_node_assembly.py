@@ -200,9 +200,8 @@ def test_second_signal_skips_the_drain(tmp_path: Path) -> None:
 
 
 def test_data_dir_lock(tmp_path: Path) -> None:
-    with DataDirLock(tmp_path):
-        with pytest.raises(NodeError, match="another vsan serve is using"), DataDirLock(tmp_path):
-            pass
+    with DataDirLock(tmp_path), pytest.raises(NodeError, match="another vsan serve is using"), DataDirLock(tmp_path):
+        pass
     with DataDirLock(tmp_path):
         pass
 

@@ -1,5 +1,142 @@
-"""The `vsan` command (placeholder until the node lands)."""
+"""The `vsan` command: `vsan serve`, `vsan config check`, `vsan --version`.
+
+Errors a user can mend are one line on stderr and a non-zero exit: 2 for a bad config or command line
+(nothing stored is touched), 1 for a node that cannot start (port in use, device missing).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Annotated, NoReturn
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from openvsan import __version__
+from openvsan.node.config import ConfigError, NodeConfig, load_config, preflight
+from openvsan.node.values import format_size
+
+EXIT_FAILED = 1
+EXIT_USAGE = 2  # bad config or arguments, as click uses for usage errors
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+app = typer.Typer(name="vsan", help="openvsan: a virtual SAN. Serve block volumes over iSCSI.",
+                  no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
+config_app = typer.Typer(help="Work with config files.", no_args_is_help=True)
+app.add_typer(config_app, name="config")
+
+log = logging.getLogger("openvsan.cli")
+
+
+def fail(message: str, code: int = EXIT_FAILED) -> NoReturn:
+    # plain write, not rich: a message must stay one line however narrow the terminal is
+    sys.stderr.write(f"vsan: {message}\n")
+    sys.stderr.flush()
+    raise typer.Exit(code)
+
+
+def default_data_dir() -> Path:
+    state = os.environ.get("XDG_STATE_HOME")
+    base = Path(state) if state else Path.home() / ".local" / "state"
+    return base / "openvsan"
+
+
+def read_config(path: Path) -> NodeConfig:
+    try:
+        cfg = load_config(path)
+        preflight(cfg)
+    except ConfigError as e:
+        fail(f"config error: {e}", EXIT_USAGE)
+    return cfg
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"vsan (openvsan) {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
+                                                help="Print the version and exit.")] = False) -> None:
+    """openvsan: a virtual SAN. Serve block volumes over iSCSI."""
+
+
+@app.command()
+def serve(
+    config: Annotated[Path, typer.Option("--config", "-c", help="The node's TOML config file.")],
+    data_dir: Annotated[Path | None, typer.Option(
+        "--data-dir", help="Where desired state (state.db) and persistent reservations live. Default: "
+                           "[node].data_dir, else $XDG_STATE_HOME/openvsan or ~/.local/state/openvsan.")] = None,
+    log_level: Annotated[str, typer.Option("--log-level", help="debug, info, warning or error.")] = "info",
+) -> None:
+    """Serve what CONFIG declares until SIGTERM or SIGINT, then drain, flush and exit 0."""
+    # imported here so `vsan --version` and `vsan config check` stay quick
+    from openvsan.node.logs import setup_logging
+    from openvsan.node.node import DataDirLock, Node, NodeError, run
+    from openvsan.node.store import Store, StoreError
+
+    if log_level.lower() not in LOG_LEVELS:
+        fail(f"--log-level: unknown level {log_level!r}; use one of: {', '.join(LOG_LEVELS)}", EXIT_USAGE)
+    cfg = read_config(config)  # validated in full before anything is stored
+    setup_logging(log_level)
+    data = (data_dir or cfg.node.data_dir or default_data_dir()).expanduser().absolute()
+    try:
+        data.mkdir(parents=True, exist_ok=True, mode=0o700)
+        with DataDirLock(data):
+            with Store.open(data) as store:
+                store.import_config(cfg)
+                state = store.load()
+            log.info("node %s: config %s, data dir %s", cfg.node.name, config, data)
+            run(Node(state, data))
+    except (NodeError, StoreError) as e:
+        fail(str(e))
+    except OSError as e:
+        # binding a portal (the server names the address) or making the data dir
+        fail(f"{e.filename}: {e.strerror}" if e.filename and e.strerror else str(e))
+    except KeyboardInterrupt:
+        fail("interrupted", 130)
+
+
+@config_app.command("check")
+def config_check(config: Annotated[Path, typer.Argument(help="The TOML config file to check.")]) -> None:
+    """Validate CONFIG and print what it would serve; exit 2 with one line if it is wrong."""
+    cfg = read_config(config)
+    out = Console()
+    out.print(f"[bold]{config}[/]: valid config for node [bold]{cfg.node.name}[/]"
+              + (f", data dir {cfg.node.data_dir}" if cfg.node.data_dir else ""), soft_wrap=True)
+    if cfg.devices:
+        t = Table("device", "type", "size", "block", "where", title="devices", title_justify="left")
+        for d in cfg.devices:
+            where = str(d.path or d.backing or "")
+            if d.direct:
+                where += " (O_DIRECT)"
+            t.add_row(d.name, d.type, format_size(d.size) if d.size else "file's size", str(d.block_size), where)
+        out.print(t)
+    if cfg.targets:
+        t = Table(title="iSCSI", title_justify="left")
+        t.add_column("target", overflow="fold")
+        for col in ("LUN", "volume", "device", "portals", "access"):
+            t.add_column(col, overflow="fold")
+        for tgt in cfg.targets:
+            auth = ("mutual CHAP" if tgt.mutual_chap else "CHAP") if tgt.chap else "no auth"
+            acl = "any initiator" if tgt.allowed_initiators is None else f"{len(tgt.allowed_initiators)} initiator(s)"
+            for x in tgt.luns:
+                v = cfg.volume(x.volume)
+                t.add_row(tgt.iqn, str(x.lun), x.volume + (" (ro)" if v.read_only else ""), v.device,
+                          ", ".join(str(p) for p in tgt.portals), f"{auth}, {acl}")
+        out.print(t)
+    else:
+        out.print("no iSCSI targets: nothing would be exported")
 
 
 def main() -> None:
-    raise SystemExit("vsan: not built yet")
+    app(prog_name="vsan")
+
+
+if __name__ == "__main__":
+    main()

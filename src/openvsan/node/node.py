@@ -15,7 +15,7 @@ import signal
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 from openvsan.block import BlockDevice, FileDevice, NullDevice, RamDevice
 from openvsan.node.config import DeviceSpec, TargetSpec, VolumeSpec
@@ -61,9 +61,12 @@ class Factories:
     @classmethod
     def default(cls) -> Factories:
         # imported here: the node module stays importable (and testable) on its own
-        from openvsan.protocol.scsi import Lun, ScsiTarget
-        from openvsan.target.config import ChapCredential, IscsiTargetConfig
-        from openvsan.target.iscsi import IscsiServer
+        try:
+            from openvsan.protocol.scsi import Lun, ScsiTarget
+            from openvsan.target.config import ChapCredential, IscsiTargetConfig
+            from openvsan.target.iscsi import IscsiServer
+        except ImportError as e:
+            raise NodeError(f"this build cannot serve iSCSI: {e}") from e
         return cls(Lun, ScsiTarget, IscsiTargetConfig, ChapCredential, IscsiServer)
 
 
@@ -171,7 +174,7 @@ class DataDirLock:
         self.path = data_dir / "serve.lock"
         self._fd: int | None = None
 
-    def __enter__(self) -> DataDirLock:
+    def __enter__(self) -> Self:
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -1,0 +1,185 @@
+"""The `vsan` command through typer's CliRunner; the node's protocol layers are stand-ins here."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import pytest
+from typer.testing import CliRunner
+
+from openvsan import __version__
+from openvsan.cli.main import app, default_data_dir
+from openvsan.node import node as node_mod
+from openvsan.node.store import Store
+
+runner = CliRunner()
+
+GOOD = """
+[node]
+name = "n1"
+
+[[devices]]
+name = "ram0"
+type = "ram"
+size = "1MiB"
+
+[[volumes]]
+name = "disk0"
+device = "ram0"
+
+[iscsi]
+portals = ["127.0.0.1:3260"]
+
+[[iscsi.targets]]
+iqn = "iqn.2026-11.org.openvsan:disk0"
+luns = [{ lun = 0, volume = "disk0" }]
+"""
+
+BAD = GOOD.replace('volume = "disk0" }', 'volume = "disk9" }')
+
+
+@pytest.fixture
+def files(tmp_path: Path) -> tuple[Path, Path, Path]:
+    good, bad = tmp_path / "good.toml", tmp_path / "bad.toml"
+    good.write_text(GOOD)
+    bad.write_text(BAD)
+    return good, bad, tmp_path / "data"
+
+
+class StubServer:
+    """Starts, then asks the process to stop: the whole serve path runs once, end to end."""
+
+    last: StubServer | None = None
+
+    def __init__(self, targets: list[Any], fail: OSError | None = None) -> None:
+        self.targets, self.fail, self.events = targets, fail, []
+        StubServer.last = self
+
+    async def start(self) -> None:
+        if self.fail:
+            raise self.fail
+        self.events.append("start")
+        asyncio.get_running_loop().call_later(0.05, os.kill, os.getpid(), signal.SIGTERM)
+
+    async def stop(self) -> None:
+        self.events.append("stop")
+
+
+class StubScsi:
+    def __init__(self, name: str, luns: dict[int, Any]) -> None:
+        self.luns = luns
+
+    async def flush_all(self) -> None:
+        pass
+
+
+def stub_factories(server: Any = StubServer) -> node_mod.Factories:
+    return node_mod.Factories(lambda dev, **kw: (dev, kw), StubScsi, lambda **kw: type("T", (), kw)(),
+                              lambda u, s: (u, s), server)
+
+
+@pytest.fixture
+def stubbed(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(node_mod.Factories, "default", classmethod(lambda cls: stub_factories()))
+
+
+def test_version() -> None:
+    r = runner.invoke(app, ["--version"])
+    assert r.exit_code == 0 and r.stdout.strip() == f"vsan (openvsan) {__version__}"
+
+
+def test_config_check_ok(files: tuple[Path, Path, Path]) -> None:
+    r = runner.invoke(app, ["config", "check", str(files[0])])
+    assert r.exit_code == 0, r.output
+    assert "valid config for node n1" in r.stdout and "disk0" in r.stdout and "127.0.0.1:3260" in r.stdout
+
+
+def test_config_check_bad(files: tuple[Path, Path, Path]) -> None:
+    r = runner.invoke(app, ["config", "check", str(files[1])])
+    assert r.exit_code == 2
+    assert r.stdout == ""
+    assert r.stderr == ('vsan: config error: iscsi.targets[0].luns[0].volume: unknown volume "disk9"; '
+                        "define it under [[volumes]] or use one of: disk0\n")
+
+
+def test_config_check_missing_file(tmp_path: Path) -> None:
+    r = runner.invoke(app, ["config", "check", str(tmp_path / "nope.toml")])
+    assert r.exit_code == 2 and r.stderr.startswith("vsan: config error: ") and r.stderr.count("\n") == 1
+
+
+def test_serve_bad_config_creates_nothing(files: tuple[Path, Path, Path]) -> None:
+    _, bad, data = files
+    r = runner.invoke(app, ["serve", "--config", str(bad), "--data-dir", str(data)])
+    assert r.exit_code == 2
+    assert r.stderr.startswith("vsan: config error: iscsi.targets[0].luns[0].volume") and r.stderr.count("\n") == 1
+    assert not data.exists()
+
+
+def test_serve_bad_config_leaves_state_untouched(files: tuple[Path, Path, Path], stubbed: None) -> None:
+    good, bad, data = files
+    r = runner.invoke(app, ["serve", "--config", str(good), "--data-dir", str(data)])
+    assert r.exit_code == 0, r.output
+    db = data / "state.db"
+    before = (hashlib.sha256(db.read_bytes()).hexdigest(), db.stat().st_mtime_ns)
+    r = runner.invoke(app, ["serve", "--config", str(bad), "--data-dir", str(data)])
+    assert r.exit_code == 2
+    assert (hashlib.sha256(db.read_bytes()).hexdigest(), db.stat().st_mtime_ns) == before
+    assert sorted(p.name for p in data.iterdir()) == ["pr", "serve.lock", "state.db"]
+
+
+def test_serve_runs_and_stops_cleanly(files: tuple[Path, Path, Path], stubbed: None) -> None:
+    good, _, data = files
+    r = runner.invoke(app, ["serve", "--config", str(good), "--data-dir", str(data), "--log-level", "debug"])
+    assert r.exit_code == 0, r.output
+    assert StubServer.last is not None and StubServer.last.events == ["start", "stop"]
+    assert "INFO  node: serving iqn.2026-11.org.openvsan:disk0 LUN 0 (disk0, 1.0 MiB) on 127.0.0.1:3260" in r.stderr
+    assert "SIGTERM: shutting down" in r.stderr and "stopped" in r.stderr
+    with Store.open(data) as s:
+        first = s.identities()
+    runner.invoke(app, ["serve", "--config", str(good), "--data-dir", str(data)])
+    with Store.open(data) as s:
+        assert s.identities() == first  # stable across restarts
+
+
+def test_serve_uses_config_data_dir(tmp_path: Path, stubbed: None) -> None:
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(GOOD.replace('name = "n1"', 'name = "n1"\ndata_dir = "state-here"'))
+    r = runner.invoke(app, ["serve", "--config", str(cfg)])
+    assert r.exit_code == 0, r.output
+    assert (tmp_path / "state-here" / "state.db").exists()
+
+
+def test_default_data_dir(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path))
+    assert default_data_dir() == tmp_path / "openvsan"
+    monkeypatch.delenv("XDG_STATE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert default_data_dir() == tmp_path / "home" / ".local" / "state" / "openvsan"
+
+
+def test_serve_port_in_use_is_one_line(files: tuple[Path, Path, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    err = OSError(98, "error while attempting to bind on address ('127.0.0.1', 3260): address already in use")
+    monkeypatch.setattr(node_mod.Factories, "default",
+                        classmethod(lambda cls: stub_factories(lambda t: StubServer(t, fail=err))))
+    good, _, data = files
+    r = runner.invoke(app, ["serve", "--config", str(good), "--data-dir", str(data)])
+    assert r.exit_code == 1
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("vsan: ") and "127.0.0.1" in last and "3260" in last
+
+
+def test_serve_bad_log_level(files: tuple[Path, Path, Path]) -> None:
+    r = runner.invoke(app, ["serve", "--config", str(files[0]), "--log-level", "loud"])
+    assert r.exit_code == 2 and "--log-level" in r.stderr
+
+
+def test_serve_device_error(tmp_path: Path, stubbed: None) -> None:
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(GOOD.replace('type = "ram"', f'type = "file"\npath = "{tmp_path}/dir/x.img"'))
+    r = runner.invoke(app, ["serve", "--config", str(cfg), "--data-dir", str(tmp_path / "d")])
+    assert r.exit_code == 2 and "devices[0].path: the directory" in r.stderr
