@@ -12,7 +12,7 @@ from openvsan.node.config import parse_config
 from openvsan.node.store import SCHEMA_VERSION, Store, StoreError
 
 
-def config(volumes: tuple[str, ...] = ("disk0", "disk1"), **target: object):  # noqa: ANN201
+def config(volumes: tuple[str, ...] = ("disk0", "disk1"), **target: object):
     t = {"iqn": "iqn.2026-11.org.openvsan:t0",
          "luns": [{"lun": i, "volume": v} for i, v in enumerate(volumes)], **target}
     return parse_config({
