@@ -29,8 +29,9 @@ def vsan(tmp_path: Path) -> Iterator[StartVsan]:
     """
     servers: list[VsanServer] = []
 
-    def start(device: str = "ram", size: str = "64MiB", *, block_size: int = 512, start: bool = True,
-              **kwargs: object) -> VsanServer:
+    def start(
+        device: str = "ram", size: str = "64MiB", *, block_size: int = 512, start: bool = True, **kwargs: object
+    ) -> VsanServer:
         workdir = tmp_path / f"vsan{len(servers)}"
         server = VsanServer(workdir, free_port(), make_device(device, workdir, size, block_size), **kwargs)
         servers.append(server)

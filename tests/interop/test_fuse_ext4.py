@@ -31,9 +31,18 @@ def fuse_export(blockdev: str, mountpoint: Path, size: int, log: Path) -> Iterat
     mountpoint.touch()
     with open(log, "ab") as out:
         proc = subprocess.Popen(
-            ["qemu-storage-daemon", "--blockdev", f"{blockdev},node-name=lun0",
-             "--export", f"type=fuse,id=exp0,node-name=lun0,mountpoint={mountpoint},writable=on"],
-            stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+            [
+                "qemu-storage-daemon",
+                "--blockdev",
+                f"{blockdev},node-name=lun0",
+                "--export",
+                f"type=fuse,id=exp0,node-name=lun0,mountpoint={mountpoint},writable=on",
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     try:
         deadline = time.monotonic() + 30
         while mountpoint.stat().st_size != size:

@@ -58,8 +58,10 @@ def test_vpd_ids_stable_across_restart(vsan: Callable[..., VsanServer]) -> None:
     server = vsan("shm")
 
     def ids() -> tuple[str, str]:
-        return (run(["iscsi-inq", "-i", TEST_INITIATOR, "-e", "1", "-c", "128", server.url()]).stdout,
-                run(["iscsi-inq", "-i", TEST_INITIATOR, "-e", "1", "-c", "131", server.url()]).stdout)
+        return (
+            run(["iscsi-inq", "-i", TEST_INITIATOR, "-e", "1", "-c", "128", server.url()]).stdout,
+            run(["iscsi-inq", "-i", TEST_INITIATOR, "-e", "1", "-c", "131", server.url()]).stdout,
+        )
 
     before = ids()
     server.restart()
@@ -76,8 +78,7 @@ def test_vpd_ids_stable_across_restart(vsan: Callable[..., VsanServer]) -> None:
         ("null", "2GiB", 512, 4194304),
     ],
 )
-def test_readcapacity16(vsan: Callable[..., VsanServer], device: str, size: str, block_size: int,
-                        blocks: int) -> None:
+def test_readcapacity16(vsan: Callable[..., VsanServer], device: str, size: str, block_size: int, blocks: int) -> None:
     require_tools("iscsi-readcapacity16")
     server = vsan(device, size, block_size=block_size)
     out = run(["iscsi-readcapacity16", "-i", TEST_INITIATOR, server.url()]).stdout

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -93,7 +94,12 @@ def run(
     argv = [str(a) for a in argv]
     try:
         p = subprocess.run(
-            argv, check=False, input=input, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=timeout,
+            argv,
+            check=False,
+            input=input,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            timeout=timeout,
             env=None if env is None else {**os.environ, **env},
         )
     except subprocess.TimeoutExpired as e:
@@ -117,8 +123,13 @@ class Device:
 
     def toml(self) -> list[str]:
         kind = "ram" if self.kind == "shm" else self.kind
-        lines = ["[[devices]]", 'name = "dev0"', f'type = "{kind}"', f'size = "{self.size}"',
-                 f"block_size = {self.block_size}"]
+        lines = [
+            "[[devices]]",
+            'name = "dev0"',
+            f'type = "{kind}"',
+            f'size = "{self.size}"',
+            f"block_size = {self.block_size}",
+        ]
         if self.kind == "shm":
             lines.append(f"backing = {json.dumps(str(self.path))}")
         elif self.kind == "file":
@@ -153,9 +164,19 @@ class VsanServer:
     def write_config(self) -> None:
         lines = ["# written by tests/interop/vsan_harness.py", "[node]", 'name = "test-node"', ""]
         lines += self.device.toml()
-        lines += ["", "[[volumes]]", 'name = "disk0"', 'device = "dev0"', "",
-                  "[iscsi]", f'portals = ["127.0.0.1:{self.port}"]', "",
-                  "[[iscsi.targets]]", f"iqn = {json.dumps(self.iqn)}", 'luns = [{ lun = 0, volume = "disk0" }]']
+        lines += [
+            "",
+            "[[volumes]]",
+            'name = "disk0"',
+            'device = "dev0"',
+            "",
+            "[iscsi]",
+            f'portals = ["127.0.0.1:{self.port}"]',
+            "",
+            "[[iscsi.targets]]",
+            f"iqn = {json.dumps(self.iqn)}",
+            'luns = [{ lun = 0, volume = "disk0" }]',
+        ]
         if self.allowed_initiators is not None:
             lines.append(f"allowed_initiators = {json.dumps(self.allowed_initiators)}")
         if self.chap:
@@ -198,8 +219,9 @@ class VsanServer:
             log.write(f"\n==== start #{self.starts}: {' '.join(self.command())}\n".encode())
             log.flush()
             # its own process group: a test can kill it (and anything it spawns) without touching pytest
-            self.proc = subprocess.Popen(self.command(), stdin=subprocess.DEVNULL, stdout=log,
-                                         stderr=subprocess.STDOUT, start_new_session=True)
+            self.proc = subprocess.Popen(
+                self.command(), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
         self.wait_ready(timeout)
 
     def wait_ready(self, timeout: float) -> None:
@@ -208,19 +230,25 @@ class VsanServer:
         while True:
             assert self.proc is not None
             if self.proc.poll() is not None:
-                pytest.fail(f"vsan serve exited {self.proc.returncode} while starting:\n{self.log_tail()}",
-                            pytrace=False)
+                pytest.fail(
+                    f"vsan serve exited {self.proc.returncode} while starting:\n{self.log_tail()}", pytrace=False
+                )
             try:
-                p = subprocess.run(["iscsi-readcapacity16", "-i", self.probe_initiator, self.url()],
-                                   check=False, capture_output=True, timeout=5)
+                p = subprocess.run(
+                    ["iscsi-readcapacity16", "-i", self.probe_initiator, self.url()],
+                    check=False,
+                    capture_output=True,
+                    timeout=5,
+                )
                 if p.returncode == 0:
                     return
             except subprocess.TimeoutExpired:
                 pass
             if time.monotonic() > deadline:
                 self.kill9()
-                pytest.fail(f"vsan serve did not serve {self.url()} within {timeout}s:\n{self.log_tail()}",
-                            pytrace=False)
+                pytest.fail(
+                    f"vsan serve did not serve {self.url()} within {timeout}s:\n{self.log_tail()}", pytrace=False
+                )
             time.sleep(0.2)
 
     @property
@@ -233,8 +261,9 @@ class VsanServer:
             return
         if self.proc.poll() is not None:
             rc = self.proc.returncode
-            pytest.fail(f"vsan serve died on its own (exit {rc}) before it was stopped:\n{self.log_tail()}",
-                        pytrace=False)
+            pytest.fail(
+                f"vsan serve died on its own (exit {rc}) before it was stopped:\n{self.log_tail()}", pytrace=False
+            )
         os.killpg(self.proc.pid, signal.SIGTERM)
         try:
             rc = self.proc.wait(timeout=timeout)
@@ -265,8 +294,9 @@ class VsanServer:
         text = self.log_text()
         if "Traceback" in text:
             i = text.index("Traceback")
-            pytest.fail(f"vsan serve logged a Traceback ({self.log}):\n{text[max(0, i - 2000):i + 4000]}",
-                        pytrace=False)
+            pytest.fail(
+                f"vsan serve logged a Traceback ({self.log}):\n{text[max(0, i - 2000) : i + 4000]}", pytrace=False
+            )
 
     def cleanup(self) -> None:
         """Teardown: stop (asserting a clean exit), check the log, remove a /dev/shm backing."""
@@ -288,9 +318,36 @@ def make_device(kind: str, workdir: Path, size: str = "64MiB", block_size: int =
     return Device(kind, size, block_size)
 
 
+# ----------------------------------------------- targets started by a peer's harness
+# The suite and guest scripts start and stop the target themselves; run_target.py records how each run ended.
+RUN_TARGET = Path(__file__).with_name("run_target.py")
+
+
+def check_target_log(log: Path) -> None:
+    """Every start of the target ended in a clean exit after SIGTERM, with no Traceback on the way."""
+    text = log.read_text(errors="replace")
+    starts = text.count("@@START ")
+    exits = re.findall(r"^@@EXIT rc=(-?\d+) (after|without) SIGTERM", text, re.MULTILINE)
+    crashes = [f"rc={rc}" for rc, how in exits if how == "without"]
+    unclean = [f"rc={rc}" for rc, how in exits if how == "after" and rc != "0"]
+    problems = []
+    if crashes:
+        problems.append(f"vsan serve died on its own {len(crashes)} time(s): {crashes}")
+    if unclean:
+        problems.append(f"vsan serve exited non-zero after SIGTERM: {unclean}")
+    if len(exits) != starts:
+        problems.append(f"{starts} starts but {len(exits)} recorded exits (killed after not stopping in 15 s?)")
+    if "Traceback" in text:
+        i = text.index("Traceback")
+        problems.append("a Traceback in the target's log:\n" + text[max(0, i - 1500) : i + 3000])
+    if problems:
+        pytest.fail(f"{log}:\n" + "\n".join(problems), pytrace=False)
+
+
 # ------------------------------------------------------------------- QEMU
-def qemu_io(target: str, *commands: str, image_opts: bool = False, check: bool = True,
-            timeout: float = 120) -> subprocess.CompletedProcess[str]:
+def qemu_io(
+    target: str, *commands: str, image_opts: bool = False, check: bool = True, timeout: float = 120
+) -> subprocess.CompletedProcess[str]:
     """qemu-io on an iscsi:// URL (or --image-opts string); fails on any error, including a pattern mismatch."""
     require_tools("qemu-io")
     argv = ["qemu-io"]
@@ -306,8 +363,14 @@ def qemu_io(target: str, *commands: str, image_opts: bool = False, check: bool =
 
 def qemu_iscsi_opts(server: VsanServer, **extra: str) -> str:
     """A QEMU --blockdev/--image-opts string for LUN 0 of server (QEMU's own iSCSI initiator, via libiscsi)."""
-    opts = {"driver": "iscsi", "transport": "tcp", "portal": server.portal, "target": server.iqn, "lun": "0",
-            "initiator-name": TEST_INITIATOR}
+    opts = {
+        "driver": "iscsi",
+        "transport": "tcp",
+        "portal": server.portal,
+        "target": server.iqn,
+        "lun": "0",
+        "initiator-name": TEST_INITIATOR,
+    }
     if server.chap:
         opts["user"], opts["password"] = server.chap
     opts.update(extra)

@@ -1,0 +1,233 @@
+"""Durability: a write acknowledged after FUA, or followed by an acknowledged SYNCHRONIZE CACHE, survives
+`kill -9` of `vsan serve` and a restart (FileDevice), over many random crash points.
+
+QEMU's initiator (an interactive qemu-io) writes patterns with and without FUA (`write -f`) and flushes;
+each command is sent only after the previous one completed, so the test knows exactly which writes the
+target acknowledged. A timer SIGKILLs the target at a random moment, usually with a write in flight. After
+a restart the whole LUN is read back through iSCSI and every byte must hold either its durable value or
+the value of a write that was not yet durable (in flight, or acknowledged without FUA and not flushed).
+
+    VSAN_KILL9_ROUNDS=200 VSAN_KILL9_SEED=1234 .venv/bin/python -m pytest tests/fault/test_kill9.py
+
+Each round's crash point (seed, commands, kill delay, what was acknowledged) is written to
+kill9-rounds.json in the test's tmp dir and named in a failure. The kill lands on wall-clock time, so a
+rerun with the same seed replays the same commands and delay but not necessarily the same instant.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import select
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import pytest
+from vsan_harness import TEST_INITIATOR, VsanServer, qemu_io, require_tools, run
+
+pytestmark = pytest.mark.interop
+
+ROUNDS = int(os.environ.get("VSAN_KILL9_ROUNDS", "20"))
+SEED = int(os.environ.get("VSAN_KILL9_SEED", "0")) or random.SystemRandom().randrange(1, 2**31)
+SIZE = 32 * 1024 * 1024
+SECTOR = 512
+PROMPT = b"qemu-io> "
+
+
+@dataclass
+class Write:
+    off: int
+    length: int
+    pattern: int
+    fua: bool
+
+
+@dataclass
+class Round:
+    number: int
+    seed: int
+    kill_after_s: float
+    sent: list[str] = field(default_factory=list)
+    acked: int = 0  # commands completed before the kill
+    in_flight: str | None = None
+    note: str = ""
+
+
+class InteractiveQemuIo:
+    """qemu-io reading commands from a pipe: it prints each command's result and a new prompt when done."""
+
+    def __init__(self, url: str) -> None:
+        self.proc = subprocess.Popen(
+            ["qemu-io", "-f", "raw", url], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+        )
+        self.buf = b""
+        if self._until_prompt(time.monotonic() + 30, None) is None:
+            raise AssertionError(f"qemu-io did not start: {self.buf!r}")
+
+    def _until_prompt(self, deadline: float, stop: threading.Event | None) -> bytes | None:
+        assert self.proc.stdout is not None
+        fd = self.proc.stdout.fileno()
+        stop_deadline: float | None = None
+        while PROMPT not in self.buf:
+            now = time.monotonic()
+            if stop is not None and stop.is_set() and stop_deadline is None:
+                stop_deadline = now + 1.5  # the target is dead: an answer now can only be one already on its way
+            if now > deadline or (stop_deadline is not None and now > stop_deadline):
+                return None
+            ready, _, _ = select.select([fd], [], [], 0.05)
+            if ready:
+                chunk = os.read(fd, 65536)
+                if not chunk:
+                    return None
+                self.buf += chunk
+        out, self.buf = self.buf.split(PROMPT, 1)
+        return out
+
+    def command(self, cmd: str, stop: threading.Event) -> bytes | None:
+        """The command's output once it completed, or None if it did not complete (the target was killed)."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(cmd.encode() + b"\n")
+        self.proc.stdin.flush()
+        return self._until_prompt(time.monotonic() + 60, stop)
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
+class DurableModel:
+    """What the LUN must hold: durable bytes, plus writes that may or may not have reached the medium."""
+
+    def __init__(self, size: int) -> None:
+        self.image = bytearray(size)
+        self.maybe: list[Write] = []  # acknowledged without FUA and not flushed yet, or in flight
+
+    def durable(self, w: Write) -> None:
+        self.image[w.off : w.off + w.length] = bytes([w.pattern]) * w.length
+
+    def flushed(self) -> None:
+        for w in self.maybe:
+            self.durable(w)
+        self.maybe.clear()
+
+    def check(self, actual: bytes) -> str | None:
+        """None if actual is allowed, else a description of the first bad range."""
+        if actual == self.image:
+            return None
+        step = 4096
+        for base in range(0, len(actual), step):
+            got, want = actual[base : base + step], self.image[base : base + step]
+            if got == want:
+                continue
+            for i in range(len(got)):
+                if got[i] == want[i]:
+                    continue
+                pos = base + i
+                allowed = {want[i]} | {w.pattern for w in self.maybe if w.off <= pos < w.off + w.length}
+                if got[i] not in allowed:
+                    return (
+                        f"byte {pos} (LBA {pos // SECTOR}) is {got[i]:#04x}; durable value {want[i]:#04x}, "
+                        f"allowed {sorted(allowed)}"
+                    )
+        return None
+
+
+def next_command(rnd: random.Random, counter: list[int]) -> tuple[str, Write | None]:
+    r = rnd.random()
+    if r < 0.12:
+        return "flush", None
+    sectors = rnd.choice([1, 1, 2, 8, 8, 16, 64, 128, 256, 2048, 8192])  # 512 B .. 4 MiB
+    length = sectors * SECTOR
+    off = rnd.randrange(0, SIZE // SECTOR - sectors + 1) * SECTOR
+    if rnd.random() < 0.1 and off + length < SIZE:  # QEMU turns these into read-modify-write of whole sectors
+        delta = rnd.randrange(1, SECTOR)
+        off, length = off + delta, max(1, min(length - delta, SIZE - off - delta))
+    counter[0] = counter[0] % 255 + 1
+    fua = r < 0.56
+    return f"write {'-f ' if fua else ''}-P {counter[0]} {off} {length}", Write(off, length, counter[0], fua)
+
+
+def read_lun(server: VsanServer, out: Path) -> bytes:
+    out.unlink(missing_ok=True)
+    run(["qemu-img", "convert", "-f", "raw", "-O", "raw", server.url(), out], timeout=300)
+    data = out.read_bytes()
+    assert len(data) == SIZE, len(data)
+    return data
+
+
+def test_acknowledged_writes_survive_kill9(vsan: Callable[..., VsanServer], tmp_path: Path) -> None:
+    require_tools("qemu-io", "qemu-img")
+    server = vsan("file", "32MiB")
+    assert server.device.path is not None
+    model = DurableModel(SIZE)
+    counter = [0]
+    rounds: list[Round] = []
+    record = tmp_path / "kill9-rounds.json"
+    print(f"kill -9 durability: seed {SEED}, {ROUNDS} rounds; crash points in {record}")
+    for n in range(ROUNDS):
+        rnd = random.Random(f"{SEED}:{n}")
+        rnd_round = Round(n, SEED, round(rnd.uniform(0.02, 1.5), 3))
+        rounds.append(rnd_round)
+        killed = threading.Event()
+        proc = server.proc
+        assert proc is not None
+
+        def kill_target(proc: subprocess.Popen[bytes] = proc, killed: threading.Event = killed) -> None:
+            killed.set()
+            os.killpg(proc.pid, signal.SIGKILL)
+
+        qio = InteractiveQemuIo(server.url())
+        timer: threading.Timer | None = None
+        try:
+            while True:
+                cmd, write = next_command(rnd, counter)
+                rnd_round.sent.append(cmd)
+                if write is not None:
+                    model.maybe.append(write)  # in flight: it may land before the kill even if never acked
+                out = qio.command(cmd, killed)
+                if out is None or b"failed" in out:
+                    rnd_round.in_flight = cmd
+                    rnd_round.note = "no answer" if out is None else out.decode(errors="replace").strip()
+                    break
+                rnd_round.acked += 1
+                if write is None:
+                    model.flushed()
+                elif write.fua:
+                    model.maybe.remove(write)
+                    model.durable(write)
+                if timer is None:  # the first completed command: the session is up; arm the crash
+                    timer = threading.Timer(rnd_round.kill_after_s, kill_target)
+                    timer.start()
+        finally:
+            if timer is not None:
+                timer.cancel()
+                timer.join()
+            qio.kill()
+        assert killed.is_set(), f"round {n}: a command failed before the kill: {rnd_round.note}"
+        server.kill9()
+        server.start()
+        record.write_text(json.dumps([asdict(r) for r in rounds], indent=1))
+        actual = read_lun(server, tmp_path / "lun.raw")
+        problem = model.check(actual)
+        if problem:
+            on_file = model.check(server.device.path.read_bytes()[:SIZE])
+            pytest.fail(
+                f"round {n} (VSAN_KILL9_SEED={SEED}): acknowledged data lost: {problem}\n"
+                f"the backing file itself: {on_file or 'holds every acknowledged write (the read path is wrong)'}\n"
+                f"killed {rnd_round.kill_after_s}s after the first ack; {rnd_round.acked} commands acked; "
+                f"in flight: {rnd_round.in_flight}; last commands: {rnd_round.sent[-8:]}\nrecord: {record}",
+                pytrace=False,
+            )
+        model.image[:] = actual  # what is there now is durable, whichever of the allowed values it took
+        model.maybe.clear()
+    acked = sum(r.acked for r in rounds)
+    print(f"{ROUNDS} crash points, {acked} acknowledged commands, all durable (seed {SEED})")
+    # the LUN is still usable: one ordinary write and read after all the crashes
+    qemu_io(server.url(), "write -P 0xee 0 64k", "read -P 0xee 0 64k")
+    run(["iscsi-readcapacity16", "-i", TEST_INITIATOR, server.url()])

@@ -1,0 +1,104 @@
+"""A Linux kernel initiator (open-iscsi + iscsi_tcp) in a QEMU guest against `vsan serve`.
+
+../shared/peers/linux-guest/run-guest-test.sh boots a Debian 6.1 kernel under QEMU (TCG) and, inside the
+guest, discovers, logs in, runs mkfs.ext4, mounts, writes, remounts, checks sha256, runs fio and logs out.
+The guest build (debootstrap, ~1 minute, ~1.2 GB) is cached in VMDIR (default ~/.cache/openvsan-guest).
+The target listens on a free host port (TGT_PORT); the guest always sees it as 10.0.2.100:3260.
+These tests run one after the other (each boots a guest; two at once would only fight for the CPUs).
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from vsan_harness import RUN_TARGET, SHARED_PEERS, VsanServer, check_target_log, require_root, require_tools
+
+pytestmark = [pytest.mark.interop, pytest.mark.slow]
+
+GUEST = SHARED_PEERS / "linux-guest" / "run-guest-test.sh"
+
+# Busybox sh in the guest: header and data digests (libiscsi never offers DataDigest, so only this
+# initiator checks them), then fio writing with verification through the raw disk, then a clean logout.
+DIGEST_SCRIPT = r"""
+fail() { echo "@@FAIL $*"; exit 1; }
+modprobe -a iscsi_tcp sd_mod crc32c_generic || fail modprobe
+mkdir -p /run/lock/iscsi
+iscsid || fail iscsid
+iscsiadm -m discovery -t sendtargets -p $PORTAL > /tmp/disc || fail discovery
+IQN=$(awk '{print $2; exit}' /tmp/disc)
+[ -n "$IQN" ] || fail "no target discovered"
+iscsiadm -m node -T "$IQN" -p $PORTAL >/dev/null 2>&1 || iscsiadm -m node -o new -T "$IQN" -p $PORTAL >/dev/null
+for k in HeaderDigest DataDigest; do
+    iscsiadm -m node -T "$IQN" -p $PORTAL -o update -n "node.conn[0].iscsi.$k" -v CRC32C || fail "set $k"
+done
+iscsiadm -m node -T "$IQN" -p $PORTAL --login || fail login
+for i in $(seq 100); do
+    for b in /sys/class/iscsi_session/session*/device/target*/*/block/*; do [ -e "$b" ] && break 2; done
+    sleep 0.1
+done
+DEV=/dev/${b##*/}
+[ -b "$DEV" ] || fail "no iSCSI disk"
+for c in /sys/class/iscsi_connection/connection*; do
+    echo "@@DIGESTS header=$(cat $c/header_digest) data=$(cat $c/data_digest)"
+    [ "$(cat $c/header_digest)" = 1 ] && [ "$(cat $c/data_digest)" = 1 ] || fail "digests not negotiated"
+done
+fio --name=verify --filename=$DEV --size=48M --rw=randwrite --bsrange=4k-1m --direct=1 --ioengine=libaio \
+    --iodepth=8 --verify=crc32c --verify_fatal=1 --do_verify=1 > /tmp/fio.out 2>&1 || { cat /tmp/fio.out; fail fio; }
+grep -E 'write: IOPS|read: IOPS|verify' /tmp/fio.out | head -4
+iscsiadm -m node -T "$IQN" -p $PORTAL --logout || fail logout
+echo "@@PASS"
+"""
+
+
+def run_guest(server: VsanServer, tmp_path: Path, **env: str) -> str:
+    require_root("the guest script runs QEMU with user networking and needs root for its set-up")
+    require_tools("qemu-system-x86_64", "debootstrap", "socat", "cpio", "ss")
+    if not GUEST.exists():
+        pytest.fail(f"{GUEST} is missing: CI clones the repo with ../shared beside it", pytrace=False)
+    target_log = tmp_path / "target.log"
+    target_cmd = shlex.join([sys.executable, str(RUN_TARGET), "--log", str(target_log), "--", *server.command()])
+    env = {"TARGET_CMD": target_cmd, "TGT_PORT": str(server.port), "NVME_SELFTEST": "0", **env}
+    out_path = tmp_path / "guest.log"
+    with open(out_path, "wb") as out:
+        try:
+            p = subprocess.run(
+                ["bash", str(GUEST)],
+                env={**os.environ, **env},
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                timeout=1000,
+                check=False,
+            )
+        except subprocess.TimeoutExpired:
+            pytest.fail(
+                f"guest test timed out; log: {out_path}\n{out_path.read_text(errors='replace')[-6000:]}", pytrace=False
+            )
+    text = out_path.read_text(errors="replace")
+    print(text[-4000:])
+    if p.returncode != 0 or "@@PASS" not in text:
+        pytest.fail(f"guest test failed (exit {p.returncode}); log {out_path}:\n{text[-8000:]}", pytrace=False)
+    check_target_log(target_log)
+    return text
+
+
+@pytest.mark.timeout(1200)
+def test_linux_kernel_initiator(vsan: Callable[..., VsanServer], tmp_path: Path) -> None:
+    """The script's own test: discovery, login, mkfs.ext4, mount, checksum across remount, fio, logout."""
+    server = vsan("ram", "1GiB", start=False)
+    text = run_guest(server, tmp_path)
+    assert "@@CHECKSUM_OK" in text
+
+
+@pytest.mark.timeout(1200)
+def test_linux_kernel_initiator_with_digests(vsan: Callable[..., VsanServer], tmp_path: Path) -> None:
+    server = vsan("ram", "256MiB", start=False)
+    script = tmp_path / "digests.sh"
+    script.write_text(DIGEST_SCRIPT)
+    text = run_guest(server, tmp_path, GUEST_SCRIPT=str(script))
+    assert "@@DIGESTS header=1 data=1" in text
