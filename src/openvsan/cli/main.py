@@ -97,7 +97,9 @@ def serve(
         fail(str(e))
     except OSError as e:
         # binding a portal (the server names the address) or making the data dir
-        fail(f"{e.filename}: {e.strerror}" if e.filename and e.strerror else str(e))
+        if e.strerror:
+            fail(f"{e.filename}: {e.strerror}" if e.filename else e.strerror)
+        fail(str(e))
     except KeyboardInterrupt:
         fail("interrupted", 130)
 
