@@ -192,3 +192,41 @@ def test_to_config(tmp_path: Path) -> None:
     assert dev.to_config() == {"type": "file", "name": "f0", "path": str(tmp_path / "d"), "size": 4096,
                                "block_size": 512, "direct": False}
     run(dev.close())
+
+
+def test_host_block_device(tmp_path: Path) -> None:
+    """A loop device stands in for a disk: size from the device, punch/zero, O_DIRECT."""
+    import shutil
+    import subprocess
+
+    if os.geteuid() != 0 or not shutil.which("losetup"):
+        pytest.skip("needs root and losetup to make a loop device")
+    img = tmp_path / "lo.img"
+    img.write_bytes(b"\xee" * (4 * MiB))
+    r = subprocess.run(["losetup", "-f", "--show", str(img)], check=False, capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"no loop device here: {r.stderr.strip()}")
+    loop = r.stdout.strip()
+    try:
+        async def go() -> None:
+            dev = FileDevice(loop)
+            assert dev.is_block_device and dev.num_blocks == 4 * MiB // 512
+            with pytest.raises(ValueError):
+                FileDevice(loop, size=8 * MiB)  # cannot grow a disk
+            await dev.write(3, b"a" * 512, fua=True)
+            await dev.unmap(0, 2)
+            await dev.write_zeroes(4, 1)
+            got = bytes(await dev.read(0, 6))
+            assert got == bytes(1024) + b"\xee" * 512 + b"a" * 512 + bytes(512) + b"\xee" * 512
+            await dev.flush()
+            await dev.close()
+            d2 = FileDevice(loop, block_size=4096, direct=True, size=MiB)
+            assert d2.num_blocks == 256
+            data = os.urandom(4096)
+            await d2.write(1, data)
+            assert bytes(await d2.read(1, 1)) == data
+            await d2.close()
+
+        run(go())
+    finally:
+        subprocess.run(["losetup", "-d", loop], check=False)
