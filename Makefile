@@ -1,12 +1,13 @@
 # make install: .venv/ with openvsan and its test dependencies
 # make run:     serve examples/single-node.toml (one 1 GiB RAM volume over iSCSI on 127.0.0.1:3260)
-# make test:    the whole suite, as CI runs it
+# make test:    the whole suite, as CI runs it (system packages: sudo bash .ci/run, or the apt line in README)
+# make test-quick: unit tests only (no root, no third-party tools; seconds)
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 DATA_DIR ?= .vsan-data
 
-.PHONY: install run test lint clean
+.PHONY: install run test test-quick lint clean
 
 $(BIN)/vsan: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -21,6 +22,9 @@ run: install
 
 test: install
 	$(BIN)/python -m pytest tests
+
+test-quick: install
+	$(BIN)/python -m pytest tests/unit -q
 
 lint: install
 	$(BIN)/ruff check src tests
