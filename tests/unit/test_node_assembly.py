@@ -212,3 +212,15 @@ def test_log_format() -> None:
     date, time, rest = line.split(" ", 2)
     assert len(date) == 10 and len(time) == 8
     assert rest == "INFO  node: serving x"
+
+
+def test_signal_during_start_stops_once_up(tmp_path: Path) -> None:
+    class SlowStart(FakeServer):
+        async def start(self) -> None:
+            os.kill(os.getpid(), signal.SIGTERM)
+            await asyncio.sleep(0.1)
+            await super().start()
+
+    node = node_for(tmp_path, config(tmp_path), server=SlowStart)
+    asyncio.run(asyncio.wait_for(serve(node), 5))
+    assert FakeServer.instances[-1].events == ["start", "stop"]

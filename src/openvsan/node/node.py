@@ -208,13 +208,14 @@ async def serve(node: Node, *, stop: asyncio.Event | None = None) -> None:
             log.warning("%s again: not waiting for in-flight commands", sig.name)
             draining.cancel()
 
-    await node.start()
     installed = []
     for sig in (signal.SIGTERM, signal.SIGINT):
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(sig, on_signal, sig)
             installed.append(sig)
     try:
+        # a signal during start is kept in `stop` and acted on as soon as the node is up
+        await node.start()
         await stop.wait()
         draining = asyncio.ensure_future(node.stop())
         try:
