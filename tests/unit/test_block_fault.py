@@ -212,3 +212,8 @@ def test_corrupt_flips_one_bit() -> None:
             await dev.corrupt(64)
 
     run(go())
+
+
+def test_fault_config_round_trip() -> None:
+    ram, dev = make(latency=0.01, volatile_cache=True, name="f")
+    assert FaultDevice.from_config(dev.to_config(), ram).to_config() == dev.to_config()

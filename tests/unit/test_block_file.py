@@ -230,3 +230,11 @@ def test_host_block_device(tmp_path: Path) -> None:
         run(go())
     finally:
         subprocess.run(["losetup", "-d", loop], check=False)
+
+
+def test_config_round_trip(tmp_path: Path) -> None:
+    dev = FileDevice(tmp_path / "d", size=8192, block_size=4096, name="f1")
+    again = FileDevice.from_config(dev.to_config())
+    assert again.to_config() == dev.to_config()
+    run(dev.close())
+    run(again.close())

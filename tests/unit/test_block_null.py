@@ -36,3 +36,8 @@ def test_null_rejects_bad_geometry() -> None:
         NullDevice(0)
     with pytest.raises(ValueError):
         NullDevice(10, 520)
+
+
+def test_null_config_round_trip() -> None:
+    dev = NullDevice(8, 4096, name="n")
+    assert NullDevice.from_config(dev.to_config()).to_config() == dev.to_config()

@@ -214,6 +214,12 @@ class FaultDevice:
     async def close(self) -> None:
         await self.inner.close()
 
+    @classmethod
+    def from_config(cls, cfg: dict[str, Any], inner: BlockDevice) -> FaultDevice:
+        """The wrapper only: faults are set up by the test, not by config."""
+        return cls(inner, latency=cfg.get("latency", 0.0), volatile_cache=cfg.get("volatile_cache", False),
+                   name=cfg.get("name", "fault"))
+
     def to_config(self) -> dict[str, Any]:
         return {"type": "fault", "name": self.name, "inner": self.inner.to_config(), "latency": self.latency,
                 "volatile_cache": self.volatile_cache}

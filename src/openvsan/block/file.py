@@ -249,6 +249,11 @@ class FileDevice:
         await asyncio.to_thread(self._pool.shutdown, True)
         os.close(self._fd)
 
+    @classmethod
+    def from_config(cls, cfg: dict[str, Any]) -> FileDevice:
+        return cls(cfg["path"], size=cfg.get("size"), block_size=cfg.get("block_size", 512),
+                   direct=cfg.get("direct", False), name=cfg.get("name", "file"))
+
     def to_config(self) -> dict[str, Any]:
         return {"type": "file", "name": self.name, "path": str(self.path),
                 "size": self.num_blocks * self.block_size, "block_size": self.block_size,

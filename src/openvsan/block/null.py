@@ -44,6 +44,11 @@ class NullDevice:
     async def close(self) -> None:
         return None
 
+    @classmethod
+    def from_config(cls, cfg: dict[str, Any]) -> NullDevice:
+        bs = cfg.get("block_size", 512)
+        return cls(cfg["size"] // bs, bs, name=cfg.get("name", "null"))
+
     def to_config(self) -> dict[str, Any]:
         return {"type": "null", "name": self.name, "size": self.num_blocks * self.block_size,
                 "block_size": self.block_size}
