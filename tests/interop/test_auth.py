@@ -9,8 +9,8 @@ from vsan_harness import IQN, PROBE_INITIATOR, TEST_INITIATOR, VsanServer, qemu_
 
 pytestmark = pytest.mark.interop
 
-USER, SECRET = "alice", "correct-horse-battery"
-TARGET_USER, TARGET_SECRET = "target0", "staple-on-the-door"
+USER, SECRET = "alice", "horse-battery1"  # 12 to 16 bytes, as the config requires
+TARGET_USER, TARGET_SECRET = "target0", "staple-door-22"
 OTHER_INITIATOR = "iqn.2026-11.org.openvsan.test:intruder"
 
 
