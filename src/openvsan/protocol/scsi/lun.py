@@ -1,0 +1,201 @@
+"""A SCSI logical unit over a BlockDevice: its state (mode pages, reservations, unit attentions, medium)
+and the dispatch of one command (SAM-5 5.14 order of checks: unit attention, CDB, reservations, medium)."""
+
+from __future__ import annotations
+
+import asyncio
+import pathlib
+import uuid as uuidlib
+from collections.abc import Awaitable, Callable
+
+from openvsan.block.device import BlockDevice
+from openvsan.block.errors import BlockError
+from openvsan.protocol.scsi import sbc, spc, xcopy
+from openvsan.protocol.scsi.inquiry import BlockLimits
+from openvsan.protocol.scsi.locks import RangeLock
+from openvsan.protocol.scsi.mode import ModeState
+from openvsan.protocol.scsi.nexus import Nexus
+from openvsan.protocol.scsi.opcodes import COMMANDS, Access, CommandSpec
+from openvsan.protocol.scsi.pr import PersistentReservations
+from openvsan.protocol.scsi.sense import (ASC_INVALID_FIELD_IN_CDB, ASC_INVALID_OPCODE, ASC_MEDIUM_NOT_PRESENT,
+                                          ASC_MODE_PARAMETERS_CHANGED, CHECK_CONDITION, ILLEGAL_REQUEST,
+                                          NOT_READY, RESERVATION_CONFLICT, UNIT_ATTENTION, ScsiError, ScsiResult,
+                                          block_error_result, build_sense)
+
+Handler = Callable[["Lun", bytes, memoryview, Nexus], Awaitable[ScsiResult]]
+DataOutLength = Callable[[bytes, int], int]
+
+HANDLERS: dict[tuple[int, int | None], Handler] = {**spc.HANDLERS, **sbc.HANDLERS, **xcopy.HANDLERS}
+DATA_OUT: dict[int, DataOutLength] = {**spc.DATA_OUT, **sbc.DATA_OUT, **xcopy.DATA_OUT}
+
+# One slot per opcode: (spec, handler) or, for service-action opcodes, a dict of them by service action.
+Entry = tuple[CommandSpec, Handler]
+_TABLE: list[Entry | dict[int, Entry] | None] = [None] * 256
+for _spec in COMMANDS:
+    _h = HANDLERS.get((_spec.opcode, _spec.sa))
+    if _h is None:
+        continue
+    if _spec.sa is None:
+        _TABLE[_spec.opcode] = (_spec, _h)
+    else:
+        _slot = _TABLE[_spec.opcode]
+        if not isinstance(_slot, dict):
+            _slot = _TABLE[_spec.opcode] = {}
+        _slot[_spec.sa] = (_spec, _h)
+
+SUPPORTED: tuple[CommandSpec, ...] = tuple(c for c in COMMANDS if (c.opcode, c.sa) in HANDLERS)
+
+# commands that do not consume a pending unit attention (SPC-4 5.14)
+_UA_EXEMPT = frozenset((0x12, 0x03, 0xA0))
+# commands that work with no medium loaded (SBC-4 4.9: the others get NOT READY, MEDIUM NOT PRESENT)
+_NO_MEDIUM_OK = frozenset((0x12, 0x03, 0xA0, 0xA3, 0x1B, 0x1E, 0x1A, 0x5A, 0x15, 0x55, 0x5E, 0x5F,
+                           0x16, 0x17, 0x56, 0x57))
+
+_OPCODE_UNSUPPORTED = ScsiError(ILLEGAL_REQUEST, ASC_INVALID_OPCODE)
+
+
+class Lun:
+    def __init__(self, device: BlockDevice, *, name: str, uuid: uuidlib.UUID, serial: str,
+                 read_only: bool = False, pr_state_path: pathlib.Path | None = None,
+                 removable: bool = False) -> None:
+        self.device = device
+        self.name = name
+        self.uuid = uuid
+        self.serial = serial
+        self.read_only = read_only
+        self.removable = removable
+        self.block_size = device.block_size
+        # physical block of 4 KiB under 512-byte logical blocks: initiators align to it (SBC-4 6.6.4)
+        self.lbppb_exponent = 3 if self.block_size == 512 else 0
+        bs = self.block_size
+        self.limits = BlockLimits(
+            max_compare_write=255, opt_granularity=1 << self.lbppb_exponent,
+            max_transfer=(16 << 20) // bs, opt_transfer=(1 << 20) // bs, max_prefetch=(16 << 20) // bs,
+            max_unmap_lbas=(512 << 20) // bs, max_unmap_descriptors=4096,
+            unmap_granularity=1 << self.lbppb_exponent, max_write_same=(4 << 30) // bs,
+            max_atomic=(1 << 20) // bs, atomic_alignment=0, atomic_granularity=0)
+        # unmapped blocks read back as zeros (LBPRZ), unless the device says otherwise
+        self.lbprz: bool = getattr(device, "unmap_reads_zero", True)
+        self.mode = ModeState()
+        self.pr = PersistentReservations(pr_state_path)
+        self.pr.load()
+        self.pr_lock = asyncio.Lock()
+        self.spc2_holder: Nexus | None = None       # RESERVE(6)/(10) (SPC-2 7.21)
+        self.prevent: set[Nexus] = set()            # PREVENT ALLOW MEDIUM REMOVAL (SPC-4 6.13)
+        self.medium_present = True
+        self.unit_attentions: dict[Nexus, list[int]] = {}
+        self.nexuses: set[Nexus] = set()            # every I_T nexus this LU has heard from
+        self.locks = RangeLock()
+        self.copy_state: dict[tuple[Nexus, int], bytes] = {}   # EXTENDED COPY results by list id
+
+    @property
+    def num_blocks(self) -> int:
+        return self.device.num_blocks
+
+    @property
+    def write_protected(self) -> bool:
+        return self.read_only or self.mode.swp
+
+    # ---- unit attentions (SAM-5 5.14, SPC-4 5.14)
+
+    def add_ua(self, nexus: Nexus, asc: int) -> None:
+        pending = self.unit_attentions.setdefault(nexus, [])
+        if asc not in pending:
+            pending.append(asc)
+
+    def add_ua_others(self, asc: int, issuer: Nexus | None) -> None:
+        for n in self.nexuses | self.pr.keys.keys():
+            if n != issuer:
+                self.add_ua(n, asc)
+
+    def pop_ua(self, nexus: Nexus) -> int | None:
+        pending = self.unit_attentions.get(nexus)
+        if not pending:
+            return None
+        asc = pending.pop(0)
+        if not pending:
+            del self.unit_attentions[nexus]
+        return asc
+
+    def mode_changed(self, issuer: Nexus) -> None:
+        self.add_ua_others(ASC_MODE_PARAMETERS_CHANGED, issuer)
+
+    def capacity_changed(self) -> None:
+        """Call after the device grew or shrank: every nexus gets CAPACITY DATA HAS CHANGED (SBC-4 4.6)."""
+        from openvsan.protocol.scsi.sense import ASC_CAPACITY_DATA_HAS_CHANGED
+        self.add_ua_others(ASC_CAPACITY_DATA_HAS_CHANGED, None)
+
+    # ---- resets and nexus loss (SAM-5 6.3, 6.6; SPC-2 5.5.1)
+
+    def reset(self, issuer: Nexus | None, asc: int) -> None:
+        self.spc2_holder = None
+        self.prevent.clear()
+        self.mode = ModeState()
+        self.add_ua_others(asc, issuer)
+
+    def nexus_lost(self, nexus: Nexus) -> None:
+        if self.spc2_holder == nexus:
+            self.spc2_holder = None
+        self.prevent.discard(nexus)
+        self.unit_attentions.pop(nexus, None)
+        self.nexuses.discard(nexus)
+
+    # ---- the Data-Out a CDB asks for
+
+    def data_out_length(self, cdb: bytes) -> int:
+        fn = DATA_OUT.get(cdb[0])
+        if fn is None:
+            return 0
+        try:
+            return fn(cdb, self.block_size)
+        except (IndexError, ValueError):  # struct.error is a ValueError: a short CDB asks for nothing
+            return 0
+
+    # ---- one command
+
+    async def execute(self, cdb: bytes, data_out: memoryview, nexus: Nexus) -> ScsiResult:
+        if nexus not in self.nexuses:
+            self.nexuses.add(nexus)
+        op = cdb[0]
+        if self.unit_attentions and op not in _UA_EXEMPT:
+            asc = self.pop_ua(nexus)
+            if asc is not None:
+                return ScsiResult(CHECK_CONDITION, b"", build_sense(UNIT_ATTENTION, asc))
+        entry = _TABLE[op]
+        if entry is None:
+            return _OPCODE_UNSUPPORTED.result()
+        if isinstance(entry, dict):
+            found = entry.get(cdb[1] & 0x1F) if len(cdb) > 1 else None
+            if found is None:
+                return ScsiResult(CHECK_CONDITION, b"", build_sense(ILLEGAL_REQUEST, ASC_INVALID_FIELD_IN_CDB,
+                                                                    field=1, bit=4))
+            entry = found
+        spec, handler = entry
+        n = len(spec.usage)
+        if len(cdb) < n:
+            return ScsiResult(CHECK_CONDITION, b"", build_sense(ILLEGAL_REQUEST, ASC_INVALID_FIELD_IN_CDB, field=0))
+        cdb = bytes(cdb[:n])
+        stray = int.from_bytes(cdb, "big") & ~spec.check_mask
+        if stray:
+            return _stray_bits(stray, n).result()
+        if self.spc2_holder is not None and self.spc2_holder != nexus and not spec.spc2_allowed:
+            return ScsiResult(RESERVATION_CONFLICT)
+        if self.pr.type and self.pr.conflicts(nexus, spec.access):
+            return ScsiResult(RESERVATION_CONFLICT)
+        if not self.medium_present and op not in _NO_MEDIUM_OK:
+            return ScsiResult(CHECK_CONDITION, b"", build_sense(NOT_READY, ASC_MEDIUM_NOT_PRESENT))
+        try:
+            return await handler(self, cdb, data_out, nexus)
+        except ScsiError as e:
+            return e.result()
+        except BlockError as e:
+            return block_error_result(e, write=spec.access is Access.WRITE)
+
+
+def _stray_bits(stray: int, n: int) -> ScsiError:
+    """INVALID FIELD IN CDB pointing at the first bit set outside the command's CDB usage data."""
+    raw = stray.to_bytes(n, "big")
+    for i, b in enumerate(raw):
+        if b:
+            return ScsiError(ILLEGAL_REQUEST, ASC_INVALID_FIELD_IN_CDB, field=i, bit=b.bit_length() - 1)
+    return ScsiError(ILLEGAL_REQUEST, ASC_INVALID_FIELD_IN_CDB, field=0)
