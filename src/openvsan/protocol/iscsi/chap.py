@@ -12,6 +12,8 @@ import hashlib
 import hmac
 import os
 
+from openvsan.protocol.iscsi.keys import is_decimal
+
 ALGORITHMS = {5: "md5", 6: "sha1", 7: "sha256", 8: "sha3_256"}
 SUPPORTED = (7, 5, 6, 8)
 CHALLENGE_LEN = 32
@@ -56,7 +58,7 @@ class ChapAuthenticator:
         wanted = []
         for v in offered.split(","):
             v = v.strip()
-            if v.isdigit():
+            if is_decimal(v):
                 wanted.append(int(v))
         for alg in wanted:
             if alg in SUPPORTED:
@@ -86,7 +88,7 @@ class ChapAuthenticator:
         if self.mutual_secret is None or self.mutual_user is None:
             raise ChapError("mutual CHAP requested but not configured")
         ident_s = keys.get("CHAP_I", "")
-        if not ident_s.isdigit() or int(ident_s) > 255:
+        if not is_decimal(ident_s) or int(ident_s) > 255:
             raise ChapError("bad CHAP_I")
         their = decode_binary(keys.get("CHAP_C", ""))
         if not their or their == self.challenge:

@@ -97,6 +97,12 @@ TARGET_ONLY = {"TargetAlias", "TargetAddress", "TargetPortalGroupTag"}
 SECURITY_KEYS_PREFIX = "CHAP_"
 
 
+def is_decimal(value: str) -> bool:
+    """§6.1 decimal-constant: ASCII digits only (str.isdigit() also takes '²' and '١', which int() refuses
+    or reads as numbers no initiator sent)."""
+    return value.isascii() and value.isdigit()
+
+
 def _bool(value: str) -> bool | None:
     return {"Yes": True, "No": False}.get(value)
 
@@ -158,7 +164,7 @@ def negotiate_key(key: str, value: str, *, discovery: bool, params: Params) -> s
     if value in ("NotUnderstood", "Irrelevant", "Reject"):
         return None  # an answer to something we offered
     if key == "MaxRecvDataSegmentLength":
-        if not value.isdigit() or not 512 <= int(value) <= (1 << 24) - 1:
+        if not is_decimal(value) or not 512 <= int(value) <= (1 << 24) - 1:
             return "Reject"
         params.initiator_mrdsl = int(value)
         return None
@@ -186,7 +192,7 @@ def negotiate_key(key: str, value: str, *, discovery: bool, params: Params) -> s
         params.apply(key, answer)
         return answer
     # numerical
-    if not value.isdigit() or len(value) > 10:
+    if not is_decimal(value) or len(value) > 10:
         return "Reject"
     n = int(value)
     if not spec.lo <= n <= spec.hi:
