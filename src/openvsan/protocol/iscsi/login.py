@@ -111,6 +111,7 @@ class LoginMachine:
         self.stage = Stage.SECURITY
         self.statsn = initial_statsn
         self._first = True
+        self._leading_done = False  # the first request's text may span PDUs (C bit): not the same as _first
         self._text = bytearray()
         self._seen_keys: set[str] = set()
         self._auth_done = False
@@ -166,8 +167,9 @@ class LoginMachine:
             keys[k] = v
         self._seen_keys.update(keys)
         answer: list[tuple[str, str]] = []
-        if self._first:
-            self._first = False
+        self._first = False
+        if not self._leading_done:
+            self._leading_done = True
             self._leading(keys, answer)
         for k in TARGET_ONLY & keys.keys():
             raise LoginFailed(Status.INITIATOR_ERROR, f"initiator sent target-only key {k}")
