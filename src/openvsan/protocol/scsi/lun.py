@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import pathlib
 import uuid as uuidlib
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 
 from openvsan.block.device import BlockDevice
 from openvsan.block.errors import BlockError
@@ -86,7 +86,9 @@ class Lun:
         self.unit_attentions: dict[Nexus, list[int]] = {}
         self.nexuses: set[Nexus] = set()            # every I_T nexus this LU has heard from
         self.locks = RangeLock()
-        self.copy_state: dict[tuple[Nexus, int], bytes] = {}   # EXTENDED COPY results by list id
+        self.copy_results: dict[tuple[Nexus, int], tuple[int, int, int]] = {}   # EXTENDED COPY, by list id
+        # the other LUs of the target, for EXTENDED COPY between them (set by ScsiTarget)
+        self.peers: Callable[[], Iterable[Lun]] | None = None
 
     @property
     def num_blocks(self) -> int:

@@ -29,6 +29,8 @@ class ScsiTarget:
     def __init__(self, name: str, luns: dict[int, Lun]) -> None:
         self.name = name
         self.luns = luns
+        for unit in luns.values():
+            unit.peers = luns.values
 
     def data_out_length(self, lun: int, cdb: bytes) -> int:
         """Bytes of Data-Out the CDB asks the initiator for (0: none, unknown opcode or absent LUN)."""
