@@ -110,11 +110,22 @@ class DurableModel:
 
     def durable(self, w: Write) -> None:
         self.image[w.off : w.off + w.length] = bytes([w.pattern]) * w.length
+        # an earlier write that is not durable yet can no longer show where this later one landed
+        end, kept = w.off + w.length, []
+        for m in self.maybe:
+            if m is w or m.off >= end or m.off + m.length <= w.off:
+                kept.append(m)
+                continue
+            if m.off < w.off:
+                kept.append(Write(m.off, w.off - m.off, m.pattern, m.fua))
+            if m.off + m.length > end:
+                kept.append(Write(end, m.off + m.length - end, m.pattern, m.fua))
+        self.maybe = kept
 
     def flushed(self) -> None:
-        for w in self.maybe:
-            self.durable(w)
-        self.maybe.clear()
+        for w in self.maybe:  # in the order they were acknowledged: later writes win
+            self.image[w.off : w.off + w.length] = bytes([w.pattern]) * w.length
+        self.maybe = []
 
     def check(self, actual: bytes) -> str | None:
         """None if actual is allowed, else a description of the first bad range."""
@@ -225,9 +236,37 @@ def test_acknowledged_writes_survive_kill9(vsan: Callable[..., VsanServer], tmp_
                 pytrace=False,
             )
         model.image[:] = actual  # what is there now is durable, whichever of the allowed values it took
-        model.maybe.clear()
+        model.maybe = []
     acked = sum(r.acked for r in rounds)
     print(f"{ROUNDS} crash points, {acked} acknowledged commands, all durable (seed {SEED})")
     # the LUN is still usable: one ordinary write and read after all the crashes
     qemu_io(server.url(), "write -P 0xee 0 64k", "read -P 0xee 0 64k")
     run(["iscsi-readcapacity16", "-i", TEST_INITIATOR, server.url()])
+
+
+def test_model_catches_lost_and_torn_writes() -> None:
+    """The checker itself: a lost FUA write, a lost flushed write and a stray value are all caught."""
+    m = DurableModel(64 * 1024)
+    m.durable(Write(0, 4096, 7, True))
+    m.maybe.append(Write(8192, 1024, 9, False))
+    m.flushed()
+    m.maybe.append(Write(16384, 512, 11, False))  # not flushed: either value is fine
+    good = bytearray(m.image)
+    assert m.check(bytes(good)) is None
+    good[16384:16896] = bytes([11]) * 512
+    assert m.check(bytes(good)) is None
+    lost_fua = bytearray(good)
+    lost_fua[100] = 0
+    assert m.check(bytes(lost_fua)) is not None
+    lost_flushed = bytearray(good)
+    lost_flushed[8192:9216] = bytes(1024)
+    assert m.check(bytes(lost_flushed)) is not None
+    stray = bytearray(good)
+    stray[16384] = 12
+    assert m.check(bytes(stray)) is not None
+    # a later FUA write over an unflushed earlier one: only the later value is allowed there
+    m.maybe.append(Write(20480, 4096, 13, False))
+    m.durable(Write(20480, 2048, 14, True))
+    after = bytearray(m.image)
+    after[20480:22528] = bytes([13]) * 2048
+    assert m.check(bytes(after)) is not None
