@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import subprocess
@@ -39,9 +40,9 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def vsan(*args: str) -> subprocess.Popen[str]:
+def vsan(*args: str, loop: str = "uvloop") -> subprocess.Popen[str]:
     return subprocess.Popen([sys.executable, "-m", "openvsan.cli.main", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "OPENVSAN_LOOP": loop})
 
 
 def wait_for_port(proc: subprocess.Popen[str], port: int, timeout: float = 30.0) -> None:
@@ -67,9 +68,10 @@ def config(tmp_path: Path) -> tuple[Path, int]:
     return path, port
 
 
-def test_serve_starts_and_stops_on_sigterm(config: tuple[Path, int], tmp_path: Path) -> None:
+@pytest.mark.parametrize("loop", ["uvloop", "asyncio"])
+def test_serve_starts_and_stops_on_sigterm(config: tuple[Path, int], tmp_path: Path, loop: str) -> None:
     path, port = config
-    proc = vsan("serve", "--config", str(path), "--data-dir", str(tmp_path / "data"))
+    proc = vsan("serve", "--config", str(path), "--data-dir", str(tmp_path / "data"), loop=loop)
     try:
         wait_for_port(proc, port)
         proc.send_signal(signal.SIGTERM)
@@ -80,6 +82,7 @@ def test_serve_starts_and_stops_on_sigterm(config: tuple[Path, int], tmp_path: P
     assert proc.returncode == 0, err
     assert f"serving iqn.2026-11.org.openvsan:disk0 LUN 0 (disk0, 16.0 MiB) on 127.0.0.1:{port}" in err
     assert "stopped" in err
+    assert "Traceback" not in err, err  # a connection (made by wait_for_port) must not upset the server
     assert (tmp_path / "data" / "state.db").exists()
 
 
