@@ -30,6 +30,8 @@ MAX_TRANSFER = 64 * 1024 * 1024    # the largest command we buffer; VPD 0xB0 adv
 NOP_INTERVAL = 15.0                # idle seconds before we ping the initiator (§11.19)
 NOP_TIMEOUT = 30.0                 # no answer to a ping for this long: the connection is dead
 ASC_INVALID_FIELD_IN_IU = 0x0E03   # SAM-5: EDTL smaller than the command's transfer
+# Where WRITE and WRITE AND VERIFY keep their TRANSFER LENGTH (SBC-4 5.40-5.46): (offset, size)
+WRITE_TRANSFER_LENGTH = {0x2A: (7, 2), 0xAA: (6, 4), 0x8A: (10, 4), 0x2E: (7, 2), 0xAE: (6, 4), 0x8E: (10, 4)}
 _U32 = struct.Struct(">I")
 
 
@@ -416,17 +418,40 @@ class Connection(asyncio.Protocol):
         t = task.transfer
         if t is not None and t.error is not None:
             result = ScsiResult(CHECK_CONDITION, b"", build_sense(ABORTED_COMMAND, t.error.asc))
-        elif t is not None and t.want < s.target.scsi.data_out_length(task.lun, task.cdb):
-            # EDTL shorter than the CDB's transfer: refuse rather than write a part (SAM-5 5.4.3)
-            result = ScsiResult(CHECK_CONDITION, b"", build_sense(ILLEGAL_REQUEST, ASC_INVALID_FIELD_IN_IU))
         else:
-            data_out = memoryview(t.buffer)[:t.want] if t is not None else memoryview(b"")
+            cdb = task.cdb
+            want = t.want if t is not None else 0
+            if want < s.target.scsi.data_out_length(task.lun, cdb):
+                cdb = self._shorten_write(task, want)
+            if cdb is None:
+                # EDTL shorter than the CDB's transfer and not a whole number of blocks (SAM-5 5.4.3)
+                result = ScsiResult(CHECK_CONDITION, b"", build_sense(ILLEGAL_REQUEST, ASC_INVALID_FIELD_IN_IU))
+                self._respond(task, result)
+                return
+            data_out = memoryview(t.buffer)[:want] if t is not None else memoryview(b"")
             try:
-                result = await s.target.scsi.execute(task.lun, task.cdb, data_out, s.nexus)
+                result = await s.target.scsi.execute(task.lun, cdb, data_out, s.nexus)
             except Exception:
                 log.exception("SCSI command 0x%02x failed", task.cdb[0])
                 result = ScsiResult(CHECK_CONDITION, b"", build_sense(0x04, 0x4400))  # HARDWARE ERROR
         self._respond(task, result)
+
+    def _shorten_write(self, task: Task, want: int) -> bytes | None:
+        """EDTL below the CDB's transfer length: like FCP (FCP-4 9.4.2), write what the initiator sent, in
+        whole blocks, and report the overflow; None where the CDB cannot be shortened that way."""
+        field = WRITE_TRANSFER_LENGTH.get(task.cdb[0])
+        s = task.session
+        if field is None or s.target is None:
+            return None
+        off, size = field
+        blocks = int.from_bytes(task.cdb[off:off + size], "big")
+        needed = s.target.scsi.data_out_length(task.lun, task.cdb)
+        if not blocks or needed % blocks:
+            return None
+        block_size = needed // blocks
+        cdb = bytearray(task.cdb)
+        cdb[off:off + size] = (want // block_size).to_bytes(size, "big")
+        return bytes(cdb)
 
     def _respond(self, task: Task, result: ScsiResult) -> None:
         s = task.session
@@ -436,18 +461,13 @@ class Connection(asyncio.Protocol):
         data = result.data
         n = len(data)
         flags = residual = 0
-        if task.write and task.transfer is not None:
-            needed = task.transfer.want
-            if s.target is not None:
-                needed = s.target.scsi.data_out_length(task.lun, task.cdb)
-            if needed > task.edtl:
-                flags, residual = P.F_OVERFLOW, needed - task.edtl
-            elif needed < task.edtl:
-                flags, residual = P.F_UNDERFLOW, task.edtl - needed
-        elif task.write and task.edtl == 0 and s.target is not None:
-            needed = s.target.scsi.data_out_length(task.lun, task.cdb)
-            if needed:
-                flags, residual = P.F_OVERFLOW, needed
+        needed_out = s.target.scsi.data_out_length(task.lun, task.cdb) if s.target is not None else 0
+        if needed_out:
+            # §11.4.5.1: residuals count against the command's own transfer length
+            if needed_out > task.edtl:
+                flags, residual = P.F_OVERFLOW, needed_out - task.edtl
+            elif needed_out < task.edtl:
+                flags, residual = P.F_UNDERFLOW, task.edtl - needed_out
         else:
             expected = task.edtl if task.read else 0
             if n > expected:

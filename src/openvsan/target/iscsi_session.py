@@ -89,4 +89,4 @@ class Session:
     def consider_received(self, refcmdsn: int, own_cmdsn: int) -> bool:
         """ABORT TASK of a command not (yet) seen: §11.5.1 — a RefCmdSN inside the window and below the
         TMF's own CmdSN counts as received."""
-        return sn_in_window(refcmdsn, self.exp_cmdsn, self.max_cmdsn) or sn_lt(refcmdsn, own_cmdsn)
+        return sn_in_window(refcmdsn, self.exp_cmdsn, self.max_cmdsn) and sn_lt(refcmdsn, own_cmdsn)
