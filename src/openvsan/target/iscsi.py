@@ -419,12 +419,14 @@ class Connection(asyncio.Protocol):
         if t is not None and t.error is not None:
             result = ScsiResult(CHECK_CONDITION, b"", build_sense(ABORTED_COMMAND, t.error.asc))
         else:
-            cdb = task.cdb
+            cdb: bytes | None = task.cdb
             want = t.want if t is not None else 0
-            if want < s.target.scsi.data_out_length(task.lun, cdb):
-                cdb = self._shorten_write(task, want)
+            needed = s.target.scsi.data_out_length(task.lun, task.cdb)
+            if needed and task.edtl != needed:
+                # Only WRITE and WRITE AND VERIFY carry on with a mismatched EDTL (FCP-4 9.4.2 semantics);
+                # for anything else (WRITE SAME, COMPARE AND WRITE, parameter lists) it is an error.
+                cdb = self._shorten_write(task, want) if task.cdb[0] in WRITE_TRANSFER_LENGTH else None
             if cdb is None:
-                # EDTL shorter than the CDB's transfer and not a whole number of blocks (SAM-5 5.4.3)
                 result = ScsiResult(CHECK_CONDITION, b"", build_sense(ILLEGAL_REQUEST, ASC_INVALID_FIELD_IN_IU))
                 self._respond(task, result)
                 return
@@ -439,13 +441,13 @@ class Connection(asyncio.Protocol):
     def _shorten_write(self, task: Task, want: int) -> bytes | None:
         """EDTL below the CDB's transfer length: like FCP (FCP-4 9.4.2), write what the initiator sent, in
         whole blocks, and report the overflow; None where the CDB cannot be shortened that way."""
-        field = WRITE_TRANSFER_LENGTH.get(task.cdb[0])
         s = task.session
-        if field is None or s.target is None:
-            return None
-        off, size = field
+        assert s.target is not None
+        off, size = WRITE_TRANSFER_LENGTH[task.cdb[0]]
         blocks = int.from_bytes(task.cdb[off:off + size], "big")
         needed = s.target.scsi.data_out_length(task.lun, task.cdb)
+        if needed <= want:
+            return task.cdb  # underflow: the CDB is whole, the residual says the rest went unused
         if not blocks or needed % blocks:
             return None
         block_size = needed // blocks
