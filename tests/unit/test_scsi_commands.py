@@ -290,3 +290,53 @@ def test_sanitize() -> None:
     pattern = bytes((0x01, 0, 0, 4)) + b"abcd"
     h.ok([0x48, 0x01, 0, 0, 0, 0, 0, 0, 8, 0], pattern)
     assert h.ok(rw10(0x28, 63, 1)) == b"abcd" * 128
+
+
+def _xcopy_params(h: Harness, blocks: int, src: int, dst: int, list_id: int = 1) -> bytes:
+    ids = h.ok([0x12, 1, 0x83, 0, 255, 0])
+    naa = ids[4:8 + ids[7]]                                   # the first designator: NAA-6 for the LU
+    target = bytes((0xE4, 0, 0, 0)) + naa + bytes(20 - len(naa)) + bytes(4) + b"\x00\x00\x02\x00"
+    segment = struct.pack(">BBHHHxxHQQ", 0x02, 0, 0x18, 0, 0, blocks, src, dst)
+    return struct.pack(">BBHxxxxII", list_id, 0, len(target), len(segment), 0) + target + segment
+
+
+def test_extended_copy(h: Harness) -> None:
+    h.ok(rw10(0x2A, 0, 4), b"C" * 2048)
+    params = _xcopy_params(h, 4, 0, 100)
+    cdb = struct.pack(">BB8xIBB", 0x83, 0, len(params), 0, 0)
+    assert h.target.data_out_length(0, cdb) == len(params)
+    h.ok(cdb, params)
+    assert h.ok(rw10(0x28, 100, 4)) == b"C" * 2048
+    status = h.ok(struct.pack(">BBB7xIBB", 0x84, 0, 1, 64, 0, 0))
+    assert status[4] == 0x01 and struct.unpack_from(">H", status, 5)[0] == 1
+    assert h.sense(struct.pack(">BBB7xIBB", 0x84, 0, 9, 64, 0, 0)) == (ILLEGAL, INVALID_FIELD)
+    ops = h.ok(struct.pack(">BB8xIBB", 0x84, 3, 64, 0, 0))
+    assert struct.unpack_from(">HH", ops, 8) == (2, 16)
+    beyond = _xcopy_params(h, 4, 0, BLOCKS - 1)
+    assert h.sense(struct.pack(">BB8xIBB", 0x83, 0, len(beyond), 0, 0), beyond)[0] == 0x0A   # COPY ABORTED
+    short = params[:40]
+    assert h.sense(struct.pack(">BB8xIBB", 0x83, 0, len(short), 0, 0), short) == (ILLEGAL, 0x1A00)
+
+
+def test_removable_medium() -> None:
+    h = Harness(removable=True)
+    assert h.ok([0x12, 0, 0, 0, 36, 0])[1] & 0x80
+    h.ok([0x1E, 0, 0, 0, 1, 0])                                             # PREVENT
+    assert h.sense([0x1B, 0, 0, 0, 0x02, 0]) == (ILLEGAL, 0x5302)
+    h.ok([0x1E, 0, 0, 0, 0, 0])
+    h.ok([0x1B, 0, 0, 0, 0x02, 0])                                          # eject
+    assert h.sense([0, 0, 0, 0, 0, 0]) == (2, 0x3A00)
+    assert h.sense(rw10(0x28, 0, 1)) == (2, 0x3A00)
+    h.ok([0x1B, 0, 0, 0, 0x03, 0])                                          # load
+    h.ok([0, 0, 0, 0, 0, 0])
+
+
+def test_exact_data_out_for_caw_and_write_same(h: Harness) -> None:
+    caw = struct.pack(">BBQ3xBBB", 0x89, 0, 8, 1, 0, 0)
+    r = asyncio.run(h.target.execute(0, caw, memoryview(bytes(1024)), NX, expected_length=2048))
+    assert parse_sense(r.sense) == (ILLEGAL, INVALID_FIELD)
+    ws = rw10(0x41, 0, 1)
+    r = asyncio.run(h.target.execute(0, ws, memoryview(bytes(512)), NX, expected_length=1024))
+    assert parse_sense(r.sense) == (ILLEGAL, INVALID_FIELD)
+    r = asyncio.run(h.target.execute(0, ws, memoryview(bytes(512)), NX, expected_length=512))
+    assert r.status == GOOD

@@ -144,6 +144,7 @@ def test_spc2_reserve_release() -> None:
     t.nexus_lost(A)
     assert run(t, B, [0x16, 0, 0, 0, 0, 0]).status == GOOD
     t.logical_unit_reset(0, A)
+    run(t, A, TUR)   # A was forgotten with its nexus: a UA or not, the reservation is gone
     assert run(t, A, [0x16, 0, 0, 0, 0, 0]).status == GOOD
 
 
@@ -152,6 +153,7 @@ def test_unit_attentions_after_reset_and_mode_change() -> None:
     assert run(t, A, TUR).status == GOOD      # no power-on UA for a new nexus
     assert run(t, B, TUR).status == GOOD
     t.logical_unit_reset(0, A)
+    assert parse_sense(run(t, A, TUR).sense) == (6, 0x2903)   # every nexus, the issuer's too
     assert run(t, A, TUR).status == GOOD
     assert run(t, B, [0x12, 0, 0, 0, 36, 0]).status == GOOD                 # INQUIRY does not consume it
     assert run(t, B, [0xA0, 0, 0, 0, 0, 0, 0, 0, 0, 16, 0, 0]).status == GOOD

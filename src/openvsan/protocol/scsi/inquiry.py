@@ -117,11 +117,13 @@ def block_limits(bl: BlockLimits) -> bytes:
 
 
 def block_device_characteristics() -> bytes:
-    """VPD page B1h (SBC-4 6.6.2): MEDIUM ROTATION RATE 1 = non-rotating medium."""
+    """VPD page B1h (SBC-4 6.6.2): MEDIUM ROTATION RATE 1 = non-rotating medium; WABEREQ and WACEREQ
+    01b: after a SANITIZE block or cryptographic erase, reads succeed (and return zeros)."""
     page = bytearray(64)
     page[1] = 0xB1
     page[3] = 0x3C
     struct.pack_into(">H", page, 4, 1)
+    page[7] = 0x50
     return bytes(page)
 
 

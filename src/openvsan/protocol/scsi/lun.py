@@ -51,6 +51,9 @@ _UA_EXEMPT = frozenset((0x12, 0x03, 0xA0))
 _NO_MEDIUM_OK = frozenset((0x12, 0x03, 0xA0, 0xA3, 0x1B, 0x1E, 0x1A, 0x5A, 0x15, 0x55, 0x5E, 0x5F,
                            0x16, 0x17, 0x56, 0x57))
 
+# COMPARE AND WRITE, WRITE SAME(10)/(16): Data-Out must be exactly what the CDB says, not just enough
+_EXACT_DATA_OUT = frozenset((0x89, 0x41, 0x93))
+
 _OPCODE_UNSUPPORTED = ScsiError(ILLEGAL_REQUEST, ASC_INVALID_OPCODE)
 
 
@@ -129,11 +132,13 @@ class Lun:
 
     # ---- resets and nexus loss (SAM-5 6.3, 6.6; SPC-2 5.5.1)
 
-    def reset(self, issuer: Nexus | None, asc: int) -> None:
+    def reset(self, asc: int) -> None:
+        """LOGICAL UNIT RESET or a target reset (SAM-5 6.3.3): every I_T nexus, the issuer's too, learns
+        of it through a unit attention; SPC-2 reservations, PREVENT and mode changes do not survive it."""
         self.spc2_holder = None
         self.prevent.clear()
         self.mode = ModeState()
-        self.add_ua_others(asc, issuer)
+        self.add_ua_others(asc, None)
 
     def nexus_lost(self, nexus: Nexus) -> None:
         if self.spc2_holder == nexus:
@@ -155,7 +160,8 @@ class Lun:
 
     # ---- one command
 
-    async def execute(self, cdb: bytes, data_out: memoryview, nexus: Nexus) -> ScsiResult:
+    async def execute(self, cdb: bytes, data_out: memoryview, nexus: Nexus, *,
+                      expected_length: int | None = None) -> ScsiResult:
         if nexus not in self.nexuses:
             self.nexuses.add(nexus)
         op = cdb[0]
@@ -186,6 +192,11 @@ class Lun:
             return ScsiResult(RESERVATION_CONFLICT)
         if not self.medium_present and op not in _NO_MEDIUM_OK:
             return ScsiResult(CHECK_CONDITION, b"", build_sense(NOT_READY, ASC_MEDIUM_NOT_PRESENT))
+        if expected_length is not None and op in _EXACT_DATA_OUT and expected_length != self.data_out_length(cdb):
+            # the transport's expected length disagrees with the CDB: for these commands the split of the
+            # Data-Out (compare/write halves, the one block of WRITE SAME) would be a guess (SBC-4 5.3)
+            return ScsiResult(CHECK_CONDITION, b"", build_sense(ILLEGAL_REQUEST, ASC_INVALID_FIELD_IN_CDB,
+                                                                field=13 if op == 0x89 else 0))
         try:
             return await handler(self, cdb, data_out, nexus)
         except ScsiError as e:

@@ -223,11 +223,14 @@ async def compare_and_write(lun: Lun, cdb: bytes, data: memoryview, nexus: Nexus
     if n > lun.limits.max_compare_write:
         raise invalid_field(13)
     _check_range(lun, lba, n)
+    size = n * lun.block_size
+    if len(data) != 2 * size:
+        # more or less Data-Out than the CDB says: where compare data ends and write data begins is
+        # anybody's guess, so nothing is compared or written
+        raise invalid_field(13)
     if not n:
         return _GOOD
-    size = n * lun.block_size
-    payload = _data(lun, data, 2 * size)
-    verify, write = payload[:size], payload[size:]
+    verify, write = data[:size], data[size:]
     token = await lun.locks.acquire(lba, lba + n, exclusive=True)
     try:
         current = await lun.device.read(lba, n)
@@ -412,7 +415,9 @@ async def read_capacity16(lun: Lun, cdb: bytes, data: memoryview, nexus: Nexus) 
     return ScsiResult(GOOD, out[:alloc])
 
 
-_ZERO_CHUNK = bytes(64 << 10)
+_SCAN_CHUNK = 8 << 20     # bytes read at a time by the GET LBA STATUS zero scan
+_SCAN_LIMIT = 1 << 30     # and at most this much per command: a descriptor may end before the run does
+_SUB = 64 << 10           # zero-filled sub-chunks are taken whole
 
 
 async def get_lba_status(lun: Lun, cdb: bytes, data: memoryview, nexus: Nexus) -> ScsiResult:
@@ -422,41 +427,46 @@ async def get_lba_status(lun: Lun, cdb: bytes, data: memoryview, nexus: Nexus) -
     lba, alloc = u64(cdb, 2), u32(cdb, 10)
     if lba >= lun.num_blocks:
         raise lba_out_of_range()
-    bs = lun.block_size
-    span = min(lun.num_blocks - lba, (4 << 20) // bs)
+    max_desc = max(1, (alloc - 8) // 16)
     status_fn = getattr(lun.device, "lba_status", None)
     if status_fn is not None:
-        extents = list(await status_fn(lba, span))
+        extents = list(await status_fn(lba, lun.num_blocks - lba))
+    elif lun.lbprz:
+        extents = await _zero_extents(lun, lba, max_desc)
     else:
-        extents = _zero_extents(await lun.device.read(lba, span), lba, bs) if lun.lbprz else [(lba, span, 0)]
-    max_desc = max(0, (alloc - 8) // 16) if alloc >= 8 else 0
-    body = b"".join(struct.pack(">QIB3x", s, c, st) for s, c, st in extents[:max(1, max_desc)])
+        extents = [(lba, lun.num_blocks - lba, 0)]
+    body = b"".join(struct.pack(">QIB3x", s, c, st) for s, c, st in extents[:max_desc])
     out = struct.pack(">I4x", 4 + len(body)) + body
     return ScsiResult(GOOD, out[:alloc])
 
 
-def _zero_extents(buf: bytes | bytearray | memoryview, lba: int, bs: int) -> list[tuple[int, int, int]]:
-    """Runs of mapped (0) and deallocated (1) blocks: zero-filled 64 KiB chunks are skipped whole."""
-    mv = memoryview(buf)
-    nblocks = len(mv) // bs
-    zero_block = _ZERO_CHUNK[:bs]
-    per_chunk = len(_ZERO_CHUNK) // bs
-    states = bytearray(nblocks)
-    for c in range(0, nblocks, per_chunk):
-        end = min(nblocks, c + per_chunk)
-        if mv[c * bs:end * bs] == _ZERO_CHUNK[:(end - c) * bs]:
-            states[c:end] = b"\x01" * (end - c)
-            continue
-        for b in range(c, end):
-            if mv[b * bs:(b + 1) * bs] == zero_block:
-                states[b] = 1
-    extents: list[tuple[int, int, int]] = []
-    start = 0
-    for b in range(1, nblocks + 1):
-        if b == nblocks or states[b] != states[start]:
-            extents.append((lba + start, b - start, states[start]))
-            start = b
-    return extents
+async def _zero_extents(lun: Lun, lba: int, max_desc: int) -> list[tuple[int, int, int]]:
+    """Runs of mapped (0) and deallocated (1) blocks from lba on, read in big chunks, until max_desc runs
+    are complete or the scan limit is reached."""
+    bs = lun.block_size
+    end = min(lun.num_blocks, lba + _SCAN_LIMIT // bs)
+    per_read = _SCAN_CHUNK // bs
+    runs: list[list[int]] = []   # [start, count, state]
+
+    def add(start: int, count: int, state: int) -> None:
+        if runs and runs[-1][2] == state:
+            runs[-1][1] += count
+        else:
+            runs.append([start, count, state])
+
+    pos = lba
+    while pos < end and len(runs) <= max_desc:
+        k = min(per_read, end - pos)
+        buf = bytes(await lun.device.read(pos, k))
+        for off in range(0, len(buf), _SUB):
+            stop = min(len(buf), off + _SUB)
+            if buf.count(0, off, stop) == stop - off:
+                add(pos + off // bs, (stop - off) // bs, 1)
+                continue
+            for b in range(off, stop, bs):
+                add(pos + b // bs, 1, 1 if buf.count(0, b, b + bs) == bs else 0)
+        pos += k
+    return [(s, c, st) for s, c, st in runs]
 
 
 async def read_defect_data10(lun: Lun, cdb: bytes, data: memoryview, nexus: Nexus) -> ScsiResult:

@@ -39,7 +39,10 @@ class ScsiTarget:
             return 0
         return unit.data_out_length(cdb)
 
-    async def execute(self, lun: int, cdb: bytes, data_out: memoryview, nexus: Nexus) -> ScsiResult:
+    async def execute(self, lun: int, cdb: bytes, data_out: memoryview, nexus: Nexus, *,
+                      expected_length: int | None = None) -> ScsiResult:
+        """Run one command. expected_length, where the transport knows it (iSCSI EDTL of a write), lets
+        the commands whose Data-Out must match the CDB exactly refuse a mismatch."""
         unit = self.luns.get(lun)
         if cdb[0] == REPORT_LUNS:
             if unit is not None:
@@ -48,7 +51,7 @@ class ScsiTarget:
             return self._report_luns(cdb)
         if unit is None:
             return self._absent(cdb)
-        return await unit.execute(cdb, data_out, nexus)
+        return await unit.execute(cdb, data_out, nexus, expected_length=expected_length)
 
     def _report_luns(self, cdb: bytes) -> ScsiResult:
         """REPORT LUNS (SPC-4 6.33): SELECT REPORT 0, 1 (none: no well-known LUs) and 2."""
@@ -82,7 +85,7 @@ class ScsiTarget:
     def logical_unit_reset(self, lun: int, nexus: Nexus) -> None:
         unit = self.luns.get(lun)
         if unit is not None:
-            unit.reset(nexus, ASC_BUS_DEVICE_RESET)
+            unit.reset(ASC_BUS_DEVICE_RESET)
 
     def target_reset(self, nexus: Nexus, cold: bool) -> None:
         for unit in self.luns.values():
@@ -90,9 +93,9 @@ class ScsiTarget:
                 # a cold reset is a power cycle: registrations without APTPL are gone (SPC-4 5.13.4)
                 if not unit.pr.aptpl:
                     unit.pr.reset()
-                unit.reset(nexus, ASC_POWER_ON_OCCURRED)
+                unit.reset(ASC_POWER_ON_OCCURRED)
             else:
-                unit.reset(nexus, ASC_POWER_ON_RESET)
+                unit.reset(ASC_POWER_ON_RESET)
 
     def nexus_lost(self, nexus: Nexus) -> None:
         for unit in self.luns.values():
