@@ -169,6 +169,8 @@ class Connection(asyncio.Protocol):
         self._text_pending: dict[int, bytes] = {}
         self._closed = False
         self._write_paused = False
+        self._out: list[bytes | memoryview] = []
+        self._flush_pending = False
 
     # --- asyncio.Protocol ---------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -225,7 +227,17 @@ class Connection(asyncio.Protocol):
     def send(self, bhs: bytes, data: bytes | memoryview | Sequence[bytes | memoryview] = b"") -> None:
         if self._closed or self.transport is None:
             return
-        self.transport.writelines(frame(bhs, data, header_digest=self.hd, data_digest=self.dd))
+        # PDUs made in one turn of the event loop leave in one writelines (one sendmsg, not one per PDU)
+        self._out.extend(frame(bhs, data, header_digest=self.hd, data_digest=self.dd))
+        if not self._flush_pending:
+            self._flush_pending = True
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._flush_pending = False
+        if self._out and self.transport is not None and not self.transport.is_closing():
+            out, self._out = self._out, []
+            self.transport.writelines(out)
 
     def next_statsn(self) -> int:
         sn = self.statsn
@@ -234,6 +246,7 @@ class Connection(asyncio.Protocol):
 
     def close(self) -> None:
         if not self._closed and self.transport is not None:
+            self._flush()
             self._closed = True
             self.transport.close()
 
