@@ -9,7 +9,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-import budget  # noqa: E402
+import budget
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:

@@ -110,11 +110,11 @@ def text_request(keys: bytes | dict[str, str], *, itt: int, cmdsn: int, ttt: int
 
 
 def logout_request(*, itt: int, cmdsn: int, reason: int = 0, cid: int = 0, expstatsn: int = 0,
-                   immediate: bool = True) -> bytes:
+                   immediate: bool = True, hd: bool = False) -> bytes:
     """§11.14."""
     bhs = struct.pack(">BBBBI8sIH2xII16x", (IMMEDIATE if immediate else 0) | LOGOUT_REQ, 0x80 | reason, 0, 0, 0,
                       bytes(8), itt, cid, cmdsn, expstatsn)
-    return assemble(bhs)
+    return assemble(bhs, hd=hd)
 
 
 def task_mgmt(function: int, *, itt: int, cmdsn: int, lun: int = 0, rtt: int = RESERVED_TAG, refcmdsn: int = 0,
