@@ -124,7 +124,7 @@ def parse_portal(value: object) -> Portal:
                 ipaddress.IPv4Address(host)
             except ValueError:
                 raise ValueError(f"{value!r}: {host!r} is not an IP address or host name; {hint}") from None
-    if not port_s.isdigit() or not 1 <= int(port_s) <= 65535:
+    if not (port_s.isascii() and port_s.isdigit()) or not 1 <= int(port_s) <= 65535:
         raise ValueError(f"{value!r}: the port must be a number from 1 to 65535 (3260 is iSCSI's)")
     return Portal(host, int(port_s))
 

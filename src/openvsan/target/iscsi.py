@@ -26,7 +26,10 @@ from openvsan.target.iscsi_session import Session, Task
 log = logging.getLogger("openvsan.iscsi")
 
 OUR_MRDSL = 262144                 # the data segment we accept per PDU (declared in login)
-MAX_TRANSFER = 64 * 1024 * 1024    # the largest command we buffer; VPD 0xB0 advertises less
+MAX_TRANSFER = 16 * 1024 * 1024    # the largest command we buffer, as VPD 0xB0 advertises
+SESSION_WRITE_BUDGET = 256 * 1024 * 1024  # write data one session may have us buffer at once
+LOGIN_TIMEOUT = 30.0               # a connection must finish its login within this time
+TASK_SET_FULL = 0x28               # SAM-5 status: come back when fewer commands are in flight
 NOP_INTERVAL = 15.0                # idle seconds before we ping the initiator (§11.19)
 NOP_TIMEOUT = 30.0                 # no answer to a ping for this long: the connection is dead
 ASC_INVALID_FIELD_IN_IU = 0x0E03   # SAM-5: EDTL smaller than the command's transfer
@@ -145,7 +148,7 @@ class IscsiServer:
         for t in list(s.tasks.values()):
             if match(t):  # type: ignore[operator]
                 t.aborted = True
-                del s.tasks[t.itt]
+                s.forget(t)
 
 
 class Connection(asyncio.Protocol):
@@ -183,8 +186,8 @@ class Connection(asyncio.Protocol):
         self.peer = f"{peer[0]}:{peer[1]}" if peer else "?"
         self.server.connections.add(self)
         loop = asyncio.get_running_loop()
-        self._last_rx = loop.time()
-        self._timer = loop.call_later(self.server.nop_interval, self._idle_check)
+        self._last_rx = self._connected = loop.time()
+        self._timer = loop.call_later(min(self.server.nop_interval, 5.0), self._idle_check)
         self.reader.max_dsl = 8192
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -344,6 +347,10 @@ class Connection(asyncio.Protocol):
         loop = asyncio.get_running_loop()
         now = loop.time()
         s = self.session
+        if self.login is not None and now - self._connected > LOGIN_TIMEOUT:
+            log.warning("%s: login not finished in %.0f s; dropping the connection", self.peer, LOGIN_TIMEOUT)
+            self.close()
+            return
         if self._ping_ttt is not None and now - self._ping_sent > self.server.nop_timeout:
             log.warning("%s: no answer to NOP-In for %.0f s; dropping the connection", self.peer,
                         now - self._ping_sent)
@@ -392,6 +399,10 @@ class Connection(asyncio.Protocol):
             if edtl > MAX_TRANSFER:
                 self._respond(task, ScsiResult(CHECK_CONDITION, b"", build_sense(ILLEGAL_REQUEST, 0x2400)))
                 return
+            if s.write_buffered + edtl > SESSION_WRITE_BUDGET:
+                self._respond(task, ScsiResult(TASK_SET_FULL))
+                return
+            s.write_buffered += edtl
             assert s.target is not None
             needed = s.target.scsi.data_out_length(task.lun, cdb)
             want = min(edtl, needed)
@@ -472,7 +483,7 @@ class Connection(asyncio.Protocol):
         s = task.session
         if task.aborted or s.closed or s.conn is not self:
             return
-        s.tasks.pop(task.itt, None)
+        s.forget(task)
         data = result.data
         n = len(data)
         flags = residual = 0

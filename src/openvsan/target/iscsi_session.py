@@ -56,6 +56,7 @@ class Session:
     pending: dict[int, tuple[Pdu, Callable[[Pdu], None]]] = field(default_factory=dict)
     nexus: Nexus | None = None
     closed: bool = False
+    write_buffered: int = 0     # bytes of Data-Out buffers held by this session's tasks
 
     @property
     def discovery(self) -> bool:
@@ -85,6 +86,13 @@ class Session:
             queued, h = self.pending.pop(self.exp_cmdsn)
             self.exp_cmdsn = (self.exp_cmdsn + 1) & 0xFFFFFFFF
             h(queued)
+
+    def forget(self, task: Task) -> None:
+        """The task is over (done or aborted): drop it and give back its write buffer budget."""
+        if self.tasks.get(task.itt) is task:
+            del self.tasks[task.itt]
+            if task.transfer is not None:
+                self.write_buffered -= task.edtl
 
     def consider_received(self, refcmdsn: int, own_cmdsn: int) -> bool:
         """ABORT TASK of a command not (yet) seen: §11.5.1 — a RefCmdSN inside the window and below the
