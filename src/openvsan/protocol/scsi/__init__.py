@@ -3,12 +3,36 @@ ScsiTarget and gets back status, data-in and sense."""
 
 from openvsan.protocol.scsi.lun import Lun
 from openvsan.protocol.scsi.nexus import Nexus
-from openvsan.protocol.scsi.sense import (BUSY, CHECK_CONDITION, CONDITION_MET, GOOD, RESERVATION_CONFLICT,
-                                          TASK_ABORTED, TASK_SET_FULL, ScsiError, ScsiResult, block_error_result,
-                                          build_sense, parse_sense)
+from openvsan.protocol.scsi.sense import (
+                                          BUSY,
+                                          CHECK_CONDITION,
+                                          CONDITION_MET,
+                                          GOOD,
+                                          RESERVATION_CONFLICT,
+                                          TASK_ABORTED,
+                                          TASK_SET_FULL,
+                                          ScsiError,
+                                          ScsiResult,
+                                          block_error_result,
+                                          build_sense,
+                                          parse_sense,
+)
 from openvsan.protocol.scsi.target import ScsiTarget
 
 __all__ = [
-    "Lun", "Nexus", "ScsiTarget", "ScsiResult", "ScsiError", "build_sense", "parse_sense", "block_error_result",
-    "GOOD", "CHECK_CONDITION", "CONDITION_MET", "BUSY", "RESERVATION_CONFLICT", "TASK_SET_FULL", "TASK_ABORTED",
+                                          "BUSY",
+                                          "CHECK_CONDITION",
+                                          "CONDITION_MET",
+                                          "GOOD",
+                                          "RESERVATION_CONFLICT",
+                                          "TASK_ABORTED",
+                                          "TASK_SET_FULL",
+                                          "Lun",
+                                          "Nexus",
+                                          "ScsiError",
+                                          "ScsiResult",
+                                          "ScsiTarget",
+                                          "block_error_result",
+                                          "build_sense",
+                                          "parse_sense",
 ]

@@ -17,10 +17,21 @@ from openvsan.protocol.scsi.mode import ModeState
 from openvsan.protocol.scsi.nexus import Nexus
 from openvsan.protocol.scsi.opcodes import COMMANDS, Access, CommandSpec
 from openvsan.protocol.scsi.pr import PersistentReservations
-from openvsan.protocol.scsi.sense import (ASC_INVALID_FIELD_IN_CDB, ASC_INVALID_OPCODE, ASC_MEDIUM_NOT_PRESENT,
-                                          ASC_MODE_PARAMETERS_CHANGED, CHECK_CONDITION, ILLEGAL_REQUEST,
-                                          NOT_READY, RESERVATION_CONFLICT, UNIT_ATTENTION, ScsiError, ScsiResult,
-                                          block_error_result, build_sense)
+from openvsan.protocol.scsi.sense import (
+    ASC_INVALID_FIELD_IN_CDB,
+    ASC_INVALID_OPCODE,
+    ASC_MEDIUM_NOT_PRESENT,
+    ASC_MODE_PARAMETERS_CHANGED,
+    CHECK_CONDITION,
+    ILLEGAL_REQUEST,
+    NOT_READY,
+    RESERVATION_CONFLICT,
+    UNIT_ATTENTION,
+    ScsiError,
+    ScsiResult,
+    block_error_result,
+    build_sense,
+)
 
 Handler = Callable[["Lun", bytes, memoryview, Nexus], Awaitable[ScsiResult]]
 DataOutLength = Callable[[bytes, int], int]
@@ -75,7 +86,7 @@ class Lun:
             max_compare_write=255, opt_granularity=1 << self.lbppb_exponent,
             max_transfer=(16 << 20) // bs, opt_transfer=(1 << 20) // bs, max_prefetch=(16 << 20) // bs,
             max_unmap_lbas=(512 << 20) // bs, max_unmap_descriptors=4096,
-            unmap_granularity=1 << self.lbppb_exponent, max_write_same=(4 << 30) // bs,
+            unmap_granularity=1 << self.lbppb_exponent, max_write_same=0xFFFF,
             max_atomic=(1 << 20) // bs, atomic_alignment=0, atomic_granularity=0)
         # unmapped blocks read back as zeros (LBPRZ), unless the device says otherwise
         self.lbprz: bool = getattr(device, "unmap_reads_zero", True)
@@ -89,6 +100,9 @@ class Lun:
         self.unit_attentions: dict[Nexus, list[int]] = {}
         self.nexuses: set[Nexus] = set()            # every I_T nexus this LU has heard from
         self.locks = RangeLock()
+        # set when the whole LU was just deallocated (SANITIZE, a whole-LU UNMAP): GET LBA STATUS can then
+        # answer for every block without reading any; the first write clears it
+        self.all_deallocated = False
         self.copy_results: dict[tuple[Nexus, int], tuple[int, int, int]] = {}   # EXTENDED COPY, by list id
         # the other LUs of the target, for EXTENDED COPY between them (set by ScsiTarget)
         self.peers: Callable[[], Iterable[Lun]] | None = None

@@ -6,9 +6,15 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass, field
 
-from openvsan.protocol.scsi.sense import (ASC_INVALID_FIELD_IN_CDB, ASC_SAVING_PARAMETERS_NOT_SUPPORTED,
-                                          ILLEGAL_REQUEST, ScsiError, invalid_field, invalid_param,
-                                          param_list_length_error)
+from openvsan.protocol.scsi.sense import (
+    ASC_INVALID_FIELD_IN_CDB,
+    ASC_SAVING_PARAMETERS_NOT_SUPPORTED,
+    ILLEGAL_REQUEST,
+    ScsiError,
+    invalid_field,
+    invalid_param,
+    param_list_length_error,
+)
 
 CACHING = 0x08
 CONTROL = 0x0A
@@ -151,4 +157,4 @@ def mode_select(state: ModeState, cdb: bytes, params: bytes, *, ten: bool, block
     return changed
 
 
-__all__ = ["ModeState", "mode_sense", "mode_select", "ASC_INVALID_FIELD_IN_CDB"]
+__all__ = ["ASC_INVALID_FIELD_IN_CDB", "ModeState", "mode_select", "mode_sense"]

@@ -15,10 +15,18 @@ from dataclasses import dataclass, field
 
 from openvsan.protocol.scsi.nexus import Nexus
 from openvsan.protocol.scsi.opcodes import Access
-from openvsan.protocol.scsi.sense import (ASC_INVALID_RELEASE_OF_PR, ASC_REGISTRATIONS_PREEMPTED,
-                                          ASC_RESERVATIONS_PREEMPTED, ASC_RESERVATIONS_RELEASED, ILLEGAL_REQUEST,
-                                          ScsiError, invalid_field, invalid_param, param_list_length_error,
-                                          reservation_conflict)
+from openvsan.protocol.scsi.sense import (
+    ASC_INVALID_RELEASE_OF_PR,
+    ASC_REGISTRATIONS_PREEMPTED,
+    ASC_RESERVATIONS_PREEMPTED,
+    ASC_RESERVATIONS_RELEASED,
+    ILLEGAL_REQUEST,
+    ScsiError,
+    invalid_field,
+    invalid_param,
+    param_list_length_error,
+    reservation_conflict,
+)
 
 # SPC-4 6.16.3 table 173: persistent reservation types
 WRITE_EXCLUSIVE = 1

@@ -3,14 +3,35 @@
 from __future__ import annotations
 
 import struct
-from typing import TYPE_CHECKING, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
 
-from openvsan.protocol.scsi.cdb import (lba_len6, lba_len10, lba_len12, lba_len16, lba_len_atomic16, lba_len_caw,
-                                        u16, u32, u64)
+from openvsan.protocol.scsi.cdb import (
+    lba_len6,
+    lba_len10,
+    lba_len12,
+    lba_len16,
+    lba_len_atomic16,
+    lba_len_caw,
+    u16,
+    u32,
+    u64,
+)
 from openvsan.protocol.scsi.nexus import Nexus
-from openvsan.protocol.scsi.sense import (ASC_MISCOMPARE_DURING_VERIFY, CONDITION_MET, GOOD, ILLEGAL_REQUEST,
-                                          MISCOMPARE, ScsiError, ScsiResult, invalid_field, invalid_param,
-                                          lba_out_of_range, param_list_length_error, write_protected)
+from openvsan.protocol.scsi.sense import (
+    ASC_MISCOMPARE_DURING_VERIFY,
+    CONDITION_MET,
+    GOOD,
+    ILLEGAL_REQUEST,
+    MISCOMPARE,
+    ScsiError,
+    ScsiResult,
+    invalid_field,
+    invalid_param,
+    lba_out_of_range,
+    param_list_length_error,
+    write_protected,
+)
 
 if TYPE_CHECKING:
     from openvsan.protocol.scsi.lun import Lun
@@ -40,7 +61,7 @@ def _data(lun: Lun, data: memoryview, nbytes: int) -> memoryview:
     return data[:nbytes] if len(data) > nbytes else data
 
 
-def first_difference(a: bytes | memoryview, b: bytes | memoryview) -> int:
+def first_difference(a: bytes | bytearray | memoryview, b: bytes | bytearray | memoryview) -> int:
     """Offset of the first byte where a and b differ (they must differ), by bisection: C-speed compares."""
     lo, hi = 0, min(len(a), len(b))
     while hi - lo > 64:
@@ -102,6 +123,7 @@ async def _write(lun: Lun, lba: int, n: int, data: memoryview, fua: bool, lenfie
     payload = _data(lun, data, n * lun.block_size)
     token = await lun.locks.acquire(lba, lba + n)
     try:
+        lun.all_deallocated = False
         await lun.device.write(lba, payload, fua=fua or not lun.mode.wce)
     finally:
         lun.locks.release(token)
@@ -144,6 +166,7 @@ async def write_atomic16(lun: Lun, cdb: bytes, data: memoryview, nexus: Nexus) -
     payload = _data(lun, data, n * lun.block_size)
     token = await lun.locks.acquire(lba, lba + n, exclusive=True)
     try:
+        lun.all_deallocated = False
         await lun.device.write(lba, payload, fua=bool(cdb[1] & _FUA) or not lun.mode.wce)
     finally:
         lun.locks.release(token)
@@ -236,6 +259,7 @@ async def compare_and_write(lun: Lun, cdb: bytes, data: memoryview, nexus: Nexus
         current = await lun.device.read(lba, n)
         if current != verify:
             raise _miscompare(first_difference(current, verify))
+        lun.all_deallocated = False
         await lun.device.write(lba, write, fua=bool(cdb[1] & _FUA) or not lun.mode.wce)
     finally:
         lun.locks.release(token)
@@ -256,6 +280,7 @@ async def orwrite16(lun: Lun, cdb: bytes, data: memoryview, nexus: Nexus) -> Scs
     try:
         current = await lun.device.read(lba, n)
         merged = (int.from_bytes(current, "big") | int.from_bytes(mask, "big")).to_bytes(size, "big")
+        lun.all_deallocated = False
         await lun.device.write(lba, merged, fua=bool(cdb[1] & _FUA) or not lun.mode.wce)
     finally:
         lun.locks.release(token)
@@ -299,7 +324,10 @@ async def _fill(lun: Lun, lba: int, n: int, block: bytes, *, unmap: bool) -> Non
             await dev.unmap(lba, n)
         else:
             await dev.write_zeroes(lba, n)
+        if lba == 0 and n == lun.num_blocks:
+            lun.all_deallocated = True
         return
+    lun.all_deallocated = False
     per = max(1, min(n, _CHUNK // bs))
     buf = block * per
     done = 0
@@ -349,6 +377,8 @@ async def unmap(lun: Lun, cdb: bytes, data: memoryview, nexus: Nexus) -> ScsiRes
             ranges.append((lba, n))
     if total > lun.limits.max_unmap_lbas:
         raise invalid_param(8)
+    if ranges == [(0, lun.num_blocks)]:
+        lun.all_deallocated = True
     for lba, n in ranges:
         token = await lun.locks.acquire(lba, lba + n)
         try:
@@ -416,7 +446,7 @@ async def read_capacity16(lun: Lun, cdb: bytes, data: memoryview, nexus: Nexus) 
 
 
 _SCAN_CHUNK = 8 << 20     # bytes read at a time by the GET LBA STATUS zero scan
-_SCAN_LIMIT = 1 << 30     # and at most this much per command: a descriptor may end before the run does
+_SCAN_LIMIT = 4 << 20     # and at most this much per command: a descriptor may end before the run does
 _SUB = 64 << 10           # zero-filled sub-chunks are taken whole
 
 
@@ -431,6 +461,8 @@ async def get_lba_status(lun: Lun, cdb: bytes, data: memoryview, nexus: Nexus) -
     status_fn = getattr(lun.device, "lba_status", None)
     if status_fn is not None:
         extents = list(await status_fn(lba, lun.num_blocks - lba))
+    elif lun.lbprz and lun.all_deallocated:
+        extents = [(lba, lun.num_blocks - lba, 1)]
     elif lun.lbprz:
         extents = await _zero_extents(lun, lba, max_desc)
     else:
@@ -520,6 +552,7 @@ async def sanitize(lun: Lun, cdb: bytes, data: memoryview, nexus: Nexus) -> Scsi
     try:
         await lun.device.unmap(0, lun.num_blocks)
         await lun.device.flush()
+        lun.all_deallocated = True
     finally:
         lun.locks.release(token)
     return _GOOD
@@ -571,4 +604,4 @@ HANDLERS: dict[tuple[int, int | None], Handler] = {
     (0x48, 0x01): sanitize, (0x48, 0x02): sanitize, (0x48, 0x03): sanitize, (0x48, 0x1F): sanitize,
 }
 
-__all__ = ["HANDLERS", "DATA_OUT", "first_difference", "ILLEGAL_REQUEST"]
+__all__ = ["DATA_OUT", "HANDLERS", "ILLEGAL_REQUEST", "first_difference"]

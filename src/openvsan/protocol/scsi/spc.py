@@ -4,16 +4,28 @@ from __future__ import annotations
 
 import asyncio
 import struct
-from typing import TYPE_CHECKING, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
 
 from openvsan.protocol.scsi import inquiry as inq
 from openvsan.protocol.scsi.cdb import u16, u32
 from openvsan.protocol.scsi.mode import mode_select, mode_sense
 from openvsan.protocol.scsi.nexus import Nexus
 from openvsan.protocol.scsi.opcodes import COMMANDS, SERVICE_ACTION_OPCODES, Access, CommandSpec
-from openvsan.protocol.scsi.sense import (ASC_MEDIUM_REMOVAL_PREVENTED, ASC_NO_ADDITIONAL, GOOD, ILLEGAL_REQUEST,
-                                          NO_SENSE, UNIT_ATTENTION, ScsiError, ScsiResult, build_sense,
-                                          invalid_field, param_list_length_error, reservation_conflict)
+from openvsan.protocol.scsi.sense import (
+    ASC_MEDIUM_REMOVAL_PREVENTED,
+    ASC_NO_ADDITIONAL,
+    GOOD,
+    ILLEGAL_REQUEST,
+    NO_SENSE,
+    UNIT_ATTENTION,
+    ScsiError,
+    ScsiResult,
+    build_sense,
+    invalid_field,
+    param_list_length_error,
+    reservation_conflict,
+)
 
 if TYPE_CHECKING:
     from openvsan.protocol.scsi.lun import Lun

@@ -8,10 +8,21 @@ import struct
 from openvsan.protocol.scsi.inquiry import PERIPHERAL_ABSENT, standard_inquiry
 from openvsan.protocol.scsi.lun import Lun
 from openvsan.protocol.scsi.nexus import Nexus
-from openvsan.protocol.scsi.sense import (ASC_BUS_DEVICE_RESET, ASC_INVALID_FIELD_IN_CDB, ASC_LUN_NOT_SUPPORTED,
-                                          ASC_NO_ADDITIONAL, ASC_POWER_ON_OCCURRED, ASC_POWER_ON_RESET,
-                                          ASC_REPORTED_LUNS_DATA_CHANGED, CHECK_CONDITION, GOOD, ILLEGAL_REQUEST,
-                                          NO_SENSE, ScsiResult, build_sense)
+from openvsan.protocol.scsi.sense import (
+    ASC_BUS_DEVICE_RESET,
+    ASC_INVALID_FIELD_IN_CDB,
+    ASC_LUN_NOT_SUPPORTED,
+    ASC_NO_ADDITIONAL,
+    ASC_POWER_ON_OCCURRED,
+    ASC_POWER_ON_RESET,
+    ASC_REPORTED_LUNS_DATA_CHANGED,
+    CHECK_CONDITION,
+    GOOD,
+    ILLEGAL_REQUEST,
+    NO_SENSE,
+    ScsiResult,
+    build_sense,
+)
 
 REPORT_LUNS = 0xA0
 INQUIRY = 0x12
@@ -122,4 +133,4 @@ def _invalid_field(byte: int) -> ScsiResult:
     return ScsiResult(CHECK_CONDITION, b"", build_sense(ILLEGAL_REQUEST, ASC_INVALID_FIELD_IN_CDB, field=byte))
 
 
-__all__ = ["ScsiTarget", "encode_lun", "NO_SENSE", "ASC_NO_ADDITIONAL"]
+__all__ = ["ASC_NO_ADDITIONAL", "NO_SENSE", "ScsiTarget", "encode_lun"]

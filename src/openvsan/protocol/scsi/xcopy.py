@@ -4,17 +4,29 @@ units of this target, named by their NAA/T10 designators (identification target 
 from __future__ import annotations
 
 import struct
-from typing import TYPE_CHECKING, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
 
 from openvsan.protocol.scsi import inquiry as inq
 from openvsan.protocol.scsi.cdb import u32
 from openvsan.protocol.scsi.nexus import Nexus
-from openvsan.protocol.scsi.sense import (ASC_COPY_TARGET_DEVICE_NOT_REACHABLE, ASC_NO_ADDITIONAL,
-                                          ASC_TOO_MANY_SEGMENT_DESCRIPTORS, ASC_TOO_MANY_TARGET_DESCRIPTORS,
-                                          ASC_UNSUPPORTED_SEGMENT_DESCRIPTOR_TYPE,
-                                          ASC_UNSUPPORTED_TARGET_DESCRIPTOR_TYPE, COPY_ABORTED, GOOD,
-                                          ILLEGAL_REQUEST, ScsiError, ScsiResult, invalid_field, invalid_param,
-                                          param_list_length_error, write_protected)
+from openvsan.protocol.scsi.sense import (
+    ASC_COPY_TARGET_DEVICE_NOT_REACHABLE,
+    ASC_NO_ADDITIONAL,
+    ASC_TOO_MANY_SEGMENT_DESCRIPTORS,
+    ASC_TOO_MANY_TARGET_DESCRIPTORS,
+    ASC_UNSUPPORTED_SEGMENT_DESCRIPTOR_TYPE,
+    ASC_UNSUPPORTED_TARGET_DESCRIPTOR_TYPE,
+    COPY_ABORTED,
+    GOOD,
+    ILLEGAL_REQUEST,
+    ScsiError,
+    ScsiResult,
+    invalid_field,
+    invalid_param,
+    param_list_length_error,
+    write_protected,
+)
 
 if TYPE_CHECKING:
     from openvsan.protocol.scsi.lun import Lun
@@ -131,6 +143,7 @@ async def extended_copy(lun: Lun, cdb: bytes, data: memoryview, nexus: Nexus) ->
             d_n = k * src.block_size // dst.block_size
             token = await dst.locks.acquire(d_lba, d_lba + d_n)
             try:
+                dst.all_deallocated = False
                 await dst.device.write(d_lba, chunk, fua=not dst.mode.wce)
             finally:
                 dst.locks.release(token)
