@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import re
 import shlex
+import shutil
 import sys
 import time
 from collections.abc import Callable
@@ -25,7 +26,8 @@ pytestmark = [pytest.mark.interop, pytest.mark.slow]
 
 # The floor CI holds us to: what the target reaches today, so a regression fails. Raise it as tests pass;
 # the goal is 200 (tgt 1.0.85 on this machine: PASS 173 on a thin LUN, 162 on a plain one).
-PASS_FLOOR = 0
+# Measured 2026-11-30 on 2 cores (uvloop): PASS=206 SKIP=10 FAIL=14 HUNG=0 in 76 s.
+PASS_FLOOR = 206
 TOTAL = 230
 SUITE = SHARED_PEERS / "libiscsi-suite.py"
 ONLY = os.environ.get("VSAN_CONFORMANCE_ONLY", ".")
@@ -63,15 +65,29 @@ def test_libiscsi_conformance(vsan: Callable[..., VsanServer], tmp_path: Path) -
     elapsed = time.monotonic() - t0
     print(out)
     print(f"conformance: {elapsed:.0f} s; full output in {suite_log}; target log {target_log}")
+    keep = os.environ.get("VSAN_TEST_ARTIFACTS")  # CI keeps the logs for docs/conformance.md
+    if keep:
+        Path(keep).mkdir(parents=True, exist_ok=True)
+        for f in (suite_log, target_log):
+            shutil.copy(f, Path(keep) / f"conformance-{f.name}")
+        (Path(keep) / "conformance-summary.txt").write_text(out)
     m = None
     for m in RESULT.finditer(out):
         pass
     assert m is not None, f"no PASS=.. line in the suite's output:\n{out}"
     passed, _skipped, _failed, hung, total = map(int, m.groups())
-    check_target_log(target_log)
-    assert hung == 0, f"{hung} tests hung or were never reached:\n{out}"
-    if ONLY == ".":
-        assert total == TOTAL, out
-        assert passed >= PASS_FLOOR, f"PASS={passed} fell below the floor {PASS_FLOOR}:\n{out}"
-    if passed > PASS_FLOOR and ONLY == ".":
+    problems = []
+    if hung:
+        problems.append(f"{hung} tests hung or were never reached (see HUNG: above)")
+    if ONLY == "." and total != TOTAL:
+        problems.append(f"the suite reported {total} tests, not {TOTAL}")
+    if ONLY == "." and passed < PASS_FLOOR:
+        problems.append(f"PASS={passed} fell below the floor {PASS_FLOOR}")
+    try:
+        check_target_log(target_log)
+    except BaseException as e:  # noqa: BLE001  (pytest.fail's OutcomeException: report it with the rest)
+        problems.append(str(e))
+    if problems:
+        pytest.fail("\n".join(problems) + f"\n{out}", pytrace=False)
+    if ONLY == "." and passed > PASS_FLOOR:
         print(f"PASS={passed} is above PASS_FLOOR={PASS_FLOOR}: raise the floor in {__file__}")
