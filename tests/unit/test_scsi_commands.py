@@ -11,8 +11,17 @@ import pytest
 
 from openvsan.block.errors import Busy, MediumError, NoSpace
 from openvsan.block.ram import RamDevice
-from openvsan.protocol.scsi import (CHECK_CONDITION, CONDITION_MET, GOOD, BUSY, Lun, Nexus, ScsiResult,
-                                    ScsiTarget, parse_sense)
+from openvsan.protocol.scsi import (
+    BUSY,
+    CHECK_CONDITION,
+    CONDITION_MET,
+    GOOD,
+    Lun,
+    Nexus,
+    ScsiResult,
+    ScsiTarget,
+    parse_sense,
+)
 
 BLOCKS = 4096
 IQN = "iqn.2026-11.org.openvsan:test"

@@ -9,8 +9,16 @@ import struct
 import uuid
 
 from openvsan.block.ram import RamDevice
-from openvsan.protocol.scsi import (CHECK_CONDITION, GOOD, RESERVATION_CONFLICT, Lun, Nexus, ScsiResult,
-                                    ScsiTarget, parse_sense)
+from openvsan.protocol.scsi import (
+    CHECK_CONDITION,
+    GOOD,
+    RESERVATION_CONFLICT,
+    Lun,
+    Nexus,
+    ScsiResult,
+    ScsiTarget,
+    parse_sense,
+)
 
 IQN = "iqn.2026-11.org.openvsan:test"
 A = Nexus("iqn.2026-11.org.openvsan.test:a", 1, IQN)
