@@ -10,7 +10,7 @@ from collections.abc import Awaitable, Callable, Iterable
 
 from openvsan.block.device import BlockDevice
 from openvsan.block.errors import BlockError
-from openvsan.protocol.scsi import sbc, spc, xcopy
+from openvsan.protocol.scsi import provisioning, sbc, spc, xcopy
 from openvsan.protocol.scsi.inquiry import BlockLimits
 from openvsan.protocol.scsi.locks import RangeLock
 from openvsan.protocol.scsi.mode import ModeState
@@ -36,8 +36,9 @@ from openvsan.protocol.scsi.sense import (
 Handler = Callable[["Lun", bytes, memoryview, Nexus], Awaitable[ScsiResult]]
 DataOutLength = Callable[[bytes, int], int]
 
-HANDLERS: dict[tuple[int, int | None], Handler] = {**spc.HANDLERS, **sbc.HANDLERS, **xcopy.HANDLERS}
-DATA_OUT: dict[int, DataOutLength] = {**spc.DATA_OUT, **sbc.DATA_OUT, **xcopy.DATA_OUT}
+HANDLERS: dict[tuple[int, int | None], Handler] = {**spc.HANDLERS, **sbc.HANDLERS, **provisioning.HANDLERS,
+                                                    **xcopy.HANDLERS}
+DATA_OUT: dict[int, DataOutLength] = {**spc.DATA_OUT, **sbc.DATA_OUT, **provisioning.DATA_OUT, **xcopy.DATA_OUT}
 
 # One slot per opcode: (spec, handler) or, for service-action opcodes, a dict of them by service action.
 Entry = tuple[CommandSpec, Handler]
