@@ -54,15 +54,19 @@ class RamDevice:
         check_range(self, lba, blocks)
         bs = self.block_size
         start, end = lba * bs, (lba + blocks) * bs
-        if isinstance(self._mem, mmap.mmap) and blocks * bs >= mmap.PAGESIZE * 16 and self._fd is None:
-            # give whole pages back to the kernel (they read back as zero)
-            page = mmap.PAGESIZE
-            a, b = -(-start // page) * page, end // page * page
-            self._view[start:a] = bytes(a - start)
-            self._view[b:end] = bytes(end - b)
-            if b > a:
-                self._mem.madvise(mmap.MADV_DONTNEED, a, b - a)
-            return
+        page = mmap.PAGESIZE
+        a, b = -(-start // page) * page, end // page * page
+        if b - a >= page * 16:
+            # Give whole pages back (they read back as zero). MADV_REMOVE, not MADV_DONTNEED: the mapping
+            # is shared (anonymous or /dev/shm), and DONTNEED would keep its contents.
+            try:
+                self._mem.madvise(mmap.MADV_REMOVE, a, b - a)
+            except OSError:
+                pass  # a backing file system without hole punching: zero the bytes instead
+            else:
+                self._view[start:a] = bytes(a - start)
+                self._view[b:end] = bytes(end - b)
+                return
         self._view[start:end] = bytes(end - start)
 
     async def close(self) -> None:
