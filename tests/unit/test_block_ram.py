@@ -11,7 +11,8 @@ from openvsan.block.ram import RamDevice
 @pytest.fixture(params=["anonymous", "shm"])
 def backing(request, tmp_path):
     if request.param == "anonymous":
-        return None
+        yield None
+        return
     path = f"/dev/shm/openvsan-test-{tmp_path.name}"
     yield path
     import os
