@@ -446,17 +446,17 @@ class Connection(asyncio.Protocol):
             cdb: bytes | None = task.cdb
             want = t.want if t is not None else 0
             needed = s.target.scsi.data_out_length(task.lun, task.cdb)
-            if needed and task.edtl != needed:
-                # Only WRITE and WRITE AND VERIFY carry on with a mismatched EDTL (FCP-4 9.4.2 semantics);
-                # for anything else (WRITE SAME, COMPARE AND WRITE, parameter lists) it is an error.
-                cdb = self._shorten_write(task, want) if task.cdb[0] in WRITE_TRANSFER_LENGTH else None
+            if needed and task.edtl != needed and task.cdb[0] in WRITE_TRANSFER_LENGTH:
+                # WRITE and WRITE AND VERIFY carry on with a mismatched EDTL (FCP-4 9.4.2 semantics); for
+                # other commands the SCSI layer judges the mismatch (it gets EDTL as expected_length).
+                cdb = self._shorten_write(task, want)
             if cdb is None:
                 result = ScsiResult(CHECK_CONDITION, b"", build_sense(ILLEGAL_REQUEST, ASC_INVALID_FIELD_IN_IU))
                 self._respond(task, result)
                 return
             data_out = memoryview(t.buffer)[:want] if t is not None else memoryview(b"")
             try:
-                result = await s.target.scsi.execute(task.lun, cdb, data_out, s.nexus)
+                result = await s.target.scsi.execute(task.lun, cdb, data_out, s.nexus, expected_length=task.edtl)
             except Exception:
                 log.exception("SCSI command 0x%02x failed", task.cdb[0])
                 result = ScsiResult(CHECK_CONDITION, b"", build_sense(0x04, 0x4400))  # HARDWARE ERROR
