@@ -1,11 +1,13 @@
-"""What the node hands the target servers: one object per exported iSCSI target."""
+"""What the node hands the target servers: one object per iSCSI target, NVMe subsystem or NBD export."""
 
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from openvsan.block.device import BlockDevice
     from openvsan.protocol.scsi.target import ScsiTarget
 
 
@@ -26,3 +28,32 @@ class IscsiTargetConfig:
     mutual_chap: ChapCredential | None = None     # the target proves this one back (mutual CHAP)
     alias: str | None = None
     portal_group_tag: int = 1
+
+
+@dataclass
+class NvmeNamespaceConfig:
+    nsid: int                            # 1-based namespace ID
+    device: BlockDevice                  # the volume behind it
+    name: str                            # volume name
+    uuid: uuid.UUID                      # stable identity: NGUID/EUI64/UUID derive from it
+    read_only: bool = False
+
+
+@dataclass
+class NvmeSubsystemConfig:
+    nqn: str
+    namespaces: list[NvmeNamespaceConfig]
+    portals: list[tuple[str, int]]       # NVMe/TCP ports (host, port) the subsystem is reachable on
+    advertised_portals: list[tuple[str, int]] = field(default_factory=list)  # discovery log; default: portals
+    allowed_hosts: list[str] | None = None    # host NQNs allowed to connect; None: any host
+    serial: str = ""                     # controller serial number (Identify Controller SN)
+    model: str = "openvsan"
+
+
+@dataclass
+class NbdExportConfig:
+    name: str                            # export name clients ask for (NBD_OPT_GO / INFO)
+    device: BlockDevice
+    portals: list[tuple[str, int]]       # where it is served (default port 10809)
+    read_only: bool = False
+    description: str = ""
