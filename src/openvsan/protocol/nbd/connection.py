@@ -1,0 +1,221 @@
+"""The server side of one NBD connection, sans-IO: bytes in, events out (the h11 model).
+
+    conn = NbdServerConnection(exports)
+    send(conn.greeting())
+    for event in conn.receive_data(data):   # Send | Negotiated | Request | Disconnect | Close
+        ...                                  # run a Request, then send(conn.reply(...))
+
+Handshake (proto.md "Fixed newstyle negotiation") and transmission (proto.md "Transmission") framing
+live here; option answers in handshake.py, request checks and reply layouts in transmission.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from enum import Enum, auto
+
+from openvsan.protocol.nbd.events import (
+    Buffer,
+    Close,
+    Disconnect,
+    Event,
+    ExportInfo,
+    Negotiated,
+    Request,
+    Send,
+)
+from openvsan.protocol.nbd.handshake import Handshake
+from openvsan.protocol.nbd.transmission import (
+    block_status_reply,
+    check_request,
+    done_reply,
+    error_reply,
+    read_reply,
+)
+from openvsan.protocol.nbd.wire import (
+    CLIENT_FLAGS,
+    EXTENDED_REQUEST_MAGIC,
+    IHAVEOPT,
+    OPTION,
+    REQUEST,
+    REQUEST_MAGIC,
+    Cmd,
+    Errno,
+)
+
+# Option data we read before deciding the client means harm (proto.md "Termination of the session during
+# option haggling": a server MAY hard-disconnect a client whose behaviour is a denial of service). The
+# largest legitimate option is NBD_OPT_GO/INFO/SET_META_CONTEXT: a 4 KiB name and a few requests.
+MAX_OPTION_DATA = 64 * 1024
+
+
+class Phase(Enum):
+    CLIENT_FLAGS = auto()
+    OPTION_HEADER = auto()
+    OPTION_DATA = auto()
+    REQUEST = auto()
+    PAYLOAD = auto()
+    DONE = auto()     # after NBD_CMD_DISC, NBD_OPT_ABORT or a hard disconnect: input is ignored
+
+
+class NbdServerConnection:
+    def __init__(self, exports: Sequence[ExportInfo], *, default: str | None = None) -> None:
+        self.handshake = Handshake(exports, default)
+        self.phase = Phase.CLIENT_FLAGS
+        self.session: Negotiated | None = None
+        self._acc = bytearray()        # a header (or option data) being gathered
+        self._want = CLIENT_FLAGS.size
+        self._option = 0
+        # a WRITE whose payload is arriving: its header, the buffer (None: discard) and the error to answer
+        self._write: tuple[int, int, int, int] = (0, 0, 0, 0)
+        self._payload: bytearray | None = None
+        self._fill = 0
+        self._payload_error: tuple[Errno, str] | None = None
+
+    @property
+    def shutting_down(self) -> bool:
+        return self.handshake.shutting_down
+
+    def start_shutdown(self) -> None:
+        """Options from now on get NBD_REP_ERR_SHUTDOWN (proto.md "Termination ... option haggling")."""
+        self.handshake.shutting_down = True
+
+    def greeting(self) -> bytes:
+        return self.handshake.greeting()
+
+    # --- input -----------------------------------------------------------------------------------
+    def receive_data(self, data: Buffer) -> list[Event]:
+        events: list[Event] = []
+        view = memoryview(data).cast("B") if not isinstance(data, memoryview) else data.cast("B")
+        pos, end = 0, len(view)
+        while pos < end and self.phase is not Phase.DONE:
+            if self.phase is Phase.PAYLOAD:
+                pos = self._payload_bytes(view, pos, events)
+                continue
+            take = min(self._want - len(self._acc), end - pos)
+            if not self._acc and take == self._want:
+                chunk = view[pos:pos + take]     # a whole header in hand: no copy
+            else:
+                self._acc += view[pos:pos + take]
+                if len(self._acc) < self._want:
+                    return events
+                chunk = memoryview(bytes(self._acc))
+                self._acc.clear()
+            pos += take
+            self._dispatch(chunk, events)
+        return events
+
+    def _dispatch(self, chunk: memoryview, events: list[Event]) -> None:
+        if self.phase is Phase.CLIENT_FLAGS:
+            (flags,) = CLIENT_FLAGS.unpack_from(chunk)
+            why = self.handshake.client_flags(flags)
+            if why:
+                self._close(why, events)
+            else:
+                self._expect(Phase.OPTION_HEADER, OPTION.size)
+        elif self.phase is Phase.OPTION_HEADER:
+            magic, opt, length = OPTION.unpack_from(chunk)
+            if magic != IHAVEOPT:
+                self._close(f"bad option magic 0x{magic:016x}", events)
+            elif length > MAX_OPTION_DATA:
+                self._close(f"option {opt} carries {length} bytes of data (limit {MAX_OPTION_DATA})", events)
+            else:
+                self._option = opt
+                if length:
+                    self._expect(Phase.OPTION_DATA, length)
+                else:
+                    self._run_option(memoryview(b""), events)
+        elif self.phase is Phase.OPTION_DATA:
+            self._run_option(chunk, events)
+        elif self.phase is Phase.REQUEST:
+            self._request(chunk, events)
+
+    def _expect(self, phase: Phase, n: int) -> None:
+        self.phase, self._want = phase, n
+
+    def _close(self, why: str, events: list[Event]) -> None:
+        self.phase = Phase.DONE
+        events.append(Close(why))
+
+    def _run_option(self, data: memoryview, events: list[Event]) -> None:
+        r = self.handshake.option(self._option, data)
+        if r.out:
+            events.append(Send(list(r.out)))
+        if r.close:
+            self._close(r.close, events)
+        elif r.abort:
+            self.phase = Phase.DONE
+            events.append(Disconnect())
+        elif r.negotiated:
+            self.session = r.negotiated
+            events.append(r.negotiated)
+            self._expect(Phase.REQUEST, REQUEST.size)
+        else:
+            self._expect(Phase.OPTION_HEADER, OPTION.size)
+
+    # --- transmission ----------------------------------------------------------------------------
+    def _request(self, chunk: memoryview, events: list[Event]) -> None:
+        s = self.session
+        assert s is not None
+        magic, flags, cmd, cookie, offset, length = REQUEST.unpack_from(chunk)
+        if magic != REQUEST_MAGIC:
+            # proto.md "Request message": with a bad magic the stream cannot be framed any more
+            what = "extended headers were not negotiated" if magic == EXTENDED_REQUEST_MAGIC else "bad magic"
+            self._close(f"request with magic 0x{magic:08x}: {what}", events)
+            return
+        if cmd == Cmd.DISC:
+            # proto.md NBD_CMD_DISC: no reply; finish what is outstanding, then close
+            self.phase = Phase.DONE
+            events.append(Disconnect())
+            return
+        problem = check_request(s, cmd, flags, offset, length)
+        if cmd == Cmd.WRITE and length:
+            # the payload follows the header whatever we think of the request; it is read (or skipped)
+            # before the answer so the stream stays framed and the connection survives
+            self._write = (cmd, flags, cookie, offset)
+            self._payload_error = problem
+            self._payload = bytearray(length) if problem is None else None
+            self._fill = 0
+            self._expect(Phase.PAYLOAD, length)
+            return
+        if problem is not None:
+            events.append(Send([error_reply(s, cmd, cookie, problem[0], problem[1])]))
+            return
+        events.append(Request(cmd, flags, cookie, offset, length, memoryview(b"") if cmd == Cmd.WRITE else None))
+
+    def _payload_bytes(self, view: memoryview, pos: int, events: list[Event]) -> int:
+        take = min(self._want - self._fill, len(view) - pos)
+        if self._payload is not None:
+            self._payload[self._fill:self._fill + take] = view[pos:pos + take]
+        self._fill += take
+        pos += take
+        if self._fill == self._want:
+            cmd, flags, cookie, offset = self._write
+            payload, self._payload = self._payload, None
+            if payload is None:
+                assert self._payload_error is not None
+                errno, msg = self._payload_error
+                events.append(Send([error_reply(self.session, cmd, cookie, errno, msg)]))
+            else:
+                events.append(Request(cmd, flags, cookie, offset, self._want, memoryview(payload)))
+            self._expect(Phase.REQUEST, REQUEST.size)
+        return pos
+
+    # --- output ----------------------------------------------------------------------------------
+    def reply(self, req: Request, data: Buffer | None = None) -> list[Buffer]:
+        """The success reply to `req`; `data` is what a read returned."""
+        s = self.session
+        assert s is not None
+        if req.cmd == Cmd.READ:
+            return read_reply(s, req.cookie, req.offset, data if data is not None else b"")
+        if req.cmd == Cmd.BLOCK_STATUS:
+            raise ValueError("use reply_block_status for NBD_CMD_BLOCK_STATUS")
+        return [done_reply(s, req.cookie)]
+
+    def reply_error(self, req: Request, error: Errno, message: str = "", offset: int | None = None) -> list[Buffer]:
+        """An error reply to `req` (with a message and the failing offset where structured replies allow)."""
+        return [error_reply(self.session, req.cmd, req.cookie, error, message, offset)]
+
+    def reply_block_status(self, req: Request, extents: list[tuple[int, int]]) -> list[Buffer]:
+        assert self.session is not None
+        return [block_status_reply(self.session, req.cookie, extents)]

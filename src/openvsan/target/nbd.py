@@ -1,0 +1,331 @@
+"""The asyncio NBD server: portals, connections, and block I/O for checked requests.
+
+A Connection is an asyncio.Protocol that feeds received bytes to the sans-IO NbdServerConnection
+(protocol/nbd) and runs the requests it yields on the export's BlockDevice, each in its own task, so
+replies go out in completion order (proto.md "Transmission": replies need not be in request order).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from collections.abc import Sequence
+
+from openvsan.block.errors import (
+    BlockError,
+    MediumError,
+    NoSpace,
+    OutOfRange,
+    ReadOnly,
+)
+from openvsan.protocol.nbd import (
+    Close,
+    Cmd,
+    Disconnect,
+    Errno,
+    ExportInfo,
+    NbdServerConnection,
+    Negotiated,
+    Request,
+    Send,
+)
+from openvsan.protocol.nbd.events import DEFAULT_MAX_PAYLOAD, Buffer
+from openvsan.target.config import NbdExportConfig
+
+log = logging.getLogger("openvsan.nbd")
+
+HANDSHAKE_TIMEOUT = 30.0                 # a connection must reach the transmission phase within this time
+MAX_INFLIGHT = 256                       # requests one connection may have running before we stop reading
+MAX_INFLIGHT_BYTES = 128 * 1024 * 1024   # data (write payloads, read results) one connection may hold
+ZERO_CHUNK = 1024 * 1024                 # NBD_CMD_FLAG_NO_HOLE writes real zeroes this much at a time
+DRAIN_TIMEOUT = 30.0
+_ZEROES = bytes(ZERO_CHUNK)
+
+
+def export_info(e: NbdExportConfig) -> ExportInfo:
+    bs = e.device.block_size
+    # proto.md "Size constraints": the device's block is the smallest unit we can write without a
+    # read-modify-write, so it is the minimum block size we ask clients to keep to
+    return ExportInfo(e.name, e.device.num_blocks * bs, min_block=bs, preferred_block=max(4096, bs),
+                      max_payload=DEFAULT_MAX_PAYLOAD, read_only=e.read_only, description=e.description)
+
+
+class NbdServer:
+    def __init__(self, exports: Sequence[NbdExportConfig], *, handshake_timeout: float = HANDSHAKE_TIMEOUT) -> None:
+        names = [e.name for e in exports]
+        if len(set(names)) != len(names):
+            raise ValueError(f"NBD export names must be unique: {names}")
+        self.exports = {e.name: e for e in exports}
+        self.handshake_timeout = handshake_timeout
+        self.connections: set[Connection] = set()
+        self.tasks: set[asyncio.Task[None]] = set()
+        self.closing = False
+        self._servers: list[asyncio.base_events.Server] = []
+        self._on_portal: dict[tuple[str, int], list[ExportInfo]] = {}
+
+    def portals(self) -> list[tuple[str, int]]:
+        seen: dict[tuple[str, int], None] = {}
+        for e in self.exports.values():
+            for host, port in e.portals:
+                seen[(host, int(port))] = None
+        return list(seen)
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        for portal in self.portals():
+            self._on_portal[portal] = [export_info(e) for e in self.exports.values()
+                                       if portal in [(h, int(p)) for h, p in e.portals]]
+            host, port = portal
+            try:
+                srv = await loop.create_server(lambda p=portal: Connection(self, p),  # type: ignore[misc]
+                                               host, port, reuse_address=True, backlog=128)
+            except OSError as e:
+                await self.stop()
+                raise OSError(e.errno, f"cannot listen on {host}:{port}: {e.strerror}") from e
+            self._servers.append(srv)
+            log.info("NBD portal listening on %s:%d (%s)", host, port,
+                     ", ".join(x.name for x in self._on_portal[portal]))
+
+    async def serve_forever(self) -> None:
+        await asyncio.gather(*(s.serve_forever() for s in self._servers))
+
+    async def stop(self) -> None:
+        """Stop accepting, let requests in flight finish (new ones get NBD_ESHUTDOWN), then close."""
+        self.closing = True
+        for s in self._servers:
+            s.close()
+        for c in list(self.connections):
+            c.conn.start_shutdown()
+        if self.tasks:
+            await asyncio.wait(list(self.tasks), timeout=DRAIN_TIMEOUT)
+        for c in list(self.connections):
+            c.close()
+        for s in self._servers:
+            await s.wait_closed()
+        self._servers.clear()
+
+    def exports_on(self, portal: tuple[str, int]) -> list[ExportInfo]:
+        return self._on_portal.get(portal, [])
+
+
+class Connection(asyncio.Protocol):
+    """One TCP connection: the handshake, then the transmission phase on one export."""
+
+    def __init__(self, server: NbdServer, portal: tuple[str, int]) -> None:
+        self.server = server
+        self.portal = portal
+        self.conn = NbdServerConnection(server.exports_on(portal))
+        self.transport: asyncio.Transport | None = None
+        self.peer = "?"
+        self.export: NbdExportConfig | None = None
+        self.inflight = 0
+        self.inflight_bytes = 0
+        self._closed = False
+        self._disconnecting = False
+        self._write_paused = False
+        self._reading_paused = False
+        self._out: list[Buffer] = []
+        self._flush_pending = False
+        self._timer: asyncio.TimerHandle | None = None
+
+    # --- asyncio.Protocol ---------------------------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's transports implement asyncio.Transport without subclassing it: no isinstance check
+        self.transport = transport  # type: ignore[assignment]
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            # proto.md "Protocol phases": both ends SHOULD disable Nagle's algorithm
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        peer = transport.get_extra_info("peername")
+        self.peer = f"{peer[0]}:{peer[1]}" if peer else "?"
+        self.server.connections.add(self)
+        if self.server.closing:
+            self.conn.start_shutdown()
+        self._timer = asyncio.get_running_loop().call_later(self.server.handshake_timeout, self._handshake_expired)
+        self.send([self.conn.greeting()])
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._closed = True
+        self.server.connections.discard(self)
+        if self._timer is not None:
+            self._timer.cancel()
+        # requests still running finish on the device (a write may be half done); their replies are dropped
+
+    def pause_writing(self) -> None:
+        self._write_paused = True
+        self._update_reading()
+
+    def resume_writing(self) -> None:
+        self._write_paused = False
+        self._update_reading()
+
+    def data_received(self, data: bytes) -> None:
+        for event in self.conn.receive_data(data):
+            if self._closed:
+                return
+            if isinstance(event, Request):
+                self._start(event)
+            elif isinstance(event, Send):
+                self.send(event.data)
+            elif isinstance(event, Negotiated):
+                self._negotiated(event)
+            elif isinstance(event, Disconnect):
+                self._disconnecting = True
+                self._update_reading()
+                self._maybe_finish()
+            elif isinstance(event, Close):
+                log.warning("%s: %s; closing the connection", self.peer, event.reason)
+                self.close()
+
+    # --- sending ----------------------------------------------------------------------------------
+    def send(self, data: list[Buffer]) -> None:
+        if self._closed or self.transport is None:
+            return
+        # replies made in one turn of the event loop leave in one writelines (one sendmsg, not one each)
+        self._out.extend(data)
+        if not self._flush_pending:
+            self._flush_pending = True
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._flush_pending = False
+        if self._out and self.transport is not None and not self.transport.is_closing():
+            out, self._out = self._out, []
+            self.transport.writelines(out)
+
+    def close(self) -> None:
+        if not self._closed and self.transport is not None:
+            self._flush()
+            self._closed = True
+            self.transport.close()
+
+    def _update_reading(self) -> None:
+        if self._closed or self.transport is None:
+            return
+        pause = (self._write_paused or self._disconnecting or self.inflight >= MAX_INFLIGHT
+                 or self.inflight_bytes >= MAX_INFLIGHT_BYTES)
+        if pause and not self._reading_paused:
+            self.transport.pause_reading()
+        elif not pause and self._reading_paused:
+            self.transport.resume_reading()
+        self._reading_paused = pause
+
+    def _maybe_finish(self) -> None:
+        if self._disconnecting and not self.inflight:
+            self.close()
+
+    # --- handshake --------------------------------------------------------------------------------
+    def _handshake_expired(self) -> None:
+        if self.conn.session is None and not self._closed:
+            log.warning("%s: NBD handshake not finished in %.0f s; dropping the connection", self.peer,
+                        self.server.handshake_timeout)
+            self.close()
+
+    def _negotiated(self, ev: Negotiated) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self.export = self.server.exports[ev.export.name]
+        log.info("%s: NBD export %s (%d bytes%s%s)", self.peer, ev.export.name, ev.export.size,
+                 ", read-only" if ev.export.read_only else "", ", structured replies" if ev.structured else "")
+
+    # --- requests ---------------------------------------------------------------------------------
+    def _start(self, req: Request) -> None:
+        if self.server.closing:
+            # proto.md "Terminating the transmission phase": requests after shutdown began: NBD_ESHUTDOWN
+            self.send(self.conn.reply_error(req, Errno.ESHUTDOWN, "the server is shutting down"))
+            return
+        size = req.length if req.cmd in (Cmd.READ, Cmd.WRITE) else 0
+        self.inflight += 1
+        self.inflight_bytes += size
+        task = asyncio.get_running_loop().create_task(self._execute(req, size))
+        self.server.tasks.add(task)
+        task.add_done_callback(self.server.tasks.discard)
+        self._update_reading()
+
+    async def _execute(self, req: Request, size: int) -> None:
+        try:
+            out = await self._run(req)
+        except BlockError as e:
+            errno, offset = _errno(req, e, self.export)
+            out = self.conn.reply_error(req, errno, f"{_cmd_name(req.cmd)}: {e}", offset)
+        except Exception as e:  # one failing request must not take the connection down
+            log.exception("%s: %s at offset %d failed", self.peer, _cmd_name(req.cmd), req.offset)
+            out = self.conn.reply_error(req, Errno.EIO, f"{_cmd_name(req.cmd)}: internal error: {e}")
+        finally:
+            self.inflight -= 1
+            self.inflight_bytes -= size
+        self.send(out)
+        self._update_reading()
+        self._maybe_finish()
+
+    async def _run(self, req: Request) -> list[Buffer]:
+        assert self.export is not None
+        dev = self.export.device
+        bs = dev.block_size
+        lba, blocks = req.offset // bs, req.length // bs
+        cmd = req.cmd
+        if cmd == Cmd.READ:
+            data = await dev.read(lba, blocks) if blocks else b""
+            return self.conn.reply(req, data)
+        if cmd == Cmd.WRITE:
+            assert req.payload is not None
+            if blocks:
+                await dev.write(lba, req.payload, fua=req.fua)
+            elif req.fua:
+                await dev.flush()
+        elif cmd == Cmd.FLUSH:
+            await dev.flush()
+        elif cmd == Cmd.TRIM:
+            if blocks:
+                await dev.unmap(lba, blocks)
+            if req.fua:
+                await dev.flush()
+        elif cmd == Cmd.WRITE_ZEROES:
+            if req.no_hole:
+                # proto.md NBD_CMD_FLAG_NO_HOLE: the range must end up provisioned, so write real zeroes
+                # (write_zeroes may punch a hole)
+                step = ZERO_CHUNK // bs
+                for at in range(lba, lba + blocks, step):
+                    n = min(step, lba + blocks - at)
+                    await dev.write(at, memoryview(_ZEROES)[:n * bs])
+            elif blocks:
+                await dev.write_zeroes(lba, blocks)
+            if req.fua:
+                await dev.flush()
+        elif cmd == Cmd.BLOCK_STATUS:
+            # base:allocation: every block is reported allocated with unknown contents (status 0), which
+            # proto.md allows ("a server MAY always safely report a status of 0 for any block")
+            size = dev.num_blocks * bs
+            n = req.length or min(size - req.offset, 4096)
+            if n <= 0:
+                return self.conn.reply_error(req, Errno.EINVAL, "NBD_CMD_BLOCK_STATUS at the end of the export")
+            return self.conn.reply_block_status(req, [(n, 0)])
+        # NBD_CMD_CACHE: a hint; every read already goes to the device, so there is nothing to warm
+        return self.conn.reply(req)
+
+
+def _cmd_name(cmd: int) -> str:
+    try:
+        return f"NBD_CMD_{Cmd(cmd).name}"
+    except ValueError:
+        return f"command {cmd}"
+
+
+def _errno(req: Request, e: BlockError, export: NbdExportConfig | None) -> tuple[Errno, int | None]:
+    """Block errors to proto.md "Error values" (one place, as the SCSI layer does for sense data)."""
+    if isinstance(e, ReadOnly):
+        return Errno.EPERM, None
+    if isinstance(e, NoSpace):
+        return Errno.ENOSPC, None
+    if isinstance(e, OutOfRange):
+        return (Errno.ENOSPC if req.cmd in (Cmd.WRITE, Cmd.WRITE_ZEROES) else Errno.EINVAL), None
+    if isinstance(e, MediumError) and e.lba is not None and export is not None:
+        # NBD_REPLY_TYPE_ERROR_OFFSET: the offset MUST lie within the request
+        offset = e.lba * export.device.block_size
+        if req.offset <= offset < req.offset + req.length:
+            return Errno.EIO, offset
+    # MediumError, DeviceFailed, Busy (NBD has no "try again") and anything newer
+    return Errno.EIO, None
