@@ -53,6 +53,8 @@ TOOL_PACKAGES = {
     "socat": "socat",
     "cpio": "cpio",
     "ss": "iproute2",
+    "nbdinfo": "libnbd-bin",
+    "nbdcopy": "libnbd-bin",
 }
 # QEMU's iscsi:// driver is a loadable module, not part of qemu-utils.
 QEMU_ISCSI_MODULE = Path("/usr/lib/x86_64-linux-gnu/qemu/block-iscsi.so")
@@ -149,11 +151,15 @@ class VsanServer:
     mutual_chap: tuple[str, str] | None = None
     allowed_initiators: list[str] | None = None
     probe_initiator: str = PROBE_INITIATOR
+    nbd: bool = False  # also export disk0 over NBD, as export "disk0" on nbd_port
     proc: subprocess.Popen[bytes] | None = None
     starts: int = 0
     killed: bool = False  # the test killed it with SIGKILL on purpose
 
     def __post_init__(self) -> None:
+        # examples/single-node.toml also listens on NVMe/TCP 4420 and NBD 10809; write_example moves those too
+        self.nvme_port = free_port()
+        self.nbd_port = free_port()
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.config = self.workdir / "vsan.toml"
         self.data_dir = self.workdir / "data"
@@ -184,7 +190,24 @@ class VsanServer:
         if self.mutual_chap:
             u, s = self.mutual_chap
             lines.append(f"mutual_chap = {{ user = {json.dumps(u)}, secret = {json.dumps(s)} }}")
+        if self.nbd:
+            lines += [
+                "",
+                "[nbd]",
+                f'portals = ["127.0.0.1:{self.nbd_port}"]',
+                "",
+                "[[nbd.exports]]",
+                'name = "disk0"',
+                'volume = "disk0"',
+            ]
         self.config.write_text("\n".join(lines) + "\n")
+
+    def write_example(self, text: str) -> None:
+        """Serve a config written for the well-known ports (examples/single-node.toml: iSCSI 3260, NVMe/TCP
+        4420, NBD 10809) on this server's free ports instead, so a developer's `make run` cannot collide."""
+        for well_known, port in ((3260, self.port), (4420, self.nvme_port), (10809, self.nbd_port)):
+            text = text.replace(f'"127.0.0.1:{well_known}"', f'"127.0.0.1:{port}"')
+        self.config.write_text(text)
 
     def command(self) -> list[str]:
         return [str(VSAN), "serve", "--config", str(self.config), "--data-dir", str(self.data_dir)]
@@ -197,6 +220,10 @@ class VsanServer:
     def portal_url(self, *, user: str | None = None, secret: str | None = None) -> str:
         cred = f"{user}%{secret}@" if user is not None else ""
         return f"iscsi://{cred}127.0.0.1:{self.port}"
+
+    def nbd_url(self, export: str = "disk0") -> str:
+        """NBD URI (libnbd's nbd:// scheme, which QEMU and fio's nbd engine read too)."""
+        return f"nbd://127.0.0.1:{self.nbd_port}/{export}"
 
     def url(self, lun: int = 0, *, user: str | None = None, secret: str | None = None, **args: str) -> str:
         """libiscsi URL; args become URL arguments (header_digest=crc32c, target_user=..., target_password=...)."""

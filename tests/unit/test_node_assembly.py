@@ -60,7 +60,8 @@ class FakeServer:
 
 def fakes(**kw: Any) -> Factories:
     return Factories(FakeLun, FakeScsiTarget, FakeTargetConfig, lambda u, s: ("chap", u, s),
-                     kw.get("server", FakeServer))
+                     kw.get("server", FakeServer), nvme_server=kw.get("nvme_server"),
+                     nbd_server=kw.get("nbd_server"))
 
 
 def node_for(tmp_path: Path, data: dict[str, Any], **kw: Any) -> Node:
@@ -224,3 +225,105 @@ def test_signal_during_start_stops_once_up(tmp_path: Path) -> None:
     node = node_for(tmp_path, config(tmp_path), server=SlowStart)
     asyncio.run(asyncio.wait_for(serve(node), 5))
     assert FakeServer.instances[-1].events == ["start", "stop"]
+
+
+# --- NVMe/TCP and NBD ---------------------------------------------------------------------------------
+class FakeExportServer(FakeServer):
+    def __init__(self, exports: list[Any], **kw: Any) -> None:
+        super().__init__(exports)
+        self.kw = kw
+
+
+def all_protocols(tmp_path: Path) -> dict[str, Any]:
+    data = config(tmp_path)
+    data["nvme"] = {"portals": ["127.0.0.1:4420"], "subsystems": [
+        {"nqn": "nqn.2026-11.org.openvsan:disk0", "namespaces": [{"nsid": 1, "volume": "disk0"},
+                                                                 {"nsid": 2, "volume": "disk1"}],
+         "allowed_hosts": ["nqn.2014-08.org.nvmexpress:uuid:0c9a1d3e-1234-4567-89ab-0123456789ab"]}]}
+    data["nbd"] = {"portals": ["127.0.0.1:10809"], "exports": [
+        {"name": "disk0", "volume": "disk0"}, {"name": "d1", "volume": "disk1"},
+        {"name": "ro0", "volume": "disk0", "read_only": True, "portals": ["127.0.0.1:10810"]}]}
+    return data
+
+
+def test_one_volume_on_three_protocols(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    node = node_for(tmp_path, all_protocols(tmp_path), nvme_server=FakeExportServer, nbd_server=FakeExportServer)
+
+    async def go() -> None:
+        with caplog.at_level(logging.INFO, "openvsan.node"):
+            await node.start()
+        nvme, nbd = node.nvme_server, node.nbd_server
+        assert nvme.events == ["start"] and nbd.events == ["start"]
+        assert nvme.kw == {"discovery_portals": [("127.0.0.1", 4420)]}
+        (sub,) = nvme.targets
+        assert sub.nqn == "nqn.2026-11.org.openvsan:disk0" and sub.portals == [("127.0.0.1", 4420)]
+        assert sub.allowed_hosts == ["nqn.2014-08.org.nvmexpress:uuid:0c9a1d3e-1234-4567-89ab-0123456789ab"]
+        assert len(sub.serial) == 20 and sub.serial.isascii() and sub.model == "openvsan"
+        ns1, ns2 = sub.namespaces
+        assert (ns1.nsid, ns1.name, ns1.read_only) == (1, "disk0", False) and ns2.read_only
+        assert ns1.device is node.volumes["disk0"] and ns1.uuid == node.state.identities["disk0"].uuid
+        e0, e1, ro = nbd.targets
+        assert (e0.name, e0.portals, e0.read_only) == ("disk0", [("127.0.0.1", 10809)], False)
+        assert e0.device is node.volumes["disk0"] is ns1.device  # one volume, one device, every protocol
+        assert e1.read_only and ro.read_only and ro.portals == [("127.0.0.1", 10810)]
+        await node.stop()
+        assert nvme.events == nbd.events == ["start", "stop"] and node.devices == {}
+
+    asyncio.run(go())
+    assert "serving nqn.2026-11.org.openvsan:disk0 namespace 1 (disk0, 1.0 MiB) on 127.0.0.1:4420" in caplog.text
+    assert "serving NBD export ro0 (disk0, 1.0 MiB, read-only) on 127.0.0.1:10810" in caplog.text
+
+
+def test_serial_is_stable(tmp_path: Path) -> None:
+    from openvsan.node.node import subsystem_serial
+    assert subsystem_serial("nqn.2026-11.org.x:a") == subsystem_serial("nqn.2026-11.org.x:a") != \
+        subsystem_serial("nqn.2026-11.org.x:b")
+
+
+def test_nbd_port_in_use_stops_the_servers_already_started(tmp_path: Path) -> None:
+    err = OSError(98, "cannot listen on 127.0.0.1:10809: address already in use")
+    node = node_for(tmp_path, all_protocols(tmp_path), nvme_server=FakeExportServer,
+                    nbd_server=lambda e: FakeServer(e, fail=err))
+
+    async def go() -> None:
+        with pytest.raises(OSError, match="127.0.0.1:10809"):
+            await node.start()
+        assert node.devices == {} and node.server is None and node.nvme_server is None
+        iscsi, nvme = FakeServer.instances[-3:-1]
+        assert iscsi.events == ["start", "stop"] and nvme.events == ["start", "stop"]
+
+    asyncio.run(go())
+
+
+def test_nvme_section_without_nvme_server_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib
+
+    real = importlib.import_module
+
+    def no_nvme(name: str, *a: Any) -> Any:
+        if name == "openvsan.target.nvme_tcp":
+            raise ModuleNotFoundError("No module named 'openvsan.target.nvme_tcp'")
+        return real(name, *a)
+
+    monkeypatch.setattr(importlib, "import_module", no_nvme)
+    node = node_for(tmp_path, all_protocols(tmp_path), nbd_server=FakeExportServer)
+
+    async def go() -> None:
+        with pytest.raises(NodeError) as e:
+            await node.start()
+        assert "\n" not in str(e.value) and "cannot serve NVMe/TCP" in str(e.value)
+        assert "remove the [nvme] section" in str(e.value)
+        assert node.devices == {}
+
+    asyncio.run(go())
+    # without an [nvme] section the same build serves iSCSI and NBD
+    data = all_protocols(tmp_path)
+    del data["nvme"]
+    node = node_for(tmp_path, data, nbd_server=FakeExportServer)
+
+    async def go2() -> None:
+        await node.start()
+        assert node.nvme_server is None and node.nbd_server.events == ["start"]
+        await node.stop()
+
+    asyncio.run(go2())

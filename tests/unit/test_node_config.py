@@ -232,3 +232,78 @@ def test_portals(text: str, host: str, port: int) -> None:
 def test_portals_bad(text: object) -> None:
     with pytest.raises(ValueError):
         parse_portal(text)
+
+
+# --- NVMe/TCP and NBD sections ----------------------------------------------------------------------
+NVME = {"portals": ["127.0.0.1:4420"],
+        "subsystems": [{"nqn": "nqn.2026-11.org.openvsan:t0",
+                        "namespaces": [{"nsid": 2, "volume": "disk1"}, {"nsid": 1, "volume": "disk0"}]}]}
+NBD = {"portals": ["127.0.0.1:10809"], "exports": [{"name": "disk0", "volume": "disk0"}]}
+
+
+def nvme(**patch: Any) -> dict[str, Any]:
+    d = cfg(nvme=copy.deepcopy(NVME))
+    d["nvme"]["subsystems"][0].update(patch)
+    return d
+
+
+def nbd(**patch: Any) -> dict[str, Any]:
+    d = cfg(nbd=copy.deepcopy(NBD))
+    d["nbd"]["exports"][0].update(patch)
+    return d
+
+
+def test_nvme_and_nbd_sections() -> None:
+    c = parse_config(nvme(allowed_hosts=["nqn.2014-08.org.nvmexpress:uuid:0c9a1d3e-1234-4567-89ab-0123456789ab"],
+                          advertised_portals=["192.0.2.10:4420"], serial="SN1", portals=["127.0.0.1:4421"]))
+    (sub,) = c.subsystems
+    assert [n.nsid for n in sub.namespaces] == [1, 2]  # sorted
+    assert sub.portals == (Portal("127.0.0.1", 4421),) and c.nvme is not None
+    assert c.nvme.portals == (Portal("127.0.0.1", 4420),)  # the discovery service stays on the section's portals
+    assert sub.advertised_portals == (Portal("192.0.2.10", 4420),) and sub.serial == "SN1"
+    assert sub.allowed_hosts == ("nqn.2014-08.org.nvmexpress:uuid:0c9a1d3e-1234-4567-89ab-0123456789ab",)
+    c = parse_config(nbd(read_only=True, description="the first disk", portals=["[::1]:10810"]))
+    (e,) = c.nbd_exports
+    assert e.read_only and e.description == "the first disk" and e.portals == (Portal("::1", 10810),)
+    assert parse_config(cfg()).nvme is None and parse_config(cfg()).nbd_exports == ()
+    # one volume on every protocol at once
+    both = cfg(nvme=copy.deepcopy(NVME), nbd=copy.deepcopy(NBD))
+    assert parse_config(both).exports_anything()
+
+
+@pytest.mark.parametrize("data, expect", [
+    (cfg(nvme={}), 'nvme.portals: missing; add portals = ["127.0.0.1:4420"]'),
+    (cfg(nvme={"portals": ["127.0.0.1:4420"], "subsytems": []}), 'nvme.subsytems: unknown key; did you mean'),
+    (cfg(nvme={"subsystems": NVME["subsystems"]}), 'nvme.portals: missing; add portals = ["127.0.0.1:4420"]'),
+    (nvme(nqn="disk0"), "nvme.subsystems[0].nqn: 'disk0' is not an NQN"),
+    (nvme(nqn="nqn.2014-08.org.nvmexpress.discovery"), "is the discovery subsystem's NQN"),
+    (nvme(nqn="nqn.2026-11.org.x:" + "a" * 220), "is longer than 223 bytes"),
+    (nvme(namespaces=[]), "nvme.subsystems[0].namespaces: missing or empty"),
+    (nvme(namespaces=[{"nsid": 0, "volume": "disk0"}]), "nvme.subsystems[0].namespaces[0].nsid: 0 is out of range"),
+    (nvme(namespaces=[{"nsid": 1, "volume": "disk0"}, {"nsid": 1, "volume": "disk1"}]),
+     "nvme.subsystems[0].namespaces[1].nsid: namespace 1 is already used"),
+    (nvme(namespaces=[{"nsid": 1, "volume": "disk0"}, {"nsid": 2, "volume": "disk0"}]),
+     'nvme.subsystems[0].namespaces[1].volume: volume "disk0" is already a namespace of this subsystem'),
+    (nvme(namespaces=[{"nsid": 1, "volume": "disk9"}]),
+     'nvme.subsystems[0].namespaces[0].volume: unknown volume "disk9"; define it under [[volumes]] or use one of'),
+    (nvme(namespaces=[{"nsid": 1, "volume": "disk0", "lun": 0}]), "namespaces[0].lun: unknown key"),
+    (nvme(allowed_hosts=["host1"]), "nvme.subsystems[0].allowed_hosts[0]: 'host1' is not an NQN"),
+    (nvme(serial="x" * 21), "nvme.subsystems[0].serial: use up to 20 printable ASCII characters"),
+    (nvme(portals=["127.0.0.1:3260"]),
+     "nvme.subsystems[0].portals: 127.0.0.1:3260 is already an iSCSI portal (iscsi.targets[0].portals)"),
+    (cfg(nvme={"portals": ["127.0.0.1:4420"], "subsystems": NVME["subsystems"] * 2}),
+     'nvme.subsystems[1].nqn: subsystem "nqn.2026-11.org.openvsan:t0" is already defined'),
+    (cfg(nbd={"exports": NBD["exports"]}), 'nbd.portals: missing; add portals = ["127.0.0.1:10809"]'),
+    (nbd(name=""), "nbd.exports[0].name: an NBD export name is a non-empty string"),
+    (nbd(name="a\nb"), "nbd.exports[0].name: 'a\\nb': use up to 256 bytes of printable text"),
+    (nbd(volume="disk9"), 'nbd.exports[0].volume: unknown volume "disk9"'),
+    (nbd(read_only="no"), 'nbd.exports[0].read_only: expected true or false, found "no"'),
+    (nbd(volme="disk0"), 'nbd.exports[0].volme: unknown key; did you mean "volume"?'),
+    (nbd(portals=["0.0.0.0:3260"]), "nbd.exports[0].portals: 0.0.0.0:3260 is already an iSCSI portal"),
+    (cfg(nbd={"portals": ["127.0.0.1:10809"], "exports": NBD["exports"] * 2}),
+     'nbd.exports[1].name: an NBD export named "disk0" is already defined'),
+    (cfg(nvme=copy.deepcopy(NVME), nbd={"portals": ["127.0.0.1:4420"], "exports": NBD["exports"]}),
+     "nbd.exports[0].portals: 127.0.0.1:4420 is already an NVMe/TCP portal (nvme.portals)"),
+])
+def test_bad_nvme_and_nbd_config(data: dict[str, Any], expect: str) -> None:
+    assert expect in error(data)

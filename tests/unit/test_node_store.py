@@ -103,3 +103,43 @@ def test_not_a_database(tmp_path: Path) -> None:
     (tmp_path / "state.db").write_bytes(b"this is not sqlite" * 100)
     with pytest.raises(StoreError, match="cannot use the state database"):
         Store.open(tmp_path)
+
+
+def test_nvme_and_nbd_round_trip(tmp_path: Path) -> None:
+    cfg = parse_config({
+        "devices": [{"name": "r0", "type": "ram", "size": "1MiB"}, {"name": "r1", "type": "ram", "size": "1MiB"}],
+        "volumes": [{"name": "disk0", "device": "r0"}, {"name": "disk1", "device": "r1", "read_only": True}],
+        "nvme": {"portals": ["127.0.0.1:4420", "[::1]:4420"], "subsystems": [
+            {"nqn": "nqn.2026-11.org.openvsan:a", "namespaces": [{"nsid": 1, "volume": "disk0"},
+                                                                 {"nsid": 7, "volume": "disk1"}],
+             "allowed_hosts": ["nqn.2014-08.org.nvmexpress:uuid:0c9a1d3e-1234-4567-89ab-0123456789ab"],
+             "advertised_portals": ["192.0.2.1:4420"], "serial": "S1", "model": "m"},
+            {"nqn": "nqn.2026-11.org.openvsan:b", "namespaces": [{"nsid": 1, "volume": "disk0"}],
+             "portals": ["127.0.0.1:4421"], "allowed_hosts": []}]},
+        "nbd": {"portals": ["127.0.0.1:10809"], "exports": [
+            {"name": "disk0", "volume": "disk0", "description": "zero"},
+            {"name": "disk1-ro", "volume": "disk1", "read_only": True, "portals": ["127.0.0.1:10810"]}]},
+    })
+    with Store.open(tmp_path) as s:
+        s.import_config(cfg)
+        assert s.load().config == cfg
+        # an [nvme] section with nothing in it is kept apart from no section at all
+        s.import_config(parse_config({"nvme": {"portals": ["127.0.0.1:4420"]}}))
+        state = s.load().config
+        assert state.nvme is not None and state.nvme.subsystems == () and state.nbd_exports == ()
+        s.import_config(parse_config({}))
+        assert s.load().config.nvme is None
+
+
+def test_version_1_database_is_migrated(tmp_path: Path) -> None:
+    db = sqlite3.connect(tmp_path / "state.db")
+    db.execute("CREATE TABLE schema_version (version INTEGER NOT NULL)")
+    db.execute("INSERT INTO schema_version VALUES (1)")
+    from openvsan.node.store import _MIGRATIONS
+    db.executescript(_MIGRATIONS[0])
+    db.commit()
+    db.close()
+    with Store(tmp_path / "state.db") as s:
+        assert s.schema_version() == SCHEMA_VERSION == 2
+        s.import_config(config())
+        assert s.load().config.nbd_exports == ()

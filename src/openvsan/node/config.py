@@ -7,6 +7,7 @@ Validation is complete before anything is stored or started (STYLE.md §5).
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import socket
 import tomllib
@@ -19,6 +20,8 @@ from openvsan.node.values import (
     Portal,
     check_chap_secret,
     check_iscsi_name,
+    check_nbd_export_name,
+    check_nqn,
     check_object_name,
     parse_portal,
     parse_size,
@@ -29,6 +32,8 @@ T = TypeVar("T")
 DEVICE_TYPES = ("ram", "file", "null")
 BLOCK_SIZES = (512, 4096)
 MAX_LUN = 16383  # SAM-5 flat/peripheral addressing as Linux and Windows use it: 14 bits
+MAX_NSID = 0xFFFFFFFE  # NVMe Base 2.0 §3.2.1.2: 0 and FFFFFFFFh are not valid namespace IDs
+NVME_PORT, NBD_PORT = 4420, 10809  # IANA: NVMe/TCP I/O controllers; NBD
 
 
 class ConfigError(ValueError):
@@ -85,12 +90,55 @@ class TargetSpec:
 
 
 @dataclass(frozen=True)
+class NamespaceSpec:
+    nsid: int
+    volume: str
+
+
+@dataclass(frozen=True)
+class SubsystemSpec:
+    nqn: str
+    namespaces: tuple[NamespaceSpec, ...]
+    portals: tuple[Portal, ...]
+    advertised_portals: tuple[Portal, ...] = ()
+    allowed_hosts: tuple[str, ...] | None = None  # None: any host NQN
+    serial: str = ""                              # "": derived from the NQN (stable across restarts)
+    model: str = "openvsan"
+
+
+@dataclass(frozen=True)
+class NvmeSpec:
+    """The [nvme] section: its portals serve the discovery subsystem and are the subsystems' default."""
+
+    portals: tuple[Portal, ...] = ()
+    subsystems: tuple[SubsystemSpec, ...] = ()
+
+
+@dataclass(frozen=True)
+class NbdExportSpec:
+    name: str
+    volume: str
+    portals: tuple[Portal, ...]
+    read_only: bool = False
+    description: str = ""
+
+
+@dataclass(frozen=True)
 class NodeConfig:
     node: NodeSettings
     devices: tuple[DeviceSpec, ...] = ()
     volumes: tuple[VolumeSpec, ...] = ()
     targets: tuple[TargetSpec, ...] = ()
     source: Path | None = field(default=None, compare=False)
+    nvme: NvmeSpec | None = None                  # None: no [nvme] section, no NVMe/TCP server
+    nbd_exports: tuple[NbdExportSpec, ...] = ()
+
+    @property
+    def subsystems(self) -> tuple[SubsystemSpec, ...]:
+        return self.nvme.subsystems if self.nvme is not None else ()
+
+    def exports_anything(self) -> bool:
+        return bool(self.targets or self.subsystems or self.nbd_exports)
 
     def device(self, name: str) -> DeviceSpec:
         return next(d for d in self.devices if d.name == name)
@@ -113,7 +161,7 @@ def load_config(path: str | Path) -> NodeConfig:
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: not valid TOML: {e}") from None
     cfg = parse_config(data, base_dir=path.resolve().parent)
-    return NodeConfig(cfg.node, cfg.devices, cfg.volumes, cfg.targets, source=path.resolve())
+    return dataclasses.replace(cfg, source=path.resolve())
 
 
 def _fmt(v: object) -> str:
@@ -182,8 +230,12 @@ def parse_config(data: dict[str, Any], *, base_dir: Path | None = None) -> NodeC
     devices = _parse_devices(top, base_dir)
     volumes = _parse_volumes(top, devices)
     targets = _parse_iscsi(top, volumes)
-    top.done(("node", "devices", "volumes", "iscsi"))
-    return NodeConfig(node, devices, volumes, targets)
+    nvme = _parse_nvme(top, volumes)
+    nbd = _parse_nbd(top, volumes)
+    top.done(("node", "devices", "volumes", "iscsi", "nvme", "nbd"))
+    cfg = NodeConfig(node, devices, volumes, targets, nvme=nvme, nbd_exports=nbd)
+    _check_portal_clashes(cfg)
+    return cfg
 
 
 def _parse_node(top: _Table, base_dir: Path | None) -> NodeSettings:
@@ -278,11 +330,11 @@ def _parse_volumes(top: _Table, devices: tuple[DeviceSpec, ...]) -> tuple[Volume
     return tuple(out)
 
 
-def _portals(t: _Table, key: str, *, required: bool) -> tuple[Portal, ...]:
+def _portals(t: _Table, key: str, *, required: bool, port: int = 3260) -> tuple[Portal, ...]:
     values = t.get(key, list, None)
     if values is None:
         if required:
-            raise ConfigError(f'{t.key(key)}: missing; add portals = ["127.0.0.1:3260"]')
+            raise ConfigError(f'{t.key(key)}: missing; add portals = ["127.0.0.1:{port}"]')
         return ()
     out: list[Portal] = []
     for i, v in enumerate(values):
@@ -291,7 +343,7 @@ def _portals(t: _Table, key: str, *, required: bool) -> tuple[Portal, ...]:
             raise ConfigError(f"{t.key(key)}[{i}]: {portal} is listed twice; remove one")
         out.append(portal)
     if required and not out:
-        raise ConfigError(f'{t.key(key)}: empty; list at least one, e.g. ["127.0.0.1:3260"]')
+        raise ConfigError(f'{t.key(key)}: empty; list at least one, e.g. ["127.0.0.1:{port}"]')
     return tuple(out)
 
 
@@ -375,6 +427,123 @@ def _parse_iscsi(top: _Table, volumes: tuple[VolumeSpec, ...]) -> tuple[TargetSp
         luns.sort(key=lambda x: x.lun)
         out.append(TargetSpec(iqn, tuple(luns), own_portals, own_advertised, allowed, chap, mutual, alias, tpgt))
     return tuple(out)
+
+
+def _volume_ref(t: _Table, key: str, volumes: tuple[VolumeSpec, ...]) -> str:
+    names = [v.name for v in volumes]
+    volume = t.get(key, str, required=True, hint='add volume = "disk0"')
+    if volume not in names:
+        known = f"use one of: {', '.join(names)}" if names else "none is defined"
+        raise ConfigError(f"{t.key(key)}: unknown volume {_fmt(volume)}; define it under [[volumes]] or {known}")
+    return str(volume)
+
+
+def _parse_nvme(top: _Table, volumes: tuple[VolumeSpec, ...]) -> NvmeSpec | None:
+    if not top.has("nvme"):
+        return None
+    t = _Table(top.get("nvme", dict), "nvme")
+    raw = t.get("subsystems", list, [])
+    portals = _portals(t, "portals", required=not raw or any(isinstance(x, dict) and "portals" not in x for x in raw),
+                       port=NVME_PORT)
+    t.done(("portals", "subsystems"))
+    out: list[SubsystemSpec] = []
+    for i, rs in enumerate(raw):
+        st = _Table(rs, f"nvme.subsystems[{i}]", what="an [[nvme.subsystems]] table")
+        nqn = st.check("nqn", check_nqn, st.get("nqn", str, required=True,
+                                                hint='add nqn = "nqn.2026-11.org.example:disk0"'))
+        if any(x.nqn == nqn for x in out):
+            raise ConfigError(f"{st.key('nqn')}: subsystem {_fmt(nqn)} is already defined; give each subsystem "
+                              "its own nqn")
+        namespaces: list[NamespaceSpec] = []
+        for npath, nraw in _items(st, "namespaces", hint='add namespaces = [{ nsid = 1, volume = "disk0" }]'):
+            nt = _Table(nraw, npath, what='a table { nsid = 1, volume = "disk0" }')
+            nsid = nt.get("nsid", int, required=True, hint="add nsid = 1 (namespace IDs start at 1)")
+            if not 1 <= nsid <= MAX_NSID:
+                raise ConfigError(f"{nt.key('nsid')}: {nsid} is out of range; use 1 to {MAX_NSID} "
+                                  "(NVMe Base 2.0 §3.2.1.2)")
+            if any(x.nsid == nsid for x in namespaces):
+                raise ConfigError(f"{nt.key('nsid')}: namespace {nsid} is already used in this subsystem; "
+                                  "pick another number")
+            volume = _volume_ref(nt, "volume", volumes)
+            if any(x.volume == volume for x in namespaces):
+                raise ConfigError(f"{nt.key('volume')}: volume {_fmt(volume)} is already a namespace of this "
+                                  "subsystem; export it once")
+            nt.done(("nsid", "volume"))
+            namespaces.append(NamespaceSpec(nsid, volume))
+        if not namespaces:
+            raise ConfigError(f'{st.key("namespaces")}: missing or empty; add namespaces = '
+                              '[{ nsid = 1, volume = "disk0" }]')
+        own = _portals(st, "portals", required=False, port=NVME_PORT) or portals
+        advertised = _portals(st, "advertised_portals", required=False, port=NVME_PORT)
+        allowed: tuple[str, ...] | None = None
+        if st.has("allowed_hosts"):
+            hosts: list[str] = []
+            for j, h in enumerate(st.get("allowed_hosts", list)):
+                h = st.check(f"allowed_hosts[{j}]", lambda v: check_nqn(v, subsystem=False), h)
+                if h in hosts:
+                    raise ConfigError(f"{st.key('allowed_hosts')}[{j}]: {_fmt(h)} is listed twice; remove one")
+                hosts.append(h)
+            allowed = tuple(hosts)
+        serial = st.get("serial", str, "")
+        # NVMe Base 2.0 Figure 275 (Identify Controller SN): 20 bytes of printable ASCII
+        if serial and (len(serial) > 20 or not serial.isascii() or not serial.isprintable()):
+            raise ConfigError(f"{st.key('serial')}: use up to 20 printable ASCII characters (Identify Controller SN)")
+        model = st.get("model", str, "openvsan")
+        if not model or len(model) > 40 or not model.isascii() or not model.isprintable():
+            raise ConfigError(f"{st.key('model')}: use 1 to 40 printable ASCII characters (Identify Controller MN)")
+        st.done(("nqn", "namespaces", "portals", "advertised_portals", "allowed_hosts", "serial", "model"))
+        namespaces.sort(key=lambda x: x.nsid)
+        out.append(SubsystemSpec(nqn, tuple(namespaces), own, advertised, allowed, serial, model))
+    return NvmeSpec(portals, tuple(out))
+
+
+def _parse_nbd(top: _Table, volumes: tuple[VolumeSpec, ...]) -> tuple[NbdExportSpec, ...]:
+    if not top.has("nbd"):
+        return ()
+    t = _Table(top.get("nbd", dict), "nbd")
+    raw = t.get("exports", list, [])
+    portals = _portals(t, "portals", required=any(isinstance(x, dict) and "portals" not in x for x in raw),
+                       port=NBD_PORT)
+    t.done(("portals", "exports"))
+    out: list[NbdExportSpec] = []
+    for i, re_ in enumerate(raw):
+        et = _Table(re_, f"nbd.exports[{i}]", what="an [[nbd.exports]] table")
+        name = et.check("name", check_nbd_export_name, et.get("name", str, required=True,
+                                                               hint='add name = "disk0" (what clients ask for)'))
+        if any(x.name == name for x in out):
+            raise ConfigError(f"{et.key('name')}: an NBD export named {_fmt(name)} is already defined; give each "
+                              "export its own name")
+        volume = _volume_ref(et, "volume", volumes)
+        own = _portals(et, "portals", required=False, port=NBD_PORT) or portals
+        read_only = et.get("read_only", bool, False)
+        description = et.get("description", str, "")
+        if len(description.encode()) > 4096 or not description.isprintable():
+            raise ConfigError(f"{et.key('description')}: use up to 4096 bytes of printable text")
+        et.done(("name", "volume", "portals", "read_only", "description"))
+        out.append(NbdExportSpec(name, volume, own, read_only, description))
+    return tuple(out)
+
+
+def _check_portal_clashes(cfg: NodeConfig) -> None:
+    """Two protocols cannot listen on one address: the second server would fail to bind at start."""
+    seen: dict[Portal, tuple[str, str]] = {}  # portal -> (protocol, key path)
+    uses: list[tuple[str, str, Portal]] = []
+    for i, tgt in enumerate(cfg.targets):
+        uses += [("iSCSI", f"iscsi.targets[{i}].portals", p) for p in tgt.portals]
+    if cfg.nvme is not None:
+        uses += [("NVMe/TCP", "nvme.portals", p) for p in cfg.nvme.portals]
+        for i, sub in enumerate(cfg.nvme.subsystems):
+            uses += [("NVMe/TCP", f"nvme.subsystems[{i}].portals", p) for p in sub.portals]
+    for i, e in enumerate(cfg.nbd_exports):
+        uses += [("NBD", f"nbd.exports[{i}].portals", p) for p in e.portals]
+    wildcard = ("0.0.0.0", "::")
+    for proto, key, p in uses:
+        for q, (other, where) in seen.items():
+            same = q == p or (q.port == p.port and (q.host in wildcard or p.host in wildcard))
+            if same and other != proto:
+                raise ConfigError(f"{key}: {p} is already an {other} portal ({where}); give {proto} another port "
+                                  f"(NVMe/TCP uses {NVME_PORT}, NBD {NBD_PORT}, iSCSI 3260)")
+        seen.setdefault(p, (proto, key))
 
 
 def preflight(cfg: NodeConfig) -> None:

@@ -1,7 +1,9 @@
-"""The node daemon: desired state (from the store) -> devices -> volumes -> LUNs -> iSCSI targets -> server.
+"""The node daemon: desired state (from the store) -> devices -> volumes -> exports -> servers.
 
-Assembly is a chain of small factories so each step can be replaced (later layers: pools, thin volumes,
-caches) and so tests can assemble a node around stand-ins of the SCSI and iSCSI layers.
+Volumes are exported as LUNs of iSCSI targets, namespaces of NVMe/TCP subsystems and NBD exports; one
+volume may be all three at once. Assembly is a chain of small factories so each step can be replaced
+(later layers: pools, thin volumes, caches) and so tests can assemble a node around stand-ins of the
+protocol layers.
 """
 
 from __future__ import annotations
@@ -9,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
+import hashlib
+import importlib
 import logging
 import os
 import signal
@@ -18,7 +22,7 @@ from pathlib import Path
 from typing import Any, Self
 
 from openvsan.block import BlockDevice, FileDevice, NullDevice, RamDevice
-from openvsan.node.config import DeviceSpec, TargetSpec, VolumeSpec
+from openvsan.node.config import DeviceSpec, NbdExportSpec, SubsystemSpec, TargetSpec, VolumeSpec
 from openvsan.node.store import StoredState, VolumeIdentity
 from openvsan.node.values import format_size
 
@@ -50,13 +54,16 @@ def open_volume(spec: VolumeSpec, device: BlockDevice) -> BlockDevice:
 
 @dataclass
 class Factories:
-    """How the node builds the protocol objects; defaults are the real SCSI and iSCSI layers."""
+    """How the node builds the protocol objects; defaults are the real SCSI, iSCSI, NVMe/TCP and NBD layers."""
 
     lun: Callable[..., Any]
     scsi_target: Callable[[str, dict[int, Any]], Any]
     target_config: Callable[..., Any]
     chap: Callable[[str, str], Any]
     server: Callable[[list[Any]], Any]
+    # None: the real one, imported when the config asks for it (NVMe/TCP only with an [nvme] section)
+    nvme_server: Callable[..., Any] | None = None
+    nbd_server: Callable[[list[Any]], Any] | None = None
 
     @classmethod
     def default(cls) -> Factories:
@@ -65,9 +72,34 @@ class Factories:
             from openvsan.protocol.scsi import Lun, ScsiTarget
             from openvsan.target.config import ChapCredential, IscsiTargetConfig
             from openvsan.target.iscsi import IscsiServer
+            from openvsan.target.nbd import NbdServer
         except ImportError as e:
-            raise NodeError(f"this build cannot serve iSCSI: {e}") from e
-        return cls(Lun, ScsiTarget, IscsiTargetConfig, ChapCredential, IscsiServer)
+            raise NodeError(f"this build cannot serve iSCSI and NBD: {e}") from e
+        return cls(Lun, ScsiTarget, IscsiTargetConfig, ChapCredential, IscsiServer, nbd_server=NbdServer)
+
+
+def _real_nvme_server() -> Callable[..., Any]:
+    # by name, at run time: the NVMe/TCP target is optional for a node whose config has no [nvme] section
+    try:
+        module = importlib.import_module("openvsan.target.nvme_tcp")
+    except ImportError as e:
+        raise NodeError(f"this build cannot serve NVMe/TCP ({e}); remove the [nvme] section from the config or "
+                        "install an openvsan with openvsan.target.nvme_tcp") from e
+    server: Callable[..., Any] | None = getattr(module, "NvmeTcpServer", None)
+    if server is None:
+        raise NodeError("this build cannot serve NVMe/TCP (openvsan.target.nvme_tcp has no NvmeTcpServer); remove "
+                        "the [nvme] section from the config")
+    return server
+
+
+def _real_nbd_server() -> Callable[[list[Any]], Any]:
+    from openvsan.target.nbd import NbdServer
+    return NbdServer
+
+
+def subsystem_serial(nqn: str) -> str:
+    """A controller serial (Identify Controller SN, 20 ASCII bytes) that stays the same across restarts."""
+    return hashlib.sha256(nqn.encode()).hexdigest()[:20]
 
 
 @dataclass
@@ -79,12 +111,18 @@ class Node:
     volumes: dict[str, BlockDevice] = field(default_factory=dict)
     luns: dict[str, Any] = field(default_factory=dict)       # volume name -> Lun (shared by its targets)
     targets: list[Any] = field(default_factory=list)         # IscsiTargetConfig
-    server: Any = None
+    server: Any = None                                       # the iSCSI server
+    subsystems: list[Any] = field(default_factory=list)      # NvmeSubsystemConfig
+    nvme_server: Any = None
+    nbd_exports: list[Any] = field(default_factory=list)     # NbdExportConfig
+    nbd_server: Any = None
 
     async def start(self) -> None:
         cfg = self.state.config
         f = self.factories or Factories.default()
         try:
+            # before any device is opened: a build without NVMe/TCP fails at once, touching nothing
+            nvme_factory = (f.nvme_server or _real_nvme_server()) if cfg.nvme is not None else None
             for spec in cfg.devices:
                 try:
                     self.devices[spec.name] = open_device(spec)
@@ -98,7 +136,18 @@ class Node:
                 self.targets.append(self._build_target(t, f, pr_dir))
             self.server = f.server(self.targets)
             await self.server.start()
+            if cfg.nvme is not None:
+                assert nvme_factory is not None
+                self.subsystems = [self._build_subsystem(sub) for sub in cfg.nvme.subsystems]
+                discovery = [(p.host, p.port) for p in cfg.nvme.portals] or None
+                self.nvme_server = nvme_factory(self.subsystems, discovery_portals=discovery)
+                await self.nvme_server.start()
+            if cfg.nbd_exports:
+                self.nbd_exports = [self._build_nbd_export(e) for e in cfg.nbd_exports]
+                self.nbd_server = (f.nbd_server or _real_nbd_server())(self.nbd_exports)
+                await self.nbd_server.start()
         except BaseException:
+            await self._stop_servers()
             await self.close_devices()
             raise
         for t in cfg.targets:
@@ -112,8 +161,23 @@ class Node:
             acl = ("any initiator" if t.allowed_initiators is None
                    else f"{len(t.allowed_initiators)} allowed initiator(s)")
             log.info("%s: %s, %s", t.iqn, auth, acl)
-        if not cfg.targets:
-            log.warning("no iSCSI targets are configured; nothing is exported")
+        for sub in cfg.subsystems:
+            where = ", ".join(str(p) for p in sub.portals)
+            for ns in sub.namespaces:
+                dev = self.volumes[ns.volume]
+                log.info("serving %s namespace %d (%s, %s%s) on %s", sub.nqn, ns.nsid, ns.volume,
+                         format_size(dev.num_blocks * dev.block_size),
+                         ", read-only" if cfg.volume(ns.volume).read_only else "", where)
+            acl = "any host" if sub.allowed_hosts is None else f"{len(sub.allowed_hosts)} allowed host(s)"
+            log.info("%s: %s", sub.nqn, acl)
+        for x in cfg.nbd_exports:
+            dev = self.volumes[x.volume]
+            log.info("serving NBD export %s (%s, %s%s) on %s", x.name, x.volume,
+                     format_size(dev.num_blocks * dev.block_size),
+                     ", read-only" if x.read_only or cfg.volume(x.volume).read_only else "",
+                     ", ".join(str(p) for p in x.portals))
+        if not cfg.exports_anything():
+            log.warning("no iSCSI targets, NVMe subsystems or NBD exports are configured; nothing is exported")
 
     def _build_target(self, t: TargetSpec, f: Factories, pr_dir: Path) -> Any:
         luns = {}
@@ -134,18 +198,52 @@ class Node:
             mutual_chap=f.chap(t.mutual_chap.user, t.mutual_chap.secret) if t.mutual_chap else None,
             alias=t.alias, portal_group_tag=t.portal_group_tag)
 
+    def _build_subsystem(self, sub: SubsystemSpec) -> Any:
+        from openvsan.target.config import NvmeNamespaceConfig, NvmeSubsystemConfig
+
+        cfg = self.state.config
+        namespaces = [NvmeNamespaceConfig(ns.nsid, self.volumes[ns.volume], ns.volume,
+                                          self.state.identities[ns.volume].uuid,
+                                          read_only=cfg.volume(ns.volume).read_only)
+                      for ns in sub.namespaces]
+        return NvmeSubsystemConfig(
+            sub.nqn, namespaces, [(p.host, p.port) for p in sub.portals],
+            advertised_portals=[(p.host, p.port) for p in sub.advertised_portals],
+            allowed_hosts=list(sub.allowed_hosts) if sub.allowed_hosts is not None else None,
+            serial=sub.serial or subsystem_serial(sub.nqn), model=sub.model)
+
+    def _build_nbd_export(self, e: NbdExportSpec) -> Any:
+        from openvsan.target.config import NbdExportConfig
+
+        read_only = e.read_only or self.state.config.volume(e.volume).read_only
+        return NbdExportConfig(e.name, self.volumes[e.volume], [(p.host, p.port) for p in e.portals],
+                               read_only=read_only, description=e.description or f"openvsan volume {e.volume}")
+
+    def _servers(self) -> list[Any]:
+        return [s for s in (self.server, self.nvme_server, self.nbd_server) if s is not None]
+
+    async def _stop_servers(self) -> None:
+        servers = self._servers()
+        self.server = self.nvme_server = self.nbd_server = None
+        # each drains its own in-flight commands; they drain side by side
+        results = await asyncio.gather(*(s.stop() for s in servers), return_exceptions=True)
+        for srv, r in zip(servers, results, strict=True):
+            if isinstance(r, BaseException):
+                log.error("%s: stop failed: %s", type(srv).__name__, r)
+
     async def stop(self) -> None:
         """Stop accepting, drain in-flight commands, make everything acknowledged durable, close."""
-        if self.server is not None:
+        if self._servers():
             log.info("stopping: draining in-flight commands")
-            await self.server.stop()
-            self.server = None
+            await self._stop_servers()
         for t in self.targets:
             try:
                 await t.scsi.flush_all()
             except Exception as e:  # noqa: BLE001 - keep flushing the rest
                 log.error("%s: flush failed: %s", t.iqn, e)
         self.targets.clear()
+        self.subsystems.clear()
+        self.nbd_exports.clear()
         await self.close_devices()
         log.info("stopped")
 
@@ -223,7 +321,7 @@ async def serve(node: Node, *, stop: asyncio.Event | None = None) -> None:
         except asyncio.CancelledError:
             if not draining.cancelled():
                 raise
-            node.server = None
+            node.server = node.nvme_server = node.nbd_server = None
             await node.close_devices()
     finally:
         for sig in installed:

@@ -22,14 +22,18 @@ from openvsan.node.config import (
     ChapSpec,
     DeviceSpec,
     LunSpec,
+    NamespaceSpec,
+    NbdExportSpec,
     NodeConfig,
     NodeSettings,
+    NvmeSpec,
+    SubsystemSpec,
     TargetSpec,
     VolumeSpec,
 )
 from openvsan.node.values import Portal
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 STATE_DB = "state.db"
 
 # Each entry moves the schema from version i to i+1; a released migration is never edited.
@@ -63,6 +67,30 @@ _MIGRATIONS: list[str] = [
         iqn TEXT NOT NULL REFERENCES targets (iqn) ON DELETE CASCADE,
         role TEXT NOT NULL CHECK (role IN ('initiator', 'target')), user TEXT NOT NULL, secret TEXT NOT NULL,
         PRIMARY KEY (iqn, role));
+    """,
+    # 2: NVMe/TCP subsystems and NBD exports
+    """
+    CREATE TABLE nvme_portals (position INTEGER NOT NULL, host TEXT NOT NULL, port INTEGER NOT NULL,
+        PRIMARY KEY (host, port));
+    CREATE TABLE subsystems (
+        nqn TEXT PRIMARY KEY, position INTEGER NOT NULL, serial TEXT NOT NULL, model TEXT NOT NULL,
+        any_host INTEGER NOT NULL);
+    CREATE TABLE subsystem_portals (
+        nqn TEXT NOT NULL REFERENCES subsystems (nqn) ON DELETE CASCADE, advertised INTEGER NOT NULL,
+        position INTEGER NOT NULL, host TEXT NOT NULL, port INTEGER NOT NULL,
+        PRIMARY KEY (nqn, advertised, host, port));
+    CREATE TABLE namespaces (
+        nqn TEXT NOT NULL REFERENCES subsystems (nqn) ON DELETE CASCADE, nsid INTEGER NOT NULL,
+        volume TEXT NOT NULL REFERENCES volumes (name), PRIMARY KEY (nqn, nsid));
+    CREATE TABLE host_acls (
+        nqn TEXT NOT NULL REFERENCES subsystems (nqn) ON DELETE CASCADE, position INTEGER NOT NULL,
+        host TEXT NOT NULL, PRIMARY KEY (nqn, host));
+    CREATE TABLE nbd_exports (
+        name TEXT PRIMARY KEY, position INTEGER NOT NULL, volume TEXT NOT NULL REFERENCES volumes (name),
+        read_only INTEGER NOT NULL, description TEXT NOT NULL);
+    CREATE TABLE nbd_portals (
+        name TEXT NOT NULL REFERENCES nbd_exports (name) ON DELETE CASCADE, position INTEGER NOT NULL,
+        host TEXT NOT NULL, port INTEGER NOT NULL, PRIMARY KEY (name, host, port));
     """,
 ]
 
@@ -147,13 +175,16 @@ class Store:
     def import_config(self, cfg: NodeConfig) -> None:
         """Make `cfg` the desired state, all or nothing. Identities of known volume names are kept."""
         with self._transaction() as db:
-            for table in ("chap_users", "acls", "luns", "target_portals", "targets", "volumes", "devices", "node"):
+            for table in ("nbd_portals", "nbd_exports", "host_acls", "namespaces", "subsystem_portals", "subsystems",
+                          "nvme_portals", "chap_users", "acls", "luns", "target_portals", "targets", "volumes",
+                          "devices", "node"):
                 db.execute(f"DELETE FROM {table}")
             db.executemany("INSERT INTO node VALUES (?, ?)", [
                 ("name", cfg.node.name),
                 ("data_dir", str(cfg.node.data_dir) if cfg.node.data_dir else ""),
                 ("source", str(cfg.source) if cfg.source else ""),
                 ("imported", datetime.now(UTC).isoformat(timespec="seconds")),
+                ("nvme", "1" if cfg.nvme is not None else ""),
             ])
             db.executemany("INSERT INTO devices VALUES (?, ?, ?, ?, ?, ?, ?, ?)", [
                 (d.name, i, d.type, d.size, d.block_size, _str(d.backing), _str(d.path), int(d.direct))
@@ -174,6 +205,24 @@ class Store:
                 for role, chap in (("initiator", t.chap), ("target", t.mutual_chap)):
                     if chap:
                         db.execute("INSERT INTO chap_users VALUES (?, ?, ?, ?)", (t.iqn, role, chap.user, chap.secret))
+            if cfg.nvme is not None:
+                db.executemany("INSERT INTO nvme_portals VALUES (?, ?, ?)",
+                               [(j, p.host, p.port) for j, p in enumerate(cfg.nvme.portals)])
+            for i, sub in enumerate(cfg.subsystems):
+                db.execute("INSERT INTO subsystems VALUES (?, ?, ?, ?, ?)",
+                           (sub.nqn, i, sub.serial, sub.model, int(sub.allowed_hosts is None)))
+                db.executemany("INSERT INTO subsystem_portals VALUES (?, ?, ?, ?, ?)",
+                               [(sub.nqn, 0, j, p.host, p.port) for j, p in enumerate(sub.portals)]
+                               + [(sub.nqn, 1, j, p.host, p.port) for j, p in enumerate(sub.advertised_portals)])
+                db.executemany("INSERT INTO namespaces VALUES (?, ?, ?)",
+                               [(sub.nqn, n.nsid, n.volume) for n in sub.namespaces])
+                db.executemany("INSERT INTO host_acls VALUES (?, ?, ?)",
+                               [(sub.nqn, j, h) for j, h in enumerate(sub.allowed_hosts or ())])
+            for i, e in enumerate(cfg.nbd_exports):
+                db.execute("INSERT INTO nbd_exports VALUES (?, ?, ?, ?, ?)",
+                           (e.name, i, e.volume, int(e.read_only), e.description))
+                db.executemany("INSERT INTO nbd_portals VALUES (?, ?, ?, ?)",
+                               [(e.name, j, p.host, p.port) for j, p in enumerate(e.portals)])
 
     @staticmethod
     def _ensure_identity(db: sqlite3.Connection, name: str) -> None:
@@ -218,8 +267,37 @@ class Store:
                                       alias, tpgt))
         settings = NodeSettings(node.get("name", ""), Path(node["data_dir"]) if node.get("data_dir") else None)
         cfg = NodeConfig(settings, devices, volumes, tuple(targets),
-                         source=Path(node["source"]) if node.get("source") else None)
+                         source=Path(node["source"]) if node.get("source") else None,
+                         nvme=self._load_nvme() if node.get("nvme") else None, nbd_exports=self._load_nbd())
         return StoredState(cfg, self.identities())
+
+    def _load_nvme(self) -> NvmeSpec:
+        db = self._db
+        portals = tuple(Portal(h, p) for h, p in db.execute("SELECT host, port FROM nvme_portals ORDER BY position"))
+        subsystems = []
+        for nqn, serial, model, any_host in db.execute(
+                "SELECT nqn, serial, model, any_host FROM subsystems ORDER BY position").fetchall():
+            sp: dict[int, list[Portal]] = {0: [], 1: []}
+            for adv, host, port in db.execute("SELECT advertised, host, port FROM subsystem_portals WHERE nqn = ? "
+                                              "ORDER BY advertised, position", (nqn,)):
+                sp[adv].append(Portal(host, port))
+            namespaces = tuple(NamespaceSpec(nsid, vol) for nsid, vol in db.execute(
+                "SELECT nsid, volume FROM namespaces WHERE nqn = ? ORDER BY nsid", (nqn,)))
+            hosts = tuple(h for (h,) in db.execute("SELECT host FROM host_acls WHERE nqn = ? ORDER BY position",
+                                                   (nqn,)))
+            subsystems.append(SubsystemSpec(nqn, namespaces, tuple(sp[0]), tuple(sp[1]),
+                                            None if any_host else hosts, serial, model))
+        return NvmeSpec(portals, tuple(subsystems))
+
+    def _load_nbd(self) -> tuple[NbdExportSpec, ...]:
+        db = self._db
+        out = []
+        for name, volume, ro, description in db.execute(
+                "SELECT name, volume, read_only, description FROM nbd_exports ORDER BY position").fetchall():
+            portals = tuple(Portal(h, p) for h, p in db.execute(
+                "SELECT host, port FROM nbd_portals WHERE name = ? ORDER BY position", (name,)))
+            out.append(NbdExportSpec(name, volume, portals, bool(ro), description))
+        return tuple(out)
 
 
 def _str(p: Path | None) -> str | None:

@@ -1,4 +1,4 @@
-"""Parsers for the scalar values a config holds: sizes, iSCSI names, portals, CHAP secrets.
+"""Parsers for the scalar values a config holds: sizes, iSCSI and NVMe names, portals, CHAP secrets.
 
 Each returns the parsed value or raises ValueError with a message that says what is wrong and how to mend
 it; the config reader adds the key path in front.
@@ -151,4 +151,43 @@ def check_object_name(name: object) -> str:
     if not isinstance(name, str) or not _OBJECT_NAME.match(name):
         raise ValueError(f"{name!r} is not a usable name; use 1 to 64 letters, digits, '.', '_' or '-', "
                          "starting with a letter or digit")
+    return name
+
+
+# NVMe Base 2.0 §4.5 (NVMe Qualified Names): "nqn.<yyyy-mm>.<reversed domain>:<anything>", or the UUID form
+# "nqn.2014-08.org.nvmexpress:uuid:<uuid>"; at most 223 bytes of UTF-8.
+DISCOVERY_NQN = "nqn.2014-08.org.nvmexpress.discovery"
+_NQN = re.compile(rf"^nqn\.(\d{{4}})-(\d{{2}})\.({_LABEL}(?:\.{_LABEL})*):\S+$", re.IGNORECASE)
+_NQN_UUID = re.compile(r"^nqn\.2014-08\.org\.nvmexpress:uuid:[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-"
+                       r"[0-9a-f]{12}$", re.IGNORECASE)
+_MAX_NQN = 223
+
+
+def check_nqn(name: object, *, subsystem: bool = True) -> str:
+    """An NVMe Qualified Name (NVMe Base 2.0 §4.5) for a subsystem or a host."""
+    if not isinstance(name, str) or not name:
+        raise ValueError("an NQN is a string such as \"nqn.2026-11.org.example:disk0\"")
+    if len(name.encode()) > _MAX_NQN:
+        raise ValueError(f"{name!r} is longer than {_MAX_NQN} bytes (NVMe Base 2.0 §4.5); shorten it")
+    if subsystem and name == DISCOVERY_NQN:
+        raise ValueError(f"{name!r} is the discovery subsystem's NQN, which every NVMe/TCP port serves already; "
+                         "name the subsystem after its volumes, e.g. \"nqn.2026-11.org.example:disk0\"")
+    if _NQN_UUID.match(name):
+        return name
+    m = _NQN.match(name)
+    if not m or not 1 <= int(m.group(2)) <= 12:
+        raise ValueError(f"{name!r} is not an NQN; write nqn.<yyyy-mm>.<reversed domain>:<id>, e.g. "
+                         "\"nqn.2026-11.org.example:disk0\" (NVMe Base 2.0 §4.5)")
+    return name
+
+
+# proto.md "Conventions": export names are UTF-8 strings without NUL, SHOULD be at most 256 bytes
+_MAX_EXPORT_NAME = 256
+
+
+def check_nbd_export_name(name: object) -> str:
+    if not isinstance(name, str) or not name:
+        raise ValueError("an NBD export name is a non-empty string such as \"disk0\"")
+    if len(name.encode()) > _MAX_EXPORT_NAME or not name.isprintable():
+        raise ValueError(f"{name!r}: use up to {_MAX_EXPORT_NAME} bytes of printable text")
     return name
