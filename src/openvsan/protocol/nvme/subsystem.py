@@ -1,0 +1,122 @@
+"""NVM subsystems, their namespaces and ANA groups (NVMe Base 2.0 §2.1 / §8.1 ANA, NVMe-oF 1.1 §4)."""
+
+from __future__ import annotations
+
+import hashlib
+import uuid as uuidlib
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from openvsan.block.device import BlockDevice
+from openvsan.protocol.nvme.reservations import Reservations
+
+if TYPE_CHECKING:
+    from openvsan.protocol.nvme.controller import Controller
+
+DISCOVERY_NQN = "nqn.2014-08.org.nvmexpress.discovery"
+
+# ANA states (NVMe Base 2.0 §8.1.3 Figure 471 / ANA log page ANAS)
+ANA_OPTIMIZED = 0x01
+ANA_NON_OPTIMIZED = 0x02
+ANA_INACCESSIBLE = 0x03
+ANA_PERSISTENT_LOSS = 0x04
+ANA_CHANGE = 0x0F
+ANA_STATES = (ANA_OPTIMIZED, ANA_NON_OPTIMIZED, ANA_INACCESSIBLE, ANA_PERSISTENT_LOSS, ANA_CHANGE)
+
+
+@dataclass
+class Namespace:
+    nsid: int
+    device: BlockDevice
+    name: str
+    uuid: uuidlib.UUID
+    read_only: bool = False
+    ana_group: int = 1
+    reservations: Reservations = field(default_factory=Reservations)
+
+    @property
+    def nguid(self) -> bytes:
+        """16-byte NGUID: the volume's uuid, stable across restarts (Identify Namespace bytes 104-119)."""
+        return self.uuid.bytes
+
+    @property
+    def eui64(self) -> bytes:
+        # derived, not a prefix of the NGUID, so the two identifiers never look alike
+        return hashlib.sha256(b"eui64:" + self.uuid.bytes).digest()[:8]
+
+
+class Subsystem:
+    """An NVM subsystem (or the discovery subsystem): namespaces, allowed hosts, live controllers."""
+
+    def __init__(self, nqn: str, namespaces: Iterable[Namespace] = (), *, allowed_hosts: list[str] | None = None,
+                 serial: str = "", model: str = "openvsan", discovery: bool = False) -> None:
+        self.nqn = nqn
+        self.namespaces: dict[int, Namespace] = {ns.nsid: ns for ns in namespaces}
+        self.allowed_hosts = None if allowed_hosts is None else set(allowed_hosts)
+        self.serial = serial or hashlib.sha256(nqn.encode()).hexdigest()[:20]
+        self.model = model
+        self.discovery = discovery
+        self.controllers: dict[int, Controller] = {}
+        self.ana_states: dict[int, int] = {1: ANA_OPTIMIZED}
+        self.ana_change_count = 0
+        self._next_cntlid = 1
+        # counters for the SMART / health log (NVMe Base 2.0 §5.16.1.3)
+        self.bytes_read = 0
+        self.bytes_written = 0
+        self.read_commands = 0
+        self.write_commands = 0
+        self.media_errors = 0
+        for ns in self.namespaces.values():
+            self.ana_states.setdefault(ns.ana_group, ANA_OPTIMIZED)
+
+    def allows(self, hostnqn: str) -> bool:
+        return self.allowed_hosts is None or hostnqn in self.allowed_hosts
+
+    def allocate_cntlid(self) -> int | None:
+        """Dynamic controller model (NVMe-oF 1.1 §4.2): IDs 1..FFEFh, never one in use."""
+        for _ in range(0xFFEF):
+            c = self._next_cntlid
+            self._next_cntlid = c + 1 if c < 0xFFEF else 1
+            if c not in self.controllers:
+                return c
+        return None
+
+    def ana_state(self, group: int) -> int:
+        return self.ana_states.get(group, ANA_INACCESSIBLE)
+
+    def set_ana_state(self, group: int, state: int) -> None:
+        """Change an ANA group's state (replication uses this on failover); every controller that asked
+        for ANA change notices gets an asynchronous event (NVMe Base 2.0 §8.1.4)."""
+        if state not in ANA_STATES:
+            raise ValueError(f"ANA state {state:#x} is not one of {ANA_STATES}")
+        if self.ana_states.get(group) == state:
+            return
+        self.ana_states[group] = state
+        self.ana_change_count += 1
+        for c in list(self.controllers.values()):
+            c.ana_changed()
+
+    def add_namespace(self, ns: Namespace) -> None:
+        self.namespaces[ns.nsid] = ns
+        self.ana_states.setdefault(ns.ana_group, ANA_OPTIMIZED)
+        self._ns_changed(ns.nsid)
+
+    def remove_namespace(self, nsid: int) -> None:
+        if self.namespaces.pop(nsid, None) is not None:
+            self._ns_changed(nsid)
+
+    def _ns_changed(self, nsid: int) -> None:
+        for c in list(self.controllers.values()):
+            c.namespace_changed(nsid)
+
+
+@dataclass(frozen=True)
+class Port:
+    """A transport address the subsystems are reachable on (Discovery Log Page PORTID, TRADDR, TRSVCID)."""
+    portid: int
+    host: str
+    port: int
+
+
+DiscoveryEntries = Callable[[str], list[tuple[Subsystem, Port]]]

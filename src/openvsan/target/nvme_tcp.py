@@ -1,0 +1,401 @@
+"""The asyncio NVMe/TCP target: portals, connections (one per NVMe queue), keep-alive (NVMe/TCP 1.0,
+NVMe-oF 1.1).
+
+A Connection is an asyncio.Protocol that feeds received bytes to the sans-IO TcpQueue
+(protocol/nvme_tcp) and runs commands on the controllers of protocol/nvme; it only pumps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import time
+from collections.abc import Sequence
+
+from openvsan.protocol.nvme import status as S
+from openvsan.protocol.nvme.command import FABRICS_OPCODE, Sqe, data_plan
+from openvsan.protocol.nvme.controller import FCTYPE_CONNECT, FCTYPE_DISCONNECT, Controller
+from openvsan.protocol.nvme.fabrics import Fabric
+from openvsan.protocol.nvme.identify import MAX_TRANSFER
+from openvsan.protocol.nvme.io import execute_io
+from openvsan.protocol.nvme.status import Completion, cqe
+from openvsan.protocol.nvme.subsystem import Namespace, Port, Subsystem
+from openvsan.protocol.nvme_tcp.framing import FatalError
+from openvsan.protocol.nvme_tcp.pdu import Fes
+from openvsan.protocol.nvme_tcp.queue import (
+    ADMIN_IN_CAPSULE,
+    CapsuleCommand,
+    DataReceived,
+    Established,
+    TcpQueue,
+    Terminated,
+)
+from openvsan.target.config import NvmeSubsystemConfig
+
+log = logging.getLogger("openvsan.nvme")
+
+IN_CAPSULE = 8192            # in-capsule data we take on I/O queues (Identify Controller IOCCSZ)
+MAXH2CDATA = 131072          # data per H2CData PDU (ICResp)
+MAX_QUEUE_ENTRIES = 1024     # CAP.MQES + 1: the deepest queue a host may ask for in Connect
+KEEP_ALIVE_TICK = 0.5        # seconds between keep-alive deadline checks
+IC_TIMEOUT = 30.0            # a connection must send ICReq and Connect within this time
+
+
+def _ports_of(portals: Sequence[tuple[str, int]], ids: dict[tuple[str, int], int]) -> list[Port]:
+    out = []
+    for host, port in portals:
+        key = (host, int(port))
+        pid = ids.setdefault(key, len(ids) + 1)
+        out.append(Port(pid, host, int(port)))
+    return out
+
+
+class NvmeTcpServer:
+    def __init__(self, subsystems: list[NvmeSubsystemConfig], *,
+                 discovery_portals: list[tuple[str, int]] | None = None,
+                 in_capsule: int = IN_CAPSULE, maxh2cdata: int = MAXH2CDATA) -> None:
+        self.configs = list(subsystems)
+        self.in_capsule = in_capsule
+        self.maxh2cdata = maxh2cdata
+        ids: dict[tuple[str, int], int] = {}
+        subs: list[Subsystem] = []
+        placement: dict[str, list[Port]] = {}
+        self.listen: dict[tuple[str, int], None] = {}
+        self.portals_of: dict[str, list[tuple[str, int]]] = {}
+        for c in self.configs:
+            nss = [Namespace(n.nsid, n.device, n.name, n.uuid, n.read_only) for n in c.namespaces]
+            subs.append(Subsystem(c.nqn, nss, allowed_hosts=c.allowed_hosts, serial=c.serial, model=c.model))
+            listen = [(h, int(p)) for h, p in c.portals]
+            self.portals_of[c.nqn] = listen
+            for lp in listen:
+                self.listen[lp] = None
+            placement[c.nqn] = _ports_of(c.advertised_portals or listen, ids)
+        for h, p in discovery_portals or []:
+            self.listen[(h, int(p))] = None
+        self.fabric = Fabric(subs, placement, clock=time.monotonic, in_capsule=in_capsule,
+                             maxcmd=MAX_QUEUE_ENTRIES)
+        self.connections: set[Connection] = set()
+        self.queues_of: dict[Controller, set[Connection]] = {}
+        self._servers: list[asyncio.base_events.Server] = []
+        self._ka_timer: asyncio.TimerHandle | None = None
+        self._closing = False
+
+    # --- life cycle -------------------------------------------------------------------------------------
+    def portals(self) -> list[tuple[str, int]]:
+        return list(self.listen)
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        for host, port in self.portals():
+            try:
+                srv = await loop.create_server(lambda h=host, p=port: Connection(self, (h, p)),  # type: ignore[misc]
+                                               host, port, reuse_address=True, backlog=128)
+            except OSError as e:
+                await self.stop()
+                raise OSError(e.errno, f"cannot listen on {host}:{port}: {e.strerror}") from e
+            self._servers.append(srv)
+            log.info("NVMe/TCP portal listening on %s:%d", host, port)
+        self._ka_timer = loop.call_later(KEEP_ALIVE_TICK, self._keep_alive_tick)
+
+    async def serve_forever(self) -> None:
+        await asyncio.gather(*(s.serve_forever() for s in self._servers))
+
+    async def stop(self) -> None:
+        """Stop accepting, let commands in flight finish, then close every connection."""
+        self._closing = True
+        if self._ka_timer is not None:
+            self._ka_timer.cancel()
+        for s in self._servers:
+            s.close()
+        tasks = [t for c in self.connections for t in c.tasks]
+        if tasks:
+            await asyncio.wait(tasks, timeout=30)
+        for c in list(self.connections):
+            c.close()
+        for s in self._servers:
+            await s.wait_closed()
+        self._servers.clear()
+
+    # --- controllers ------------------------------------------------------------------------------------
+    def subsystem(self, nqn: str) -> Subsystem | None:
+        return self.fabric.subsystems.get(nqn)
+
+    def set_ana_state(self, nqn: str, group: int, state: int) -> None:
+        """Change an ANA group's state; hosts that asked get an asynchronous event and re-read the log."""
+        sub = self.fabric.subsystems[nqn]
+        sub.set_ana_state(group, state)
+
+    def reachable(self, sub: Subsystem, portal: tuple[str, int]) -> bool:
+        if sub.discovery:
+            return True
+        return any((h, p) == portal or (h in ("0.0.0.0", "::") and p == portal[1])
+                   for h, p in self.portals_of.get(sub.nqn, []))
+
+    def bind(self, conn: Connection, ctrl: Controller) -> None:
+        self.queues_of.setdefault(ctrl, set()).add(conn)
+
+    def drop_controller(self, ctrl: Controller, why: str) -> None:
+        """End an association: the controller goes and every queue of it is closed."""
+        self.fabric.release(ctrl)
+        conns = self.queues_of.pop(ctrl, set())
+        if ctrl.subsystem.controllers.get(ctrl.cntlid) is None:
+            log.info("controller %d of %s for %s ended: %s", ctrl.cntlid, ctrl.subsystem.nqn, ctrl.hostnqn, why)
+        for c in conns:
+            c.close()
+
+    def drop_io_queues(self, ctrl: Controller) -> None:
+        for c in list(self.queues_of.get(ctrl, ())):
+            if c.qid:
+                c.close()
+
+    def _keep_alive_tick(self) -> None:
+        now = time.monotonic()
+        for sub in [self.fabric.discovery, *self.fabric.subsystems.values()]:
+            for ctrl in list(sub.controllers.values()):
+                if ctrl.expired(now):
+                    log.warning("host %s: no Keep Alive within %d ms; dropping controller %d of %s",
+                                ctrl.hostnqn, ctrl.kato_ms, ctrl.cntlid, sub.nqn)
+                    self.drop_controller(ctrl, "keep-alive timeout")
+        if not self._closing:
+            self._ka_timer = asyncio.get_running_loop().call_later(KEEP_ALIVE_TICK, self._keep_alive_tick)
+
+
+class Connection(asyncio.Protocol):
+    """One TCP connection: one NVMe queue (admin or I/O) of one controller."""
+
+    def __init__(self, server: NvmeTcpServer, portal: tuple[str, int]) -> None:
+        self.server = server
+        self.portal = portal
+        self.queue = TcpQueue(in_capsule=server.in_capsule, maxh2cdata=server.maxh2cdata)
+        self.transport: asyncio.Transport | None = None
+        self.ctrl: Controller | None = None
+        self.qid = 0
+        self.sqsize = 32
+        self.sq_flow_off = False
+        self.sqhd = 0
+        self.peer = "?"
+        self.pending: dict[int, Sqe] = {}      # CID -> command waiting for data, running, or held (AER)
+        self.tasks: set[asyncio.Task[None]] = set()
+        self._out: list[bytes | memoryview] = []
+        self._flush_pending = False
+        self._closed = False
+        self._timer: asyncio.TimerHandle | None = None
+
+    # --- asyncio.Protocol -------------------------------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's TCPTransport is an asyncio.Transport without subclassing it: no isinstance check
+        self.transport = transport  # type: ignore[assignment]
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        peer = transport.get_extra_info("peername")
+        self.peer = f"{peer[0]}:{peer[1]}" if peer else "?"
+        self.server.connections.add(self)
+        self._timer = asyncio.get_running_loop().call_later(IC_TIMEOUT, self._setup_deadline)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._closed = True
+        self.server.connections.discard(self)
+        if self._timer is not None:
+            self._timer.cancel()
+        ctrl = self.ctrl
+        if ctrl is None:
+            return
+        self.server.queues_of.get(ctrl, set()).discard(self)
+        if self.qid == 0:
+            self.server.drop_controller(ctrl, "admin queue closed")
+        else:
+            ctrl.io_queues.discard(self.qid)
+
+    def pause_writing(self) -> None:
+        if self.transport is not None:
+            self.transport.pause_reading()
+
+    def resume_writing(self) -> None:
+        if self.transport is not None and not self._closed:
+            self.transport.resume_reading()
+
+    def data_received(self, data: bytes) -> None:
+        for ev in self.queue.receive_data(data):
+            if self._closed:
+                return
+            if isinstance(ev, CapsuleCommand):
+                self._command(ev)
+            elif isinstance(ev, DataReceived):
+                self._data(ev)
+            elif isinstance(ev, Established):
+                self._send(ev.response)
+            elif isinstance(ev, Terminated):
+                self._terminate(ev)
+
+    def _setup_deadline(self) -> None:
+        if self.ctrl is None and not self._closed:
+            log.info("%s: no Connect within %.0f s; closing", self.peer, IC_TIMEOUT)
+            self.close()
+
+    # --- sending ----------------------------------------------------------------------------------------
+    def _send(self, *parts: bytes | memoryview) -> None:
+        if self._closed:
+            return
+        # PDUs made in one turn of the event loop leave in one writelines (one sendmsg)
+        self._out.extend(parts)
+        self._schedule()
+
+    def _schedule(self) -> None:
+        if not self._flush_pending:
+            self._flush_pending = True
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._flush_pending = False
+        if self._out and self.transport is not None and not self.transport.is_closing():
+            out, self._out = self._out, []
+            self.transport.writelines(out)
+
+    def close(self) -> None:
+        if not self._closed and self.transport is not None:
+            self._flush()
+            self._closed = True
+            self.transport.close()
+
+    def _terminate(self, ev: Terminated) -> None:
+        log.warning("%s: %s; closing the connection", self.peer, ev.reason)
+        if ev.response:
+            self._send(ev.response)
+        self.close()
+
+    def _fatal(self, fes: int, header: bytes | memoryview, why: str) -> None:
+        self._terminate(self.queue.fatal(FatalError(fes, 0, header, why)))
+
+    # --- commands ---------------------------------------------------------------------------------------
+    def _command(self, ev: CapsuleCommand) -> None:
+        sqe = Sqe(ev.sqe)
+        if self.ctrl is not None:
+            self.sqhd = self.sqhd + 1 if self.sqhd + 1 < self.sqsize else 0
+            if len(self.pending) >= self.sqsize:
+                # the host submitted more commands than its submission queue holds (Connect SQSIZE)
+                self._fatal(Fes.PDU_SEQUENCE_ERROR, ev.sqe, f"more than {self.sqsize} commands outstanding")
+                return
+        cid = sqe.cid
+        if cid in self.pending:
+            self._complete(sqe, Completion(S.CID_CONFLICT), 0)
+            return
+        max_data = self.server.in_capsule if self.qid else ADMIN_IN_CAPSULE
+        status, length, r2t = data_plan(sqe, len(ev.data), max(MAX_TRANSFER, max_data))
+        if status:
+            self._complete(sqe, Completion(status), 0)
+            return
+        if not ev.data_ok:
+            self._complete(sqe, Completion(S.TRANSIENT_TRANSPORT_ERROR), 0)   # NVMe/TCP 1.0 §3.5.3 data digest
+            return
+        self.pending[cid] = sqe
+        if r2t:
+            self._send(self.queue.request_data(cid, length))
+            return
+        self._run(sqe, ev.data if length else b"", length)
+
+    def _data(self, ev: DataReceived) -> None:
+        sqe = self.pending.get(ev.cccid)
+        if sqe is None:
+            return
+        if not ev.data_ok:
+            del self.pending[ev.cccid]
+            self._complete(sqe, Completion(S.TRANSIENT_TRANSPORT_ERROR), 0)
+            return
+        self._run(sqe, ev.data, 0)
+
+    def _run(self, sqe: Sqe, data: bytes | bytearray | memoryview, c2h_len: int) -> None:
+        task = asyncio.get_running_loop().create_task(self._execute(sqe, data, c2h_len))
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    async def _execute(self, sqe: Sqe, data: bytes | bytearray | memoryview, c2h_len: int) -> None:
+        ctrl = self.ctrl
+        comp: Completion | None
+        try:
+            if sqe.opcode == FABRICS_OPCODE and sqe.fctype == FCTYPE_CONNECT and ctrl is None:
+                comp = self._connect(sqe, data)
+            elif ctrl is None:
+                comp = Completion(S.COMMAND_SEQUENCE_ERROR)       # NVMe-oF 1.1 §3.3: Connect comes first
+            elif sqe.opcode == FABRICS_OPCODE and sqe.fctype == FCTYPE_DISCONNECT:
+                self._complete(sqe, Completion(), c2h_len)
+                self.pending.pop(sqe.cid, None)
+                self._disconnect()
+                return
+            elif self.qid == 0:
+                comp = await ctrl.admin(sqe, data)
+            elif sqe.opcode == FABRICS_OPCODE:
+                comp = Completion(S.COMMAND_SEQUENCE_ERROR if sqe.fctype == FCTYPE_CONNECT else S.INVALID_OPCODE)
+            else:
+                comp = await execute_io(ctrl, sqe, data)
+        except Exception:
+            log.exception("%s: command %#04x failed", self.peer, sqe.opcode)
+            comp = Completion(S.INTERNAL_ERROR)
+        if comp is None:
+            return                      # an Asynchronous Event Request, held until there is an event
+        self.pending.pop(sqe.cid, None)
+        self._complete(sqe, comp, c2h_len)
+
+    def _complete(self, sqe: Sqe, comp: Completion, c2h_len: int) -> None:
+        if self._closed:
+            return
+        cid = sqe.cid
+        if comp.status and log.isEnabledFor(logging.DEBUG):
+            log.debug("%s: qid %d cid %d opcode %#04x cdw10 %#x: status %#x", self.peer, self.qid, cid, sqe.opcode,
+                      sqe.cdw10, comp.status)
+        if comp.status == S.SUCCESS and comp.data is not None and c2h_len:
+            data = comp.data if len(comp.data) <= c2h_len else memoryview(comp.data)[:c2h_len]
+            # NVMe/TCP 1.0 §3.6.2.9: with SQ flow control off the last C2HData can carry the completion
+            success = self.sq_flow_off and not comp.dw0 and not comp.dw1
+            self.queue.read_data(self._out, cid, data, success=success)
+            self._schedule()
+            if success:
+                return
+        elif comp.status and self.ctrl is not None and comp.status != S.ASYNC_EVENT_LIMIT_EXCEEDED:
+            self.ctrl.record_error(self.qid, cid, comp.status, sqe.nsid if self.qid else 0)
+        sqhd = 0xFFFF if self.sq_flow_off else self.sqhd
+        self._send(self.queue.respond(cqe(cid, comp.status, comp.dw0, comp.dw1, sqhd, self.qid)))
+
+    # --- fabrics ----------------------------------------------------------------------------------------
+    def _connect(self, sqe: Sqe, data: bytes | bytearray | memoryview) -> Completion:
+        srv = self.server
+        if srv._closing:
+            return Completion(S.CONNECT_CONTROLLER_BUSY)
+        res = srv.fabric.connect(sqe, data, lambda s: srv.reachable(s, self.portal))
+        ctrl = res.controller
+        if ctrl is None:
+            log.info("%s: Connect refused (status %#x)", self.peer, res.completion.status)
+            return res.completion
+        self.ctrl, self.qid, self.sqsize, self.sq_flow_off = ctrl, res.qid, res.sqsize, res.sq_flow_disabled
+        self.sqhd = 1 % self.sqsize
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        srv.bind(self, ctrl)
+        self.queue.reader.max_capsule_data = srv.in_capsule if self.qid else ADMIN_IN_CAPSULE
+        if self.qid == 0:
+            ctrl.on_async_event = self._async_event
+            ctrl.on_reset = lambda: srv.drop_io_queues(ctrl)
+            log.info("%s: host %s connected to %s (controller %d, KATO %d ms)", self.peer, ctrl.hostnqn,
+                     ctrl.subsystem.nqn, ctrl.cntlid, ctrl.kato_ms)
+        else:
+            log.debug("%s: I/O queue %d of controller %d, %d entries", self.peer, self.qid, ctrl.cntlid,
+                      self.sqsize)
+        return res.completion
+
+    def _disconnect(self) -> None:
+        """NVMe-oF 1.1 §3.4 Disconnect: an I/O queue goes; on the admin queue, the whole association."""
+        ctrl = self.ctrl
+        if ctrl is None:
+            return
+        self._flush()
+        if self.qid == 0:
+            self.server.drop_controller(ctrl, "Disconnect")
+        else:
+            self.close()
+
+    def _async_event(self, cid: int, comp: Completion) -> None:
+        sqe = self.pending.pop(cid, None)
+        if sqe is not None:
+            self._complete(sqe, comp, 0)
