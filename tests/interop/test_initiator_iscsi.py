@@ -64,12 +64,15 @@ async def roundtrip(dev: IscsiInitiator, seed: int, concurrency: int) -> None:
         assert bytes(g) == d, f"LBA {a}: {len(d)} bytes differ"
 
 
-@pytest.mark.parametrize(("block_size", "query", "concurrency"), [
-    (512, "", 1),
-    (512, "queues=2&queue_depth=16", 16),
-    (4096, "queue_depth=64&header_digest=crc32c&data_digest=crc32c", 32),
-    (4096, "queues=4&queue_depth=4", 8),
-])
+@pytest.mark.parametrize(
+    ("block_size", "query", "concurrency"),
+    [
+        (512, "", 1),
+        (512, "queues=2&queue_depth=16", 16),
+        (4096, "queue_depth=64&header_digest=crc32c&data_digest=crc32c", 32),
+        (4096, "queues=4&queue_depth=4", 8),
+    ],
+)
 def test_roundtrip(vsan: Callable[..., VsanServer], block_size: int, query: str, concurrency: int) -> None:
     server = vsan("ram", "64MiB", block_size=block_size)
 
@@ -123,8 +126,9 @@ def test_chap_and_mutual_chap(vsan: Callable[..., VsanServer]) -> None:
         with pytest.raises(DeviceFailed, match="authentication failed"):
             await IscsiInitiator.open_url(url(server, mutual, "alice%wrong-secret1@"))
         with pytest.raises(DeviceFailed, match="mutual CHAP"):
-            await IscsiInitiator.open_url(url(server, "target_user=target1&target_password=impostor-123",
-                                              "alice%secret-12345@"))
+            await IscsiInitiator.open_url(
+                url(server, "target_user=target1&target_password=impostor-123", "alice%secret-12345@")
+            )
         with pytest.raises(DeviceFailed, match="authentication failed"):
             await IscsiInitiator.open_url(url(server))
         assert time.monotonic() - t0 < 10, "an auth failure must not be retried"
@@ -180,8 +184,14 @@ def tgt_server(tmp_path: Path) -> Iterator[int]:
     log = tmp_path / "tgt.log"
     env = {**os.environ, "TGT_CTL": str(20000 + port % 10000)}
     with open(log, "wb") as out:
-        proc = subprocess.Popen(["bash", str(SHARED_PEERS / "tgt-serve.sh"), str(port), "64"], stdout=out,
-                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True, env=env)
+        proc = subprocess.Popen(
+            ["bash", str(SHARED_PEERS / "tgt-serve.sh"), str(port), "64"],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            env=env,
+        )
     try:
         deadline = time.monotonic() + 30
         while True:

@@ -122,6 +122,8 @@ class IscsiSession:
                     err: Exception = e
                 except (TimeoutError, OSError, ConnectionLost) as e:
                     err = e
+                if self.logins == 0:  # never logged in: a wrong address or a target that is down
+                    raise DeviceFailed(f"{self.name}: cannot connect: {err}") from err
                 if time.monotonic() + delay > deadline:
                     raise DeviceFailed(f"{self.name}: cannot reconnect: {err}") from err
                 await asyncio.sleep(delay)
