@@ -19,7 +19,7 @@ def test_example_config_serves_one_gib_lun0(vsan: Callable[..., VsanServer]) -> 
     text = EXAMPLE.read_text()
     assert '"127.0.0.1:3260"' in text, "the README's tour assumes the example listens on 127.0.0.1:3260"
     server = vsan(start=False)
-    server.config.write_text(text.replace('"127.0.0.1:3260"', f'"127.0.0.1:{server.port}"'))
+    server.write_example(text)  # 3260, 4420 and 10809 moved to free ports
     server.start()
     listed = run(["iscsi-ls", "-i", TEST_INITIATOR, "-s", server.portal_url()]).stdout
     assert f"Target:{IQN} Portal:127.0.0.1:{server.port}" in listed, listed
@@ -27,3 +27,4 @@ def test_example_config_serves_one_gib_lun0(vsan: Callable[..., VsanServer]) -> 
     cap = run(["iscsi-readcapacity16", "-i", TEST_INITIATOR, "-s", server.url()]).stdout
     assert cap.strip() == str(1 << 30), cap
     qemu_io(server.url(), "write -P 0xab 0 1M", "read -P 0xab 0 1M")
+
