@@ -253,6 +253,16 @@ def nbd(**patch: Any) -> dict[str, Any]:
     return d
 
 
+def test_example_config_serves_all_three_protocols() -> None:
+    c = load_config(EXAMPLE)
+    assert c.nvme is not None and c.nvme.portals == (Portal("127.0.0.1", 4420),)
+    (sub,) = c.subsystems
+    assert sub.nqn == "nqn.2026-11.org.openvsan:disk0" and sub.portals == (Portal("127.0.0.1", 4420),)
+    assert [(n.nsid, n.volume) for n in sub.namespaces] == [(1, "disk0")] and sub.allowed_hosts is None
+    (e,) = c.nbd_exports
+    assert (e.name, e.volume, e.portals, e.read_only) == ("disk0", "disk0", (Portal("127.0.0.1", 10809),), False)
+
+
 def test_nvme_and_nbd_sections() -> None:
     c = parse_config(nvme(allowed_hosts=["nqn.2014-08.org.nvmexpress:uuid:0c9a1d3e-1234-4567-89ab-0123456789ab"],
                           advertised_portals=["192.0.2.10:4420"], serial="SN1", portals=["127.0.0.1:4421"]))
