@@ -172,39 +172,44 @@ def read_lun(server: VsanServer, out: Path) -> bytes:
     return data
 
 
-def test_acknowledged_writes_survive_kill9(vsan: Callable[..., VsanServer], tmp_path: Path) -> None:
-    require_tools("qemu-io", "qemu-img")
-    server = vsan("file", "32MiB")
+def crash_rounds(server: VsanServer, tmp_path: Path, rounds_n: int, sig: signal.Signals) -> None:
+    """Write, stop the target with sig at a random moment, restart, check; rounds_n times on one volume.
+
+    SIGKILL: only FUA writes and flushed writes must survive. SIGTERM: the target drains, flushes and exits
+    0, so every acknowledged write must survive, flushed or not.
+    """
     assert server.device.path is not None
     model = DurableModel(SIZE)
     counter = [0]
     rounds: list[Round] = []
-    record = tmp_path / "kill9-rounds.json"
-    print(f"kill -9 durability: seed {SEED}, {ROUNDS} rounds; crash points in {record}")
-    for n in range(ROUNDS):
-        rnd = random.Random(f"{SEED}:{n}")
+    record = tmp_path / f"{sig.name.lower()}-rounds.json"
+    print(f"{sig.name} durability: seed {SEED}, {rounds_n} rounds; crash points in {record}")
+    for n in range(rounds_n):
+        rnd = random.Random(f"{SEED}:{sig.name}:{n}")
         rnd_round = Round(n, SEED, round(rnd.uniform(0.02, 1.5), 3))
         rounds.append(rnd_round)
-        killed = threading.Event()
+        stopped = threading.Event()
         proc = server.proc
         assert proc is not None
 
-        def kill_target(proc: subprocess.Popen[bytes] = proc, killed: threading.Event = killed) -> None:
-            killed.set()
-            os.killpg(proc.pid, signal.SIGKILL)
+        def stop_target(proc: subprocess.Popen[bytes] = proc, stopped: threading.Event = stopped) -> None:
+            stopped.set()
+            os.killpg(proc.pid, sig)
 
         qio = InteractiveQemuIo(server.url())
         timer: threading.Timer | None = None
+        in_flight: Write | None = None
         try:
             while True:
                 cmd, write = next_command(rnd, counter)
                 rnd_round.sent.append(cmd)
                 if write is not None:
                     model.maybe.append(write)  # in flight: it may land before the kill even if never acked
-                out = qio.command(cmd, killed)
+                out = qio.command(cmd, stopped)
                 if out is None or b"failed" in out:
                     rnd_round.in_flight = cmd
                     rnd_round.note = "no answer" if out is None else out.decode(errors="replace").strip()
+                    in_flight = write
                     break
                 rnd_round.acked += 1
                 if write is None:
@@ -213,15 +218,28 @@ def test_acknowledged_writes_survive_kill9(vsan: Callable[..., VsanServer], tmp_
                     model.maybe.remove(write)
                     model.durable(write)
                 if timer is None:  # the first completed command: the session is up; arm the crash
-                    timer = threading.Timer(rnd_round.kill_after_s, kill_target)
+                    timer = threading.Timer(rnd_round.kill_after_s, stop_target)
                     timer.start()
         finally:
             if timer is not None:
                 timer.cancel()
                 timer.join()
             qio.kill()
-        assert killed.is_set(), f"round {n}: a command failed before the kill: {rnd_round.note}"
-        server.kill9()
+        assert stopped.is_set(), f"round {n}: a command failed before the {sig.name}: {rnd_round.note}"
+        if sig == signal.SIGKILL:
+            server.kill9()
+        else:
+            try:
+                rc = proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                server.kill9()
+                pytest.fail(f"round {n}: vsan serve did not exit within 30 s of SIGTERM under load", pytrace=False)
+            assert rc == 0, f"round {n}: vsan serve exited {rc} after SIGTERM under load:\n{server.log_tail()}"
+            # a clean stop flushes: every acknowledged write is durable; only the one in flight may be either
+            model.maybe = [w for w in model.maybe if w is not in_flight]
+            model.flushed()
+            if in_flight is not None:
+                model.maybe.append(in_flight)
         server.start()
         record.write_text(json.dumps([asdict(r) for r in rounds], indent=1))
         actual = read_lun(server, tmp_path / "lun.raw")
@@ -229,19 +247,32 @@ def test_acknowledged_writes_survive_kill9(vsan: Callable[..., VsanServer], tmp_
         if problem:
             on_file = model.check(server.device.path.read_bytes()[:SIZE])
             pytest.fail(
-                f"round {n} (VSAN_KILL9_SEED={SEED}): acknowledged data lost: {problem}\n"
+                f"round {n} (VSAN_KILL9_SEED={SEED}, {sig.name}): acknowledged data lost: {problem}\n"
                 f"the backing file itself: {on_file or 'holds every acknowledged write (the read path is wrong)'}\n"
-                f"killed {rnd_round.kill_after_s}s after the first ack; {rnd_round.acked} commands acked; "
+                f"stopped {rnd_round.kill_after_s}s after the first ack; {rnd_round.acked} commands acked; "
                 f"in flight: {rnd_round.in_flight}; last commands: {rnd_round.sent[-8:]}\nrecord: {record}",
                 pytrace=False,
             )
         model.image[:] = actual  # what is there now is durable, whichever of the allowed values it took
         model.maybe = []
     acked = sum(r.acked for r in rounds)
-    print(f"{ROUNDS} crash points, {acked} acknowledged commands, all durable (seed {SEED})")
+    print(f"{rounds_n} crash points ({sig.name}), {acked} acknowledged commands, all durable (seed {SEED})")
     # the LUN is still usable: one ordinary write and read after all the crashes
     qemu_io(server.url(), "write -P 0xee 0 64k", "read -P 0xee 0 64k")
     run(["iscsi-readcapacity16", "-i", TEST_INITIATOR, server.url()])
+
+
+def test_acknowledged_writes_survive_kill9(vsan: Callable[..., VsanServer], tmp_path: Path) -> None:
+    require_tools("qemu-io", "qemu-img")
+    crash_rounds(vsan("file", "32MiB"), tmp_path, ROUNDS, signal.SIGKILL)
+
+
+def test_sigterm_under_load_drains_and_keeps_every_acknowledged_write(
+    vsan: Callable[..., VsanServer], tmp_path: Path
+) -> None:
+    """SIGTERM with writes in flight: exit 0 within 30 s, and no acknowledged write lost, FUA or not."""
+    require_tools("qemu-io", "qemu-img")
+    crash_rounds(vsan("file", "32MiB"), tmp_path, max(3, ROUNDS // 4), signal.SIGTERM)
 
 
 def test_model_catches_lost_and_torn_writes() -> None:
