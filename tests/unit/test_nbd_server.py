@@ -262,3 +262,35 @@ def test_port_in_use_names_the_address() -> None:
                 await server.start()
 
     run(go)
+
+
+class CountingDevice(FaultDevice):
+    """Counts reads running at once."""
+
+    running = peak = 0
+
+    async def read(self, lba: int, blocks: int) -> Any:
+        CountingDevice.running += 1
+        CountingDevice.peak = max(CountingDevice.peak, CountingDevice.running)
+        try:
+            return await super().read(lba, blocks)
+        finally:
+            CountingDevice.running -= 1
+
+
+def test_one_chunk_of_many_requests_keeps_to_the_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    from openvsan.target import nbd
+
+    monkeypatch.setattr(nbd, "MAX_INFLIGHT_BYTES", 4 * MiB)
+
+    async def go() -> None:
+        dev = CountingDevice(RamDevice(8192, 512), latency=0.005)
+        async with serving(("disk0", dev, False)) as (_, port):
+            c = await Client.connect(port)
+            cookies = [c.send(Cmd.READ, 0, MiB) for _ in range(64)]  # 64 MiB asked for in one go
+            got = [await c.reply() for _ in cookies]
+            assert sorted(r[0] for r in got) == cookies and all(r[1] == 0 and len(r[2]) == MiB for r in got)
+            assert CountingDevice.peak == 4  # 4 MiB in flight at most, however many requests came at once
+            await c.close()
+
+    run(go)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+from collections import deque
 from collections.abc import Sequence
 
 from openvsan.block.errors import (
@@ -128,6 +129,9 @@ class Connection(asyncio.Protocol):
         self._out: list[Buffer] = []
         self._flush_pending = False
         self._timer: asyncio.TimerHandle | None = None
+        # requests parsed but not started: one received chunk can hold thousands of 28-byte requests, each
+        # asking for up to 32 MiB, so the budget is kept per request, not per chunk
+        self._waiting: deque[Request] = deque()
 
     # --- asyncio.Protocol ---------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -204,16 +208,18 @@ class Connection(asyncio.Protocol):
     def _update_reading(self) -> None:
         if self._closed or self.transport is None:
             return
-        pause = (self._write_paused or self._disconnecting or self.inflight >= MAX_INFLIGHT
-                 or self.inflight_bytes >= MAX_INFLIGHT_BYTES)
+        pause = self._write_paused or self._disconnecting or bool(self._waiting) or self._over_budget()
         if pause and not self._reading_paused:
             self.transport.pause_reading()
         elif not pause and self._reading_paused:
             self.transport.resume_reading()
         self._reading_paused = pause
 
+    def _over_budget(self) -> bool:
+        return self.inflight >= MAX_INFLIGHT or self.inflight_bytes >= MAX_INFLIGHT_BYTES
+
     def _maybe_finish(self) -> None:
-        if self._disconnecting and not self.inflight:
+        if self._disconnecting and not self.inflight and not self._waiting:
             self.close()
 
     # --- handshake --------------------------------------------------------------------------------
@@ -233,6 +239,17 @@ class Connection(asyncio.Protocol):
 
     # --- requests ---------------------------------------------------------------------------------
     def _start(self, req: Request) -> None:
+        if self._waiting or self._over_budget():
+            self._waiting.append(req)
+            self._update_reading()
+            return
+        self._run_now(req)
+
+    def _start_waiting(self) -> None:
+        while self._waiting and not self._over_budget() and not self._closed:
+            self._run_now(self._waiting.popleft())
+
+    def _run_now(self, req: Request) -> None:
         if self.server.closing:
             # proto.md "Terminating the transmission phase": requests after shutdown began: NBD_ESHUTDOWN
             self.send(self.conn.reply_error(req, Errno.ESHUTDOWN, "the server is shutting down"))
@@ -258,6 +275,7 @@ class Connection(asyncio.Protocol):
             self.inflight -= 1
             self.inflight_bytes -= size
         self.send(out)
+        self._start_waiting()
         self._update_reading()
         self._maybe_finish()
 
