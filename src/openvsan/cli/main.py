@@ -134,8 +134,27 @@ def config_check(config: Annotated[Path, typer.Argument(help="The TOML config fi
                 t.add_row(tgt.iqn, str(x.lun), x.volume + (" (ro)" if v.read_only else ""), v.device,
                           ", ".join(str(p) for p in tgt.portals), f"{auth}, {acl}")
         out.print(t)
-    else:
-        out.print("no iSCSI targets: nothing would be exported")
+    if cfg.subsystems:
+        t = Table(title="NVMe/TCP", title_justify="left")
+        t.add_column("subsystem", overflow="fold")
+        for col in ("NSID", "volume", "device", "portals", "access"):
+            t.add_column(col, overflow="fold")
+        for sub in cfg.subsystems:
+            acl = "any host" if sub.allowed_hosts is None else f"{len(sub.allowed_hosts)} host(s)"
+            for ns in sub.namespaces:
+                v = cfg.volume(ns.volume)
+                t.add_row(sub.nqn, str(ns.nsid), ns.volume + (" (ro)" if v.read_only else ""), v.device,
+                          ", ".join(str(p) for p in sub.portals), acl)
+        out.print(t)
+    if cfg.nbd_exports:
+        t = Table("export", "volume", "device", "portals", title="NBD", title_justify="left")
+        for e in cfg.nbd_exports:
+            v = cfg.volume(e.volume)
+            t.add_row(e.name, e.volume + (" (ro)" if e.read_only or v.read_only else ""), v.device,
+                      ", ".join(str(p) for p in e.portals))
+        out.print(t)
+    if not cfg.exports_anything():
+        out.print("no iSCSI targets, NVMe subsystems or NBD exports: nothing would be exported")
 
 
 def main() -> None:
