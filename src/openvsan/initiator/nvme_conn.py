@@ -1,0 +1,210 @@
+"""One NVMe/TCP queue of the host: an asyncio.Protocol over one TCP connection (NVMe/TCP 1.0 §3.3).
+
+ICReq/ICResp first, then command capsules out and responses, C2HData and R2Ts in. The codecs are sans-IO
+(protocol/nvme_tcp/host_pdus.py, protocol/nvme/host_commands.py); this class pumps and keeps command state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from openvsan.initiator.iscsi_conn import ConnectionLost
+from openvsan.protocol.nvme_tcp import host_pdus as H
+from openvsan.protocol.nvme_tcp.framing import Pdu
+from openvsan.protocol.nvme_tcp.pdu import F_LAST_PDU, F_SUCCESS, PduType
+
+log = logging.getLogger("openvsan.initiator.nvme")
+Buf = bytes | bytearray | memoryview
+
+
+@dataclass(frozen=True, slots=True)
+class Result:
+    cqe: H.Cqe
+    data: Buf = b""
+
+    @property
+    def status(self) -> int:
+        return self.cqe.status & 0x7FFF
+
+
+class _Cmd:
+    __slots__ = ("buf", "cid", "data", "future", "received")
+
+    def __init__(self, cid: int, read_len: int, data: memoryview | None, future: asyncio.Future[Result]) -> None:
+        self.cid = cid
+        self.buf = bytearray(read_len) if read_len else None
+        self.data = data
+        self.future = future
+        self.received = 0
+
+
+class NvmeQueue(asyncio.Protocol):
+    def __init__(self, name: str, qid: int) -> None:
+        self.name = name
+        self.qid = qid
+        self.loop = asyncio.get_running_loop()
+        self.transport: asyncio.Transport | None = None
+        self.reader = H.HostPduReader()
+        self.alive = False
+        self.hdgst = self.ddgst = False
+        self.cpda = 0
+        self.maxh2cdata = 4096
+        self.cmds: dict[int, _Cmd] = {}
+        self.lost: asyncio.Future[None] = self.loop.create_future()
+        self.on_lost: Callable[[NvmeQueue], None] | None = None
+        self._cid = 0
+        self._icresp: asyncio.Future[H.IcResp] | None = None
+        self._out: list[Buf] = []
+        self._flush_scheduled = False
+
+    # ---------------------------------------------------------------------------------- transport
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        self.alive = True
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.alive = False
+        err = ConnectionLost(f"{self.name}: connection lost" + (f": {exc}" if exc else ""))
+        for c in self.cmds.values():
+            if not c.future.done():
+                c.future.set_exception(err)
+        self.cmds.clear()
+        if self._icresp is not None and not self._icresp.done():
+            self._icresp.set_exception(err)
+        if not self.lost.done():
+            self.lost.set_result(None)
+        if self.on_lost is not None:
+            self.on_lost(self)
+
+    def abort(self) -> None:
+        if self.transport is not None:
+            self.transport.abort()
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+
+    def _send(self, parts: Sequence[Buf]) -> None:
+        self._out.extend(parts)
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            self.loop.call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._flush_scheduled = False
+        out, self._out = self._out, []
+        if self.alive and self.transport is not None and out:
+            self.transport.writelines(out)
+
+    # --------------------------------------------------------------------------------- handshake
+    async def initialize(self, *, hdgst: bool, ddgst: bool) -> H.IcResp:
+        """§3.6.2.2-3: ICReq out, ICResp in; digests apply to every PDU after these two."""
+        self._icresp = self.loop.create_future()
+        self._send([H.icreq(hdgst=hdgst, ddgst=ddgst)])
+        ic = await self._icresp
+        if ic.pfv != 0:
+            raise ConnectionLost(f"{self.name}: controller speaks PDU format version {ic.pfv}")
+        if ic.hdgst != hdgst or ic.ddgst != ddgst:
+            raise ConnectionLost(f"{self.name}: controller answered digests header={ic.hdgst} data={ic.ddgst}")
+        self.hdgst, self.ddgst = ic.hdgst, ic.ddgst
+        self.reader.hdgst, self.reader.ddgst = ic.hdgst, ic.ddgst
+        self.cpda = ic.cpda
+        self.maxh2cdata = max(4096, ic.maxh2cdata)
+        return ic
+
+    # ------------------------------------------------------------------------------------ receive
+    def data_received(self, data: bytes) -> None:
+        try:
+            pdus = self.reader.receive_data(data)
+        except H.HostFatalError as e:
+            log.warning("%s: %s; dropping the connection", self.name, e)
+            self.abort()
+            return
+        for pdu in pdus:
+            if not pdu.data_ok:
+                log.warning("%s: data digest error; dropping the connection", self.name)
+                self.abort()
+                return
+            t = pdu.type
+            if t == PduType.CAPSULE_RESP:
+                self._response(pdu)
+            elif t == PduType.C2H_DATA:
+                self._c2h_data(pdu)
+            elif t == PduType.R2T:
+                self._r2t(pdu)
+            elif t == PduType.IC_RESP:
+                if self._icresp is not None and not self._icresp.done():
+                    self._icresp.set_result(H.IcResp.parse(pdu))
+            elif t == PduType.C2H_TERM_REQ:
+                fes = int.from_bytes(pdu.header[8:10], "little")
+                log.warning("%s: controller ended the connection (C2HTermReq, FES %#x)", self.name, fes)
+                self.abort()
+                return
+
+    def _response(self, pdu: Pdu) -> None:  # §3.6.2.6
+        cqe = H.response_cqe(pdu)
+        c = self.cmds.pop(cqe.cid, None)
+        if c is None or c.future.done():
+            return
+        c.future.set_result(Result(cqe, c.buf if c.buf is not None else b""))
+
+    def _c2h_data(self, pdu: Pdu) -> None:  # §3.6.2.9
+        h = H.DataHeader.parse(pdu)
+        c = self.cmds.get(h.cccid)
+        n = len(pdu.data)
+        if c is None or c.buf is None or h.offset + n > len(c.buf) or n != h.length:
+            log.warning("%s: C2HData for an unknown command or past its buffer; dropping the connection", self.name)
+            self.abort()
+            return
+        c.buf[h.offset:h.offset + n] = pdu.data
+        c.received += n
+        if pdu.flags & F_LAST_PDU and pdu.flags & F_SUCCESS:
+            # §3.6.2.9: SUCCESS means no CapsuleResp follows; the command completed without error
+            del self.cmds[h.cccid]
+            if not c.future.done():
+                c.future.set_result(Result(H.Cqe(0, 0, 0, self.qid, c.cid, 0), c.buf))
+
+    def _r2t(self, pdu: Pdu) -> None:  # §3.6.2.10 → H2CData §3.6.2.8
+        h = H.DataHeader.parse(pdu)
+        c = self.cmds.get(h.cccid)
+        if c is None or c.data is None or h.offset + h.length > len(c.data) or h.length == 0:
+            log.warning("%s: R2T for an unknown command or past its data; dropping the connection", self.name)
+            self.abort()
+            return
+        out: list[Buf] = []
+        off, end = h.offset, h.offset + h.length
+        while off < end:
+            n = min(self.maxh2cdata, end - off)
+            out += H.h2c_data(c.cid, h.ttag, off, c.data[off:off + n], last=off + n >= end, hdgst=self.hdgst,
+                              ddgst=self.ddgst, cpda=self.cpda)
+            off += n
+        self._send(out)
+
+    # ------------------------------------------------------------------------------------ submit
+    def _next_cid(self) -> int:
+        for _ in range(65536):
+            self._cid = (self._cid + 1) & 0xFFFF
+            if self._cid not in self.cmds:
+                return self._cid
+        raise ConnectionLost(f"{self.name}: no free command id")
+
+    def submit(self, build: Callable[[int], bytes], *, data: Buf | None = None, read_len: int = 0,
+               in_capsule: bool = False) -> asyncio.Future[Result]:
+        """Send one command capsule; `build(cid)` makes its SQE. Data goes in the capsule or waits for R2T."""
+        if not self.alive:
+            raise ConnectionLost(f"{self.name}: not connected")
+        fut: asyncio.Future[Result] = self.loop.create_future()
+        cid = self._next_cid()
+        mv = memoryview(data).cast("B") if data is not None else None
+        self.cmds[cid] = _Cmd(cid, read_len, None if in_capsule else mv, fut)
+        payload: Buf = mv if (in_capsule and mv is not None) else b""
+        self._send(H.capsule_cmd(build(cid), payload, hdgst=self.hdgst, ddgst=self.ddgst, cpda=self.cpda))
+        return fut
+
+    def forget(self, fut: asyncio.Future[Result]) -> None:
+        for cid, c in list(self.cmds.items()):
+            if c.future is fut:
+                del self.cmds[cid]

@@ -1,0 +1,146 @@
+"""Host-side NVMe/TCP PDUs and NVMe commands, with byte strings: what we build the controller's reader
+parses, and what the controller's builders make our reader parses."""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+
+from openvsan.initiator.nvme_tcp import retryable, status_error
+from openvsan.protocol.nvme import host_commands as C
+from openvsan.protocol.nvme import status as S
+from openvsan.protocol.nvme.command import Sqe
+from openvsan.protocol.nvme_tcp import framing as F
+from openvsan.protocol.nvme_tcp import host_pdus as H
+from openvsan.protocol.nvme_tcp.pdu import F_LAST_PDU, F_SUCCESS, PduType, ic_resp, r2t_header
+
+
+def controller_reader(hd: bool = False, dd: bool = False) -> F.PduReader:
+    r = F.PduReader(max_capsule_data=8192, max_h2c_data=131072)
+    r.hdgst, r.ddgst = hd, dd
+    return r
+
+
+def test_icreq_is_what_the_controller_expects() -> None:
+    raw = H.icreq(hdgst=True, ddgst=False)
+    assert len(raw) == 128
+    (pdu,) = controller_reader().receive_data(raw)
+    assert pdu.type == PduType.IC_REQ
+    assert struct.unpack_from("<HBBI", pdu.header, 8) == (0, 0, 1, 0)
+
+
+@pytest.mark.parametrize(("hd", "dd"), [(False, False), (True, False), (True, True)])
+def test_capsule_with_in_capsule_data_round_trips(hd: bool, dd: bool) -> None:
+    data = bytes(range(256)) * 4
+    sqe = C.write(9, 1, 0x1_0000_0002, 2, 1024, fua=True, in_capsule=True)
+    (pdu,) = controller_reader(hd, dd).receive_data(b"".join(H.capsule_cmd(sqe, data, hdgst=hd, ddgst=dd)))
+    assert pdu.type == PduType.CAPSULE_CMD and bytes(pdu.data) == data and pdu.data_ok
+    s = Sqe(pdu.header[8:72])
+    assert (s.opcode, s.cid, s.nsid, s.sgl_len, s.sgl_id) == (C.IO_WRITE, 9, 1, 1024, 0x01)
+    assert s.cdw10 | s.cdw11 << 32 == 0x1_0000_0002 and s.cdw12 == 1 | C.FUA
+
+
+def test_h2c_data_round_trips() -> None:
+    payload = b"x" * 5000
+    raw = b"".join(H.h2c_data(3, 7, 4096, payload, last=True, hdgst=True, ddgst=True))
+    (pdu,) = controller_reader(True, True).receive_data(raw)
+    assert pdu.type == PduType.H2C_DATA and pdu.flags & F_LAST_PDU and bytes(pdu.data) == payload
+    assert struct.unpack_from("<HHII", pdu.header, 8) == (3, 7, 4096, 5000)
+
+
+def test_host_reader_parses_controller_pdus() -> None:
+    r = H.HostPduReader()
+    (ic,) = r.receive_data(ic_resp(0, True, True, 131072))
+    resp = H.IcResp.parse(ic)
+    assert (resp.pfv, resp.hdgst, resp.ddgst, resp.maxh2cdata) == (0, True, True, 131072)
+    r.hdgst = r.ddgst = True
+    out: list[bytes | memoryview] = []
+    F.c2h_data(out, 5, 512, b"d" * 512, last=True, success=True, hdgst=True, ddgst=True, hpda=0)
+    wire = b"".join(bytes(x) for x in out) + F.capsule_resp(S.cqe(5, S.LBA_OUT_OF_RANGE, dw0=1), True)
+    r2t = r2t_header(6, 2, 0, 8192, True)
+    wire += r2t + F.digest_bytes(r2t)  # the header digest follows the header the target built
+    pdus = []
+    for i in range(0, len(wire), 13):  # byte-at-a-time-ish arrival
+        pdus += r.receive_data(wire[i:i + 13])
+    assert [p.type for p in pdus] == [PduType.C2H_DATA, PduType.CAPSULE_RESP, PduType.R2T]
+    d = H.DataHeader.parse(pdus[0])
+    assert (d.cccid, d.offset, d.length) == (5, 512, 512) and pdus[0].flags & F_SUCCESS
+    assert bytes(pdus[0].data) == b"d" * 512 and pdus[0].data_ok
+    cqe = H.response_cqe(pdus[1])
+    assert (cqe.cid, cqe.status, cqe.dw0) == (5, S.LBA_OUT_OF_RANGE, 1)
+    t = H.DataHeader.parse(pdus[2])
+    assert (t.cccid, t.ttag, t.offset, t.length) == (6, 2, 0, 8192)
+
+
+def test_host_reader_rejects_host_pdus_and_bad_digests() -> None:
+    with pytest.raises(H.HostFatalError):
+        H.HostPduReader().receive_data(H.icreq(hdgst=False, ddgst=False))
+    r = H.HostPduReader()
+    r.hdgst = True
+    bad = bytearray(F.capsule_resp(S.cqe(1, 0), True))
+    bad[-1] ^= 0xFF
+    with pytest.raises(H.HostFatalError, match="digest"):
+        r.receive_data(bytes(bad))
+
+
+def test_fabrics_and_admin_commands() -> None:
+    s = Sqe(C.connect(1, 2, 64, 5000))
+    assert s.opcode == 0x7F and s.fctype == C.FCTYPE_CONNECT
+    assert (s.cdw10 >> 16, s.cdw11 & 0xFFFF, s.cdw12, s.sgl_len) == (2, 63, 0, 1024)
+    assert Sqe(C.connect(1, 0, 32, 5000)).cdw12 == 5000
+    data = C.connect_data(b"\x11" * 16, 0xFFFF, "nqn.a:b", "nqn.h:1")
+    assert data[16:18] == b"\xff\xff" and data[256:263] == b"nqn.a:b" and data[512:519] == b"nqn.h:1"
+    g = Sqe(C.property_get(3, C.PROP_CAP, eight=True))
+    assert (g.fctype, g.cdw10, g.cdw11) == (C.FCTYPE_PROPERTY_GET, 1, 0)
+    p = Sqe(C.property_set(4, C.PROP_CC, 0x460001))
+    assert (p.fctype, p.cdw11, p.cdw12) == (C.FCTYPE_PROPERTY_SET, C.PROP_CC, 0x460001)
+    q = Sqe(C.number_of_queues(5, 4))
+    assert (q.opcode, q.cdw10, q.cdw11) == (C.ADMIN_SET_FEATURES, 7, 3 | 3 << 16)
+    lp = Sqe(C.get_log_page(6, C.LID_DISCOVERY, 4096))
+    assert lp.cdw10 == C.LID_DISCOVERY | (1023 << 16)
+    cdb, ranges = C.dsm_deallocate(7, 1, [(100, 8), (200, 1)], in_capsule=True)
+    d = Sqe(cdb)
+    assert (d.cdw10, d.cdw11, d.sgl_len) == (1, C.DSM_AD, 32)
+    assert struct.unpack_from("<IIQ", ranges, 16) == (0, 1, 200)
+    assert Sqe(C.write_zeroes(8, 1, 5, 3)).cdw12 == 2
+
+
+def test_identify_and_discovery_parsing() -> None:
+    b = bytearray(4096)
+    b[4:12] = b"SERIAL01"
+    b[24:32] = b"openvsan"
+    b[77] = 8
+    struct.pack_into("<HI", b, 78, 3, 0x20000)
+    struct.pack_into("<HI", b, 514, 128, 16)
+    struct.pack_into("<H", b, 520, 0x0C)
+    struct.pack_into("<IIH", b, 1792, (64 + 8192) // 16, 1, 0)
+    c = C.IdentifyController.parse(bytes(b))
+    assert (c.serial, c.model, c.mdts, c.cntlid, c.ioccsz) == ("SERIAL01", "openvsan", 8, 3, 64 + 8192)
+    assert c.write_zeroes and c.dsm
+    ns = bytearray(4096)
+    struct.pack_into("<QQQ", ns, 0, 1000, 1000, 0)
+    ns[26] = 1
+    ns[128 + 4 + 2] = 12
+    n = C.IdentifyNamespace.parse(bytes(ns))
+    assert (n.nsze, n.block_size) == (1000, 4096)
+    log = bytearray(2048)
+    struct.pack_into("<QQ", log, 0, 9, 1)
+    log[1024 + 32:1024 + 36] = b"4420"
+    log[1024 + 256:1024 + 263] = b"nqn.a:b"
+    log[1024 + 512:1024 + 521] = b"127.0.0.1"
+    gen, num, entries = C.parse_discovery_log(bytes(log))
+    assert (gen, num) == (9, 1) and (entries[0].subnqn, entries[0].traddr, entries[0].trsvcid) == (
+        "nqn.a:b", "127.0.0.1", "4420")
+
+
+def test_status_to_typed_errors() -> None:
+    from openvsan.block import errors as E
+    assert isinstance(status_error(S.LBA_OUT_OF_RANGE, ""), E.OutOfRange)
+    assert isinstance(status_error(S.NS_WRITE_PROTECTED, ""), E.ReadOnly)
+    assert isinstance(status_error(S.CAPACITY_EXCEEDED, ""), E.NoSpace)
+    assert isinstance(status_error(S.UNRECOVERED_READ_ERROR, ""), E.MediumError)
+    assert isinstance(status_error(S.INTERNAL_ERROR, ""), E.DeviceFailed)
+    assert isinstance(status_error(S.ANA_TRANSITION, ""), E.Busy)
+    assert retryable(S.NS_NOT_READY) and retryable(S.ANA_TRANSITION)
+    assert not retryable(S.LBA_OUT_OF_RANGE) and not retryable(S.INVALID_FIELD)
