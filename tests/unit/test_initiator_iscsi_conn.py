@@ -1,0 +1,155 @@
+"""The iSCSI initiator's connection pump with a fake transport: target PDUs in as bytes, what it sends out.
+
+NOP-In pings answered, R2T-driven Data-Out, Data-In with phase collapse and residuals, the MaxCmdSN window.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+from typing import Any
+
+from openvsan.initiator.iscsi_conn import Completion, IscsiConnection
+from openvsan.protocol.iscsi import pdu as P
+from openvsan.protocol.iscsi.framing import PduReader, frame
+from openvsan.protocol.iscsi.initiator_login import SessionParams
+
+
+class FakeTransport(asyncio.Transport):
+    def __init__(self) -> None:
+        super().__init__()
+        self.sent = bytearray()
+        self.aborted = False
+
+    def writelines(self, data: Any) -> None:
+        for d in data:
+            self.sent += d
+
+    def write(self, data: Any) -> None:
+        self.sent += data
+
+    def abort(self) -> None:
+        self.aborted = True
+
+    def close(self) -> None:
+        self.aborted = True
+
+    def pdus(self) -> list[P.Pdu]:
+        out = PduReader().receive_data(bytes(self.sent))
+        self.sent.clear()
+        return out
+
+
+async def connected(**params: Any) -> tuple[IscsiConnection, FakeTransport]:
+    c = IscsiConnection("test")
+    t = FakeTransport()
+    c.connection_made(t)
+    c.params = SessionParams(send_mrdsl=params.pop("send_mrdsl", 8192), **params)
+    c.cmdsn, c.expcmdsn, c.maxcmdsn, c.expstatsn = 10, 10, 10 + 31, 5
+    return c, t
+
+
+def feed(c: IscsiConnection, bhs: bytes, data: bytes = b"") -> None:
+    c.data_received(b"".join(bytes(x) for x in frame(bhs, data)))
+
+
+async def turn() -> None:
+    await asyncio.sleep(0)
+    await asyncio.sleep(0)
+
+
+def test_nop_in_ping_is_answered() -> None:
+    async def main() -> None:
+        c, t = await connected()
+        feed(c, P.nop_in(P.RESERVED_TAG, 0x1234, 5, 10, 50, dsl=4), b"ping")
+        await turn()
+        (out,) = t.pdus()
+        assert out.opcode == P.Op.NOP_OUT and out.immediate
+        assert out.itt == P.RESERVED_TAG and out.u32(20) == 0x1234 and bytes(out.data) == b"ping"
+        assert c.maxcmdsn == 50  # the window moved with the NOP-In
+
+    asyncio.run(main())
+
+
+def test_write_with_immediate_unsolicited_and_r2t_data() -> None:
+    async def main() -> None:
+        c, t = await connected(send_mrdsl=4096, immediate_data=True, initial_r2t=False, first_burst_length=8192)
+        data = bytes(range(256)) * 64  # 16 KiB
+        fut = c.command(b"\x8a" + bytes(15), bytes(8), data=data)
+        await turn()
+        cmd, unsol = t.pdus()
+        assert cmd.opcode == P.Op.SCSI_CMD and not cmd.flags & P.F_FINAL and len(cmd.data) == 4096
+        assert unsol.opcode == P.Op.DATA_OUT and unsol.u32(20) == P.RESERVED_TAG and unsol.u32(40) == 4096
+        assert unsol.flags & P.F_FINAL and bytes(unsol.data) == data[4096:8192]
+        # the target asks for the rest in one R2T; we answer in two Data-Outs within its MRDSL
+        feed(c, P.r2t(cmd.itt, 77, bytes(8), 6, 11, 41, 0, 8192, 8192))
+        await turn()
+        d1, d2 = t.pdus()
+        assert (d1.u32(20), d1.u32(36), d1.u32(40)) == (77, 0, 8192) and not d1.flags & P.F_FINAL
+        assert (d2.u32(36), d2.u32(40)) == (1, 12288) and d2.flags & P.F_FINAL
+        assert bytes(d1.data) + bytes(d2.data) == data[8192:]
+        feed(c, P.scsi_response(cmd.itt, 0, 6, 11, 41))
+        done = await fut
+        assert done.status == 0 and c.expstatsn == 7
+
+    asyncio.run(main())
+
+
+def test_read_with_phase_collapse_and_underflow() -> None:
+    async def main() -> None:
+        c, _ = await connected()
+        fut = c.command(b"\x12" + bytes(5), bytes(8), read_len=96)
+        await turn()
+        itt = next(iter(c.tasks))
+        feed(c, P.data_in(itt, 0, 0, 36, final=True, expcmdsn=11, maxcmdsn=41, status=0, statsn=5,
+                          flags=P.F_UNDERFLOW, residual=60), b"i" * 36)
+        done: Completion = await fut
+        assert done.status == 0 and bytes(done.data) == b"i" * 36 and not c.tasks
+
+    asyncio.run(main())
+
+
+def test_window_holds_commands_until_maxcmdsn_moves() -> None:
+    async def main() -> None:
+        c, _ = await connected()
+        c.maxcmdsn = c.cmdsn  # room for exactly one
+        c.command(b"\x00" * 6, bytes(8))
+        assert not c.window_open()
+        waiter = asyncio.ensure_future(c.wait_window())
+        await turn()
+        assert not waiter.done()
+        # a response that opens the window by 8
+        feed(c, P.nop_in(P.RESERVED_TAG, P.RESERVED_TAG, 5, c.cmdsn, c.cmdsn + 7))
+        await asyncio.wait_for(waiter, 1)
+        # a MaxCmdSN below ExpCmdSN - 1 is ignored (RFC 7143 §4.2.2.1)
+        before = c.maxcmdsn
+        feed(c, P.nop_in(P.RESERVED_TAG, P.RESERVED_TAG, 5, c.cmdsn + 5, c.cmdsn + 2))
+        assert c.maxcmdsn == before
+
+    asyncio.run(main())
+
+
+def test_data_in_past_the_buffer_drops_the_connection() -> None:
+    async def main() -> None:
+        c, t = await connected()
+        c.command(b"\x88" + bytes(15), bytes(8), read_len=512)
+        await turn()
+        itt = next(iter(c.tasks))
+        feed(c, P.data_in(itt, 0, 512, 512, final=True, expcmdsn=11, maxcmdsn=41), b"x" * 512)
+        assert t.aborted
+
+    asyncio.run(main())
+
+
+def test_digest_framing_is_used_after_login() -> None:
+    async def main() -> None:
+        c, t = await connected(header_digest=True, data_digest=True)
+        c.command(b"\x8a" + bytes(15), bytes(8), data=b"z" * 512)
+        await turn()
+        r = PduReader()
+        r.header_digest = r.data_digest = True
+        (p,) = r.receive_data(bytes(t.sent))
+        assert p.digest_ok and bytes(p.data) == b"z" * 512
+        assert struct.unpack_from(">I", p.bhs, 20)[0] == 512  # EDTL
+
+    asyncio.run(main())
