@@ -117,10 +117,13 @@ class PduReader:
         return int(plen)
 
     def receive_data(self, data: bytes) -> list[Pdu]:
-        if not data:
+        """Whole PDUs in `data` and what was buffered before. Parsing stops after an ICReq: the digests it
+        negotiates apply to the bytes behind it, so call again (with b"") once it is handled."""
+        if data:
+            self._chunks.append(data)
+            self._have += len(data)
+        elif not self._chunks:
             return []
-        self._chunks.append(data)
-        self._have += len(data)
         if self._have < self._need:
             return []
         src = self._chunks[0] if len(self._chunks) == 1 else b"".join(self._chunks)
@@ -136,6 +139,8 @@ class PduReader:
                     break
                 out.append(self._parse(view[pos:pos + plen]))
                 pos += plen
+                if view[pos - plen] == PduType.IC_REQ:
+                    break
         finally:
             rest = src[pos:] if pos < end else b""
             self._chunks = [rest] if rest else []

@@ -102,12 +102,16 @@ class TcpQueue:
             return []
         events: list[Event] = []
         try:
-            for pdu in self.reader.receive_data(data):
-                ev = self._pdu(pdu)
-                if ev is not None:
-                    events.append(ev)
-                    if isinstance(ev, Terminated):
-                        break
+            pdus = self.reader.receive_data(data)
+            while pdus:
+                for pdu in pdus:
+                    ev = self._pdu(pdu)
+                    if ev is not None:
+                        events.append(ev)
+                        if isinstance(ev, Terminated):
+                            return events
+                # the reader pauses after ICReq so that the negotiated digests frame what follows
+                pdus = self.reader.receive_data(b"") if pdus[-1].type == PduType.IC_REQ else []
         except FatalError as e:
             events.append(self.fatal(e))
         return events

@@ -1,0 +1,238 @@
+"""NvmeTcpServer over real sockets, driven by the test host in nvme_host.py: several I/O queues per
+controller, R2T writes, digests, SUCCESS, keep-alive expiry, allow-lists, and bad input (mutated PDUs,
+commands on unconnected queues) that gets a C2HTermReq or a clean close while another host's I/O goes on."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import random
+import struct
+import uuid
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+import pytest
+from nvme_host import (
+    DISCOVERY_NQN,
+    Queue,
+    capsule,
+    connect_cmd,
+    connect_controller,
+    connect_data,
+    h2c_data,
+    icreq,
+    sqe,
+)
+from vsan_harness import free_port
+
+from openvsan.block import RamDevice
+from openvsan.target.config import NvmeNamespaceConfig, NvmeSubsystemConfig
+from openvsan.target.nvme_tcp import NvmeTcpServer
+
+NQN = "nqn.2026-11.org.openvsan:t0"
+PRIVATE = "nqn.2026-11.org.openvsan:private"
+BS = 512
+
+
+def run(coro: Callable[[NvmeTcpServer, int], Coroutine[Any, Any, None]], caplog: pytest.LogCaptureFixture,
+        **kw: Any) -> None:
+    async def main() -> None:
+        port = free_port()
+        subs = [
+            NvmeSubsystemConfig(NQN, [NvmeNamespaceConfig(1, RamDevice(65536, BS), "v0", uuid.uuid4()),
+                                      NvmeNamespaceConfig(2, RamDevice(8192, 4096), "v1", uuid.uuid4())],
+                                [("127.0.0.1", port)]),
+            NvmeSubsystemConfig(PRIVATE, [NvmeNamespaceConfig(1, RamDevice(1024, BS), "v2", uuid.uuid4())],
+                                [("127.0.0.1", port)], allowed_hosts=["nqn.2014-08.org.example:only"]),
+        ]
+        server = NvmeTcpServer(subs, **kw)
+        await server.start()
+        try:
+            await asyncio.wait_for(coro(server, port), 120)
+        finally:
+            await server.stop()
+
+    with caplog.at_level(logging.WARNING, logger="openvsan"):
+        asyncio.run(main())
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert not errors, [r.getMessage() for r in errors]
+
+
+def test_io_on_several_queues(caplog: pytest.LogCaptureFixture) -> None:
+    async def go(server: NvmeTcpServer, port: int) -> None:
+        admin, ios = await connect_controller(port, NQN, io_queues=4, sqsize=63)
+        assert [q.cntlid for q in ios] == [admin.cntlid] * 4
+        rng = random.Random(1)
+        blobs = {}
+
+        async def worker(q: Queue, base: int) -> None:
+            for i in range(40):
+                n = rng.choice([1, 8, 16, 64, 256, 1024, 2048])          # 512 B .. 1 MiB: in-capsule and R2T
+                lba = base + (i % 8) * 2048                              # 8 slots of 1 MiB each
+                data = os.urandom(n * BS)
+                blobs[lba] = data
+                assert await q.write(1, lba, data, fua=i % 7 == 0) == 0
+            await asyncio.gather(*(check(q, lba, d) for lba, d in list(blobs.items()) if base <= lba < base + 16384))
+
+        async def check(q: Queue, lba: int, data: bytes) -> None:
+            st, got = await q.read(1, lba, len(data) // BS)
+            assert st == 0 and got == data
+
+        await asyncio.gather(*(worker(q, i * 16384) for i, q in enumerate(ios)))
+        # the 4 KiB namespace, a flush, and an out-of-range read
+        st = await ios[0].write(2, 10, b"\xab" * 8192, bs=4096)
+        assert st == 0
+        st, got = await ios[1].read(2, 10, 2, bs=4096)
+        assert st == 0 and got == b"\xab" * 8192
+        rsp, _ = await ios[2].command(sqe(0x00, 0, 1))
+        assert rsp is not None and rsp.status == 0
+        st, _ = await ios[3].read(1, 65535, 2)
+        assert st == 0x80 | 0x4000                                       # LBA out of range, DNR
+        for q in ios + [admin]:
+            await q.close()
+    run(go, caplog)
+
+
+def test_digests_and_success_flag(caplog: pytest.LogCaptureFixture) -> None:
+    async def go(server: NvmeTcpServer, port: int) -> None:
+        admin, (io,) = await connect_controller(port, NQN, hd=True, dd=True, cattr=0x04)
+        data = os.urandom(300 * 1024)
+        assert await io.write(1, 0, data) == 0                          # R2T + H2CData with digests
+        rsp, got = await io.read(1, 0, len(data) // BS), None
+        st, got = rsp
+        assert st == 0 and got == data                                  # completed by C2HData SUCCESS
+        assert io.term is None
+        await io.close()
+        await admin.close()
+    run(go, caplog)
+
+
+def test_discovery_and_allow_list(caplog: pytest.LogCaptureFixture) -> None:
+    async def go(server: NvmeTcpServer, port: int) -> None:
+        disc = await Queue.open(port, DISCOVERY_NQN)
+        await disc.enable()
+        st, log = await disc.get_log(0x70, 4096, nsid=0)
+        assert st == 0
+        numrec = struct.unpack_from("<Q", log, 8)[0]
+        nqns = {log[1024 * (i + 1) + 256:1024 * (i + 2)].split(b"\0")[0].decode() for i in range(numrec)}
+        assert nqns == {NQN}                                             # the private one is hidden from us
+        await disc.close()
+        with pytest.raises(ConnectionRefusedError, match="0x4184"):
+            await Queue.open(port, PRIVATE)
+        q = await Queue.open(port, PRIVATE, hostnqn="nqn.2014-08.org.example:only")
+        await q.close()
+    run(go, caplog)
+
+
+def test_keep_alive_timeout_drops_the_controller(caplog: pytest.LogCaptureFixture) -> None:
+    async def go(server: NvmeTcpServer, port: int) -> None:
+        admin, (io,) = await connect_controller(port, NQN, kato=1000)
+        for _ in range(3):                                              # a live host keeps it
+            await asyncio.sleep(0.6)
+            rsp, _ = await admin.command(sqe(0x18, 0))
+            assert rsp is not None and rsp.status == 0
+        await asyncio.sleep(2.5)                                        # then it goes silent
+        # both queues were closed by the target (the host's readers saw EOF)
+        assert admin._pump is not None and admin._pump.done() and io._pump is not None and io._pump.done()
+        assert not server.fabric.subsystems[NQN].controllers
+    run(go, caplog)
+
+
+async def raw(port: int, payload: bytes, timeout: float = 5) -> bytes:
+    """Send bytes on a fresh connection; return everything the target sends until it closes."""
+    r, w = await asyncio.open_connection("127.0.0.1", port)
+    w.write(payload)
+    got = b""
+    try:
+        while data := await asyncio.wait_for(r.read(1 << 20), timeout):
+            got += data
+    except (TimeoutError, ConnectionError):
+        pass                      # a connection the target keeps open, or one it reset
+    finally:
+        w.close()
+    return got
+
+
+def termreq(out: bytes) -> tuple[int, int] | None:
+    """The (FES, FEI) of the C2HTermReq that ends `out`, if there is one."""
+    pos = 0
+    found = None
+    while pos + 8 <= len(out):
+        plen = int.from_bytes(out[pos + 4:pos + 8], "little")
+        if out[pos] == 0x03:
+            found = struct.unpack_from("<HI", out, pos + 8)
+        pos += max(plen, 8)
+    return found
+
+
+def test_bad_input_gets_term_req_while_another_host_goes_on(caplog: pytest.LogCaptureFixture) -> None:
+    async def go(server: NvmeTcpServer, port: int) -> None:
+        admin, (io,) = await connect_controller(port, NQN)
+        stop = asyncio.Event()
+        done = 0
+
+        async def good_host() -> None:
+            nonlocal done
+            i = 0
+            while not stop.is_set():
+                data = os.urandom(4096 * (1 + i % 20))
+                assert await io.write(1, 1000, data) == 0
+                st, got = await io.read(1, 1000, len(data) // BS)
+                assert st == 0 and got == data
+                done += 1
+                i += 1
+
+        traffic = asyncio.get_running_loop().create_task(good_host())
+        ic = icreq()
+        conn = capsule(connect_cmd(1, 0, 31), connect_data(NQN))
+        cases: list[tuple[bytes, int | None]] = [
+            (icreq(pfv=7), 0x06),
+            (capsule(sqe(0x06, 1, 0, cdw10=1, sgl_len=4096)), 0x02),               # before ICReq
+            (ic + ic, 0x02),
+            (ic + bytes([0x0B, 0, 24, 0, 24, 0, 0, 0]) + bytes(16), 0x01),
+            (ic + struct.pack("<BBBBI", 4, 0, 72, 76, 0x7FFFFFFF), 0x05),
+            (ic + h2c_data(1, 7, 0, bytes(512), last=True), 0x01),                 # no R2T for it
+            (ic + bytes(capsule(sqe(0x06, 1)))[:2] + b"\x30" + bytes(capsule(sqe(0x06, 1)))[3:], 0x01),  # HLEN
+            (icreq(hd=True) + capsule(sqe(0x06, 1)), 0x01),                         # digest flag missing
+            (ic + conn[:3] + b"\x10" + conn[4:], 0x01),                              # PDO inside the header
+        ]
+        for payload, fes in cases:
+            out = await raw(port, payload)
+            got = termreq(out)
+            assert got is not None and got[0] == fes, (payload[:16].hex(), out[:64].hex())
+        # header digest error
+        bad = bytearray(icreq(hd=True) + capsule(sqe(0x06, 1), hd=True))
+        bad[-2] ^= 0xFF
+        got = termreq(await raw(port, bytes(bad)))
+        assert got is not None and got[0] == 0x03
+        # commands on a queue that never connected get Command Sequence Error, and the connection lives
+        r, w = await asyncio.open_connection("127.0.0.1", port)
+        w.write(ic + capsule(sqe(0x06, 5, 0, cdw10=1, sgl_len=4096)) + capsule(sqe(0x02, 6, 1, sgl_len=512)))
+        data = await asyncio.wait_for(r.readexactly(128 + 48), 5)
+        for off in (128, 152):
+            assert data[off] == 0x05 and (struct.unpack_from("<H", data, off + 22)[0] >> 1) == 0x400C
+        w.close()
+        # an I/O queue Connect for someone else's controller
+        out = await raw(port, ic + capsule(connect_cmd(1, 1, 31), connect_data(NQN, cntlid=admin.cntlid,
+                                                                                 hostnqn="nqn.x:other")), 1)
+        assert out[128] == 0x05 and (struct.unpack_from("<H", out, 128 + 22)[0] >> 1) == 0x4182
+        # random mutations of a good session
+        rng = random.Random(7)
+        good = ic + conn + capsule(sqe(0x7F, 2, 0x04, cdw11=0)) + capsule(sqe(0x06, 3, 0, cdw10=1, sgl_len=4096))
+        mutants = []
+        for _ in range(100):
+            m = bytearray(good)
+            for _ in range(rng.randint(1, 4)):
+                m[rng.randrange(len(m))] = rng.randrange(256)
+            mutants.append(bytes(m[:rng.randint(8, len(m))]))
+        for i in range(0, len(mutants), 25):           # 25 bad hosts at a time beside the good one
+            await asyncio.gather(*(raw(port, m, timeout=1.0) for m in mutants[i:i + 25]))
+        stop.set()
+        await traffic
+        assert done > 5
+        assert set(server.fabric.subsystems[NQN].controllers) == {admin.cntlid}
+        await io.close()
+        await admin.close()
+    run(go, caplog)
