@@ -10,9 +10,11 @@ target's output to LOG, and then one line saying how it ended:
     @@EXIT rc=0 after SIGTERM            a clean stop
     @@EXIT rc=-11 without SIGTERM        it died on its own: a crash
 
-so a test can assert afterwards that the target never crashed. With --fresh-data-dir BASE, every start gets a
-new empty data dir under BASE (the `{data}` placeholder in the command), so nothing (a persistent
-reservation, say) carries over from one run to the next.
+so a test can assert afterwards that the target never crashed. SIGHUP restarts the target (SIGTERM, then a
+fresh start with the same command), for tests of initiators that must ride through a restart. With
+--fresh-data-dir BASE, each run of the wrapper gets a new empty data dir under BASE (the `{data}`
+placeholder in the command), so nothing (a persistent reservation, say) carries over from one run to
+the next.
 """
 
 from __future__ import annotations
@@ -46,7 +48,8 @@ def main() -> int:
         os.makedirs(args.fresh_data_dir, exist_ok=True)
         data = tempfile.mkdtemp(prefix="data-", dir=args.fresh_data_dir)
         cmd = [c.replace("{data}", data) for c in cmd]
-    terminated = False
+    terminated = restarting = False
+    child: subprocess.Popen[bytes]
 
     def on_term(signum: int, frame: object) -> None:
         nonlocal terminated
@@ -55,24 +58,37 @@ def main() -> int:
         with contextlib.suppress(ProcessLookupError):
             child.send_signal(signum)
 
+    def on_hup(signum: int, frame: object) -> None:
+        # a test restarts the target under a connected initiator: SIGTERM it, then start it again
+        nonlocal restarting
+        restarting = True
+        with contextlib.suppress(ProcessLookupError):
+            child.send_signal(signal.SIGTERM)
+
     with open(args.log, "ab", buffering=0) as log:
-        log.write(f"@@START {time.strftime('%H:%M:%S')} {' '.join(cmd)}\n".encode())
-        child = subprocess.Popen(
-            cmd,
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            process_group=0,
-            preexec_fn=_die_with_parent,  # noqa: PLW1509 (no threads here)
-        )
+        log.write(f"@@WRAPPER pid={os.getpid()}\n".encode())
         signal.signal(signal.SIGTERM, on_term)
         signal.signal(signal.SIGINT, on_term)
+        signal.signal(signal.SIGHUP, on_hup)
         while True:
-            with contextlib.suppress(InterruptedError):
-                rc = child.wait()
+            log.write(f"@@START {time.strftime('%H:%M:%S')} {' '.join(cmd)}\n".encode())
+            child = subprocess.Popen(
+                cmd,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                process_group=0,
+                preexec_fn=_die_with_parent,  # noqa: PLW1509 (no threads here)
+            )
+            while True:
+                with contextlib.suppress(InterruptedError):
+                    rc = child.wait()
+                    break
+            how = "after SIGTERM" if terminated or restarting else "without SIGTERM"
+            log.write(f"@@EXIT rc={rc} {how} {time.strftime('%H:%M:%S')}\n".encode())
+            if not restarting or terminated:
                 break
-        how = "after SIGTERM" if terminated else "without SIGTERM"
-        log.write(f"@@EXIT rc={rc} {how} {time.strftime('%H:%M:%S')}\n".encode())
+            restarting = False
     return 0 if rc == 0 else 1
 
 

@@ -10,9 +10,12 @@ These tests run one after the other (each boots a guest; two at once would only 
 from __future__ import annotations
 
 import os
+import re
 import shlex
+import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -56,7 +59,10 @@ echo "@@PASS"
 """
 
 
-def run_guest(server: VsanServer, tmp_path: Path, **env: str) -> str:
+def run_guest(
+    server: VsanServer, tmp_path: Path, during: Callable[[Path, Path], None] | None = None, **env: str
+) -> str:
+    """Run the guest script against `vsan serve`; during(guest_log, target_log) runs while the guest does."""
     require_root("the guest script runs QEMU with user networking and needs root for its set-up")
     require_tools("qemu-system-x86_64", "debootstrap", "socat", "cpio", "ss")
     if not GUEST.exists():
@@ -66,23 +72,26 @@ def run_guest(server: VsanServer, tmp_path: Path, **env: str) -> str:
     env = {"TARGET_CMD": target_cmd, "TGT_PORT": str(server.port), "NVME_SELFTEST": "0", **env}
     out_path = tmp_path / "guest.log"
     with open(out_path, "wb") as out:
+        proc = subprocess.Popen(
+            ["bash", str(GUEST)],
+            env={**os.environ, **env},
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         try:
-            p = subprocess.run(
-                ["bash", str(GUEST)],
-                env={**os.environ, **env},
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                timeout=1000,
-                check=False,
-            )
-        except subprocess.TimeoutExpired:
-            pytest.fail(
-                f"guest test timed out; log: {out_path}\n{out_path.read_text(errors='replace')[-6000:]}", pytrace=False
-            )
+            if during is not None:
+                during(out_path, target_log)
+            rc = proc.wait(timeout=1000)
+        except BaseException:
+            os.killpg(proc.pid, signal.SIGTERM)  # the script's own clean-up stops QEMU and the target
+            proc.wait(timeout=60)
+            print(out_path.read_text(errors="replace")[-6000:])
+            raise
     text = out_path.read_text(errors="replace")
     print(text[-4000:])
-    if p.returncode != 0 or "@@PASS" not in text:
-        pytest.fail(f"guest test failed (exit {p.returncode}); log {out_path}:\n{text[-8000:]}", pytrace=False)
+    if rc != 0 or "@@PASS" not in text:
+        pytest.fail(f"guest test failed (exit {rc}); log {out_path}:\n{text[-8000:]}", pytrace=False)
     check_target_log(target_log)
     return text
 
@@ -102,3 +111,74 @@ def test_linux_kernel_initiator_with_digests(vsan: Callable[..., VsanServer], tm
     script.write_text(DIGEST_SCRIPT)
     text = run_guest(server, tmp_path, GUEST_SCRIPT=str(script))
     assert "@@DIGESTS header=1 data=1" in text
+
+
+# Busybox sh in the guest: write, then keep I/O going while the host restarts `vsan serve` (SIGTERM, start);
+# the kernel initiator must notice, log in again (session reinstatement, ERL 0) and retry, with no I/O error
+# reaching fio and nothing written before the restart lost.
+RESTART_SCRIPT = r"""
+fail() { echo "@@FAIL $*"; exit 1; }
+modprobe -a iscsi_tcp sd_mod crc32c_generic || fail modprobe
+mkdir -p /run/lock/iscsi
+iscsid || fail iscsid
+iscsiadm -m discovery -t sendtargets -p $PORTAL > /tmp/disc || fail discovery
+IQN=$(awk '{print $2; exit}' /tmp/disc)
+[ -n "$IQN" ] || fail "no target discovered"
+iscsiadm -m node -T "$IQN" -p $PORTAL >/dev/null 2>&1 || iscsiadm -m node -o new -T "$IQN" -p $PORTAL >/dev/null
+iscsiadm -m node -T "$IQN" -p $PORTAL -o update -n node.session.timeo.replacement_timeout -v 90
+iscsiadm -m node -T "$IQN" -p $PORTAL --login || fail login
+for i in $(seq 100); do
+    for b in /sys/class/iscsi_session/session*/device/target*/*/block/*; do [ -e "$b" ] && break 2; done
+    sleep 0.1
+done
+DEV=/dev/${b##*/}
+[ -b "$DEV" ] || fail "no iSCSI disk"
+dd if=/dev/urandom of=/tmp/a bs=1M count=16 2>/dev/null
+dd if=/tmp/a of=$DEV bs=1M oflag=direct conv=fsync 2>/dev/null || fail "write before the restart"
+S1=$(sha256sum /tmp/a | cut -d' ' -f1)
+echo "@@READY_FOR_RESTART"
+fio --name=span --filename=$DEV --offset=64M --size=32M --rw=randwrite --bs=64k --direct=1 --ioengine=libaio \
+    --iodepth=4 --time_based --runtime=25 > /tmp/fio.out 2>&1 || { cat /tmp/fio.out; fail "I/O across the restart"; }
+grep -E 'write: IOPS|err=' /tmp/fio.out | head -2
+dmesg | grep -iE 'conn error|recover|reinstat|session' | tail -6
+S2=$(dd if=$DEV bs=1M count=16 iflag=direct 2>/dev/null | sha256sum | cut -d' ' -f1)
+[ "$S1" = "$S2" ] || fail "data written before the restart changed: $S1 $S2"
+echo "@@CHECKSUM_OK $S1"
+fio --name=after --filename=$DEV --offset=128M --size=16M --rw=write --bs=256k --direct=1 --ioengine=libaio \
+    --verify=crc32c --do_verify=1 --verify_fatal=1 > /tmp/fio2.out 2>&1 || { cat /tmp/fio2.out; fail "I/O after"; }
+iscsiadm -m node -T "$IQN" -p $PORTAL --logout || fail logout
+echo "@@PASS"
+"""
+
+
+@pytest.mark.timeout(1200)
+def test_linux_kernel_initiator_rides_through_a_restart(vsan: Callable[..., VsanServer], tmp_path: Path) -> None:
+    server = vsan("file", "256MiB", start=False)
+    script = tmp_path / "restart.sh"
+    script.write_text(RESTART_SCRIPT)
+
+    def restart_when_ready(guest_log: Path, target_log: Path) -> None:
+        deadline = time.monotonic() + 600
+        serial: Path | None = None
+        while True:
+            if time.monotonic() > deadline:
+                pytest.fail("the guest never got ready for the restart", pytrace=False)
+            if serial is None:
+                m = re.search(r"serial log: (\S+)", guest_log.read_text(errors="replace"))
+                serial = Path(m.group(1)) if m else None
+            if serial is not None and serial.exists():
+                text = serial.read_text(errors="replace")
+                if "@@FAIL" in text:
+                    return  # the guest failed before the restart; run_guest reports it
+                if "@@READY_FOR_RESTART" in text:
+                    break
+            time.sleep(0.2)
+        time.sleep(5)  # fio is writing now
+        wrapper = re.search(r"@@WRAPPER pid=(\d+)", target_log.read_text())
+        assert wrapper, target_log.read_text()
+        os.kill(int(wrapper.group(1)), signal.SIGHUP)
+
+    text = run_guest(server, tmp_path, during=restart_when_ready, GUEST_SCRIPT=str(script))
+    assert "@@CHECKSUM_OK" in text
+    target = (tmp_path / "target.log").read_text()
+    assert target.count("@@START ") == 2, f"the target was not restarted:\n{target[-3000:]}"
