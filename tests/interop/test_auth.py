@@ -61,14 +61,9 @@ def test_initiator_acl(vsan: Callable[..., VsanServer]) -> None:
 
 
 # libiscsi offers AuthMethod=CHAP,None whenever it has credentials; when the target answers None (a discovery
-# session, or a target without CHAP) it sends InitiatorName again in its next Login Request. Our login refuses
-# that as a redeclared key (RFC 7143 §6.2 allows the refusal), tgt accepts it, and so `iscsi-ls -s` with the
-# target's CHAP credentials (the way to list a CHAP target's LUNs) cannot work. strict: remove the marks once
-# the login accepts an identical redeclaration.
-REDECLARED = pytest.mark.xfail(strict=True, reason="login refuses InitiatorName re-sent after AuthMethod=None")
-
-
-@REDECLARED
+# session, or a target without CHAP) it sends InitiatorName again in its next Login Request. Our login accepts
+# that identical redeclaration, as tgt does, so `iscsi-ls -s` with the target's CHAP credentials (the way to list
+# a CHAP target's LUNs) works.
 def test_iscsi_ls_lists_luns_of_a_chap_target(vsan: Callable[..., VsanServer]) -> None:
     require_tools("iscsi-ls")
     server = vsan(chap=(USER, SECRET))
@@ -76,7 +71,6 @@ def test_iscsi_ls_lists_luns_of_a_chap_target(vsan: Callable[..., VsanServer]) -
     assert IQN in listed and "Lun:0" in listed, listed
 
 
-@REDECLARED
 def test_credentials_offered_to_a_target_without_chap(server: VsanServer) -> None:
     require_tools("iscsi-readcapacity16")
     assert readcap(server.url(user=USER, secret=SECRET)) == 0

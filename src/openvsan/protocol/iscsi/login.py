@@ -113,7 +113,7 @@ class LoginMachine:
         self._first = True
         self._leading_done = False  # the first request's text may span PDUs (C bit): not the same as _first
         self._text = bytearray()
-        self._seen_keys: set[str] = set()
+        self._seen_keys: dict[str, str] = {}
         self._auth_done = False
         self._chap: ChapAuthenticator | None = None
         self._chap_step = ""
@@ -162,7 +162,13 @@ class LoginMachine:
         self._text.clear()
         keys: dict[str, str] = {}
         for k, v in pairs:
-            if k in keys or (k in self._seen_keys and not k.startswith("CHAP_")):
+            if k in keys:
+                raise LoginFailed(Status.INITIATOR_ERROR, f"key {k} sent twice")
+            if k in self._seen_keys and not k.startswith("CHAP_"):
+                # §6.2 lets us refuse any renegotiation; an identical restatement of a declaration (libiscsi
+                # re-sends InitiatorName after AuthMethod=None, tgt and LIO accept it) changes nothing
+                if k in DECLARED_BY_INITIATOR and self._seen_keys[k] == v:
+                    continue
                 raise LoginFailed(Status.INITIATOR_ERROR, f"key {k} sent twice")
             keys[k] = v
         self._seen_keys.update(keys)
