@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""Serve RAM namespaces over NVMe/TCP with NvmeTcpServer alone (no node, no config): the target the
-NVMe interop tests run until `vsan serve` has its [nvme] section.
+"""Serve RAM namespaces over NVMe/TCP with NvmeTcpServer alone (no node, no config, no store): for
+measuring the NVMe/TCP target by itself and for poking at it by hand. The tests use `vsan serve`.
 
     nvme_serve.py --port 4420 --nqn nqn.2026-11.org.openvsan:disk0 --size 256MiB [--block-size 512]
                   [--namespaces 1] [--allow-host NQN ...] [--ready-file PATH]

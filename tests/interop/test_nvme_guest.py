@@ -1,5 +1,6 @@
-"""A Linux kernel NVMe/TCP host (nvme_tcp + nvme-cli in a QEMU guest) against our NVMe/TCP target, with the
-whole session captured on lo and dissected by Wireshark's nvme-tcp dissector.
+"""A Linux kernel NVMe/TCP host (nvme_tcp + nvme-cli in a QEMU guest) against `vsan serve` of
+examples/single-node.toml (disk0 as namespace 1 of nqn.2026-11.org.openvsan:disk0), with the whole session
+captured on lo and dissected by Wireshark's nvme-tcp dissector.
 
 ../shared/peers/linux-guest/run-guest-test.sh boots the guest; inside it: `nvme discover`, `nvme connect`
 with header and data digests, Identify, mkfs.ext4, mount, checksum across a remount, fio writes with
@@ -18,15 +19,16 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from vsan_harness import RUN_TARGET, SHARED_PEERS, check_target_log, free_port, require_root, require_tools
+from vsan_harness import REPO, RUN_TARGET, SHARED_PEERS, VsanServer, check_target_log, require_root, require_tools
 
 pytestmark = [pytest.mark.interop, pytest.mark.slow]
 
 GUEST = SHARED_PEERS / "linux-guest" / "run-guest-test.sh"
-SERVE = Path(__file__).with_name("nvme_serve.py")
+EXAMPLE = REPO / "examples" / "single-node.toml"
 NQN = "nqn.2026-11.org.openvsan:disk0"
 
 GUEST_SCRIPT = r"""
@@ -60,11 +62,11 @@ mount $DEV /mnt || fail remount
 S2=$(sha256sum /mnt/payload | cut -d' ' -f1)
 [ "$S1" = "$S2" ] || fail "checksum mismatch $S1 $S2"
 echo "@@CHECKSUM_OK $S1"
-umount /mnt || fail umount2
-fio --name=verify --filename=$DEV --offset=128M --size=32M --rw=randwrite --bsrange=4k-256k --direct=1 \
+fio --name=verify --filename=/mnt/fio.dat --size=32M --rw=randwrite --bsrange=4k-256k --direct=1 \
     --ioengine=libaio --iodepth=16 --verify=crc32c --verify_fatal=1 --do_verify=1 > /tmp/fio.out 2>&1 \
     || { cat /tmp/fio.out; fail fio; }
 grep -E 'write: IOPS|read: IOPS' /tmp/fio.out | head -2
+umount /mnt || fail umount2
 nvme disconnect -n "$NVME_NQN" || fail disconnect
 echo "@@DISCONNECTED"
 sleep 1
@@ -105,17 +107,18 @@ def tshark(cap: Path, port: int, display_filter: str, *fields: str) -> list[list
 
 
 @pytest.mark.timeout(900)
-def test_linux_kernel_nvme_host(tmp_path: Path) -> None:
+def test_linux_kernel_nvme_host(vsan: Callable[..., VsanServer], tmp_path: Path) -> None:
     require_root("the guest script runs QEMU with user networking; dumpcap captures on lo")
     require_tools("qemu-system-x86_64", "debootstrap", "socat", "cpio", "ss", "tshark")
     if not GUEST.exists():
         pytest.fail(f"{GUEST} is missing: CI clones the repo with ../shared beside it", pytrace=False)
-    port = free_port()
+    server = vsan(start=False)
+    server.write_example(EXAMPLE.read_text())
+    port = server.nvme_port
     cap, cap_log = tmp_path / "nvme.pcapng", tmp_path / "dumpcap.log"
     dumpcap = start_capture(port, cap, cap_log)
     target_log = tmp_path / "target.log"
-    serve = [sys.executable, str(SERVE), "--port", str(port), "--nqn", NQN, "--size", "256MiB"]
-    target_cmd = shlex.join([sys.executable, str(RUN_TARGET), "--log", str(target_log), "--", *serve])
+    target_cmd = shlex.join([sys.executable, str(RUN_TARGET), "--log", str(target_log), "--", *server.command()])
     script = tmp_path / "guest.sh"
     script.write_text(GUEST_SCRIPT)
     env = {"TARGET_CMD": target_cmd, "TGT_PORT": str(port), "NVME_ADDR": "127.0.0.1", "NVME_PORT": str(port),
