@@ -26,8 +26,10 @@ pytestmark = [pytest.mark.interop, pytest.mark.slow]
 
 # The floor CI holds us to: what the target reaches today, so a regression fails. Raise it as tests pass;
 # the goal is 200 (tgt 1.0.85 on this machine: PASS 173 on a thin LUN, 162 on a plain one).
-# Measured 2026-11-30 on 2 cores (uvloop), the same in two runs: PASS=217 SKIP=10 FAIL=3 HUNG=0 in 65 s.
-PASS_FLOOR = 217
+# Measured 2026-11-30 on 2 cores (uvloop), the same in three runs: PASS=217 SKIP=10 FAIL=3 HUNG=0 in 65 s.
+# The floor sits 2 below that: iSCSITMF.AbortTaskSimpleAsync and MultipathIO.CompareAndWriteAsync race the
+# target by design and may land either way on a loaded machine.
+PASS_FLOOR = 215
 TOTAL = 230
 SUITE = SHARED_PEERS / "libiscsi-suite.py"
 ONLY = os.environ.get("VSAN_CONFORMANCE_ONLY", ".")
@@ -89,5 +91,5 @@ def test_libiscsi_conformance(vsan: Callable[..., VsanServer], tmp_path: Path) -
         problems.append(str(e))
     if problems:
         pytest.fail("\n".join(problems) + f"\n{out}", pytrace=False)
-    if ONLY == "." and passed > PASS_FLOOR:
+    if ONLY == "." and passed > PASS_FLOOR + 2:
         print(f"PASS={passed} is above PASS_FLOOR={PASS_FLOOR}: raise the floor in {__file__}")
