@@ -27,8 +27,8 @@ pytestmark = [pytest.mark.interop, pytest.mark.slow]
 # The floor CI holds us to: what the target reaches today, so a regression fails. Raise it as tests pass;
 # the goal is 200 (tgt 1.0.85 on this machine: PASS 173 on a thin LUN, 162 on a plain one).
 # Measured 2026-11-30 on 2 cores (uvloop), the same in three runs: PASS=217 SKIP=10 FAIL=3 HUNG=0 in 65 s.
-# The floor sits 2 below that: iSCSITMF.AbortTaskSimpleAsync and MultipathIO.CompareAndWriteAsync race the
-# target by design and may land either way on a loaded machine.
+# The floor sits 2 below that as a margin for timing on a loaded CI machine (several tests run async I/O and
+# task management against the clock); losing more than 2 tests fails the run.
 PASS_FLOOR = 215
 TOTAL = 230
 SUITE = SHARED_PEERS / "libiscsi-suite.py"
