@@ -236,3 +236,31 @@ def test_bad_input_gets_term_req_while_another_host_goes_on(caplog: pytest.LogCa
         await io.close()
         await admin.close()
     run(go, caplog)
+
+
+def test_queue_depth_and_disconnect(caplog: pytest.LogCaptureFixture) -> None:
+    async def go(server: NvmeTcpServer, port: int) -> None:
+        admin, (io,) = await connect_controller(port, NQN, sqsize=3, io_queues=1)     # 4 entries
+        # 4 commands outstanding are fine; the I/O queue keeps working
+        results = await asyncio.gather(*(io.read(1, i, 1) for i in range(4)))
+        assert all(st == 0 for st, _ in results)
+        # Disconnect deletes the I/O queue: answered, then closed (NVMe-oF 1.1 §3.4)
+        rsp, _ = await io.command(sqe(0x7F, 0, 0x08))
+        assert rsp is not None and rsp.status == 0
+        await asyncio.sleep(0.2)
+        assert io._pump is not None and io._pump.done()
+        ctrl = server.fabric.subsystems[NQN].controllers[admin.cntlid]
+        assert ctrl.io_queues == set()
+        # the QID can be connected again
+        again = await Queue.open(port, NQN, qid=1, cntlid=admin.cntlid, sqsize=3)
+        # a host that ignores SQSIZE: 6 commands in one burst on a 4-entry queue get a C2HTermReq
+        burst = b"".join(capsule(sqe(0x02, 100 + i, 1, cdw10=i, sgl_len=512)) for i in range(6))
+        again.w.write(burst)
+        await asyncio.sleep(0.5)
+        assert again.term is not None and again.term.u16(8) == 0x02
+        await again.close()
+        # the admin queue's association is still there
+        rsp, _ = await admin.command(sqe(0x18, 0))
+        assert rsp is not None and rsp.status == 0
+        await admin.close()
+    run(go, caplog)
