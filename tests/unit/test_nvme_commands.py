@@ -200,7 +200,7 @@ def test_log_pages_and_async_events() -> None:
         ctrl.on_async_event = lambda cid, comp: events.append((cid, comp.dw0))
         await admin(ctrl, sqe(0x09, 1, 0, cdw10=0x0B, cdw11=(1 << 8) | (1 << 11)))
         assert await ctrl.admin(Sqe(sqe(0x0C, 77)), b"") is None                 # held
-        ana = (await admin(ctrl, sqe(0x02, 1, 0, cdw10=0x0C | (1023 << 16)))).data
+        ana = (await admin(ctrl, sqe(0x02, 1, 0, cdw10=0x0C | (1023 << 16), sgl_len=(1023 + 1) * 4))).data
         assert ana is not None and len(ana) == 4096
         _chg, ngrps = struct.unpack_from("<QH", ana)
         grp, nns, _, state = struct.unpack_from("<IIQB", ana, 16)
@@ -209,7 +209,7 @@ def test_log_pages_and_async_events() -> None:
         assert events == [(77, 0x02 | (0x03 << 8) | (0x0C << 16))]
         sub.set_ana_state(1, ANA_INACCESSIBLE)                                   # masked until the log is read
         assert len(events) == 1 and not ctrl.pending_events
-        ana = (await admin(ctrl, sqe(0x02, 1, 0, cdw10=0x0C | (1023 << 16)))).data
+        ana = (await admin(ctrl, sqe(0x02, 1, 0, cdw10=0x0C | (1023 << 16), sgl_len=(1023 + 1) * 4))).data
         assert ana is not None and ana[16 + 16] == ANA_INACCESSIBLE and struct.unpack_from("<Q", ana)[0] == 2
         c = await execute_io(ctrl, Sqe(sqe(0x02, 5, 1, cdw12=0, sgl_len=512)), b"")
         assert c.status == S.ANA_INACCESSIBLE
@@ -220,16 +220,16 @@ def test_log_pages_and_async_events() -> None:
         assert await ctrl.admin(Sqe(sqe(0x0C, 79)), b"") is None
         sub.add_namespace(Namespace(2, RamDevice(64, 512), "vol2", uuid.uuid4()))
         assert events[-1] == (79, 0x02 | (0x04 << 16))   # notice, NS attribute changed, log 04h
-        chl = (await admin(ctrl, sqe(0x02, 1, 0, cdw10=0x04 | (1023 << 16)))).data
+        chl = (await admin(ctrl, sqe(0x02, 1, 0, cdw10=0x04 | (1023 << 16), sgl_len=(1023 + 1) * 4))).data
         assert chl is not None and struct.unpack_from("<II", chl) == (2, 0)
-        smart = (await admin(ctrl, sqe(0x02, 1, 0xFFFFFFFF, cdw10=0x02 | (127 << 16)))).data
+        smart = (await admin(ctrl, sqe(0x02, 1, 0xFFFFFFFF, cdw10=0x02 | (127 << 16), sgl_len=(127 + 1) * 4))).data
         assert smart is not None and len(smart) == 512 and smart[3] == 100
-        err = (await admin(ctrl, sqe(0x02, 1, 0, cdw10=0x01 | (15 << 16)))).data
+        err = (await admin(ctrl, sqe(0x02, 1, 0, cdw10=0x01 | (15 << 16), sgl_len=(15 + 1) * 4))).data
         assert err is not None and len(err) == 64
         # offsets (LPA extended data)
-        part = (await admin(ctrl, sqe(0x02, 1, 0, cdw10=0x02 | (3 << 16), cdw12=4))).data
+        part = (await admin(ctrl, sqe(0x02, 1, 0, cdw10=0x02 | (3 << 16), cdw12=4, sgl_len=(3 + 1) * 4))).data
         assert part == smart[4:20]
-        assert (await admin(ctrl, sqe(0x02, 1, 0, cdw10=0x55))).status == S.INVALID_LOG_PAGE
+        assert (await admin(ctrl, sqe(0x02, 1, 0, cdw10=0x55, sgl_len=(0 + 1) * 4))).status == S.INVALID_LOG_PAGE
         for cid in (80, 81, 82, 83):
             await ctrl.admin(Sqe(sqe(0x0C, cid)), b"")
         assert (await admin(ctrl, sqe(0x0C, 84))).status == S.ASYNC_EVENT_LIMIT_EXCEEDED
@@ -249,16 +249,16 @@ def test_discovery_controller_and_log() -> None:
         idc = (await admin(ctrl, sqe(0x06, 1, 0, cdw10=1))).data
         assert idc is not None and idc[111] == 2
         assert (await admin(ctrl, sqe(0x06, 1, 1, cdw10=0))).status == S.INVALID_FIELD
-        hdr = (await admin(ctrl, sqe(0x02, 1, 0, cdw10=0x70 | (3 << 16)))).data
+        hdr = (await admin(ctrl, sqe(0x02, 1, 0, cdw10=0x70 | (3 << 16), sgl_len=(3 + 1) * 4))).data
         assert hdr is not None and struct.unpack_from("<QQ", hdr)[1] == 2     # 1 visible subsystem x 2 ports
-        full = (await admin(ctrl, sqe(0x02, 1, 0, cdw10=0x70 | ((3072 // 4 - 1) << 16)))).data
+        full = (await admin(ctrl, sqe(0x02, 1, 0, cdw10=0x70 | ((3072 // 4 - 1) << 16), sgl_len=3072))).data
         assert full is not None
         e0 = full[1024:2048]
         assert e0[0] == 3 and e0[1] == 1 and e0[2] == 2 and struct.unpack_from("<HH", e0, 4) == (1, 0xFFFF)
         assert e0[32:36] == b"4420" and e0[256:256 + len(NQN)] == NQN.encode() and e0[512:521] == b"192.0.2.1"
         assert full[2048 + 512:2048 + 521] == b"192.0.2.2"
         assert connect(fabric, nqn=DISCOVERY_NQN, qid=1, cntlid=ctrl.cntlid)[0] == S.CONNECT_INVALID_PARAMETERS
-        assert (await admin(ctrl, sqe(0x02, 1, 0, cdw10=0x02 | (127 << 16)))).status == S.INVALID_LOG_PAGE
+        assert (await admin(ctrl, sqe(0x02, 1, 0, cdw10=0x02 | (127 << 16), sgl_len=(127 + 1) * 4))).status == S.INVALID_LOG_PAGE
     run(go())
 
 
@@ -335,7 +335,7 @@ def test_medium_error_maps_to_nvme_status() -> None:
         w = await execute_io(ctrl, Sqe(sqe(0x01, 9, 1, cdw10=100, cdw12=0, sgl_len=512)), bytes(512))
         assert w.status == S.WRITE_FAULT
         assert sub.media_errors == 2 and ctrl.error_count == 2
-        err = (await admin(ctrl, sqe(0x02, 1, 0, cdw10=0x01 | (15 << 16)))).data
+        err = (await admin(ctrl, sqe(0x02, 1, 0, cdw10=0x01 | (15 << 16), sgl_len=(15 + 1) * 4))).data
         assert err is not None and struct.unpack_from("<QHHH", err) == (2, 0, 9, S.WRITE_FAULT << 1)
     run(go())
 
@@ -395,3 +395,35 @@ def test_reservations() -> None:
 ])
 def test_data_plan(cmd: bytes, in_capsule: int, want: tuple[int, int, bool]) -> None:
     assert data_plan(Sqe(cmd), in_capsule, 1 << 20) == want
+
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+_FUZZ_FABRIC, _FUZZ_SUB, _ = make(blocks=4096)
+_FUZZ_CTRL = run(enabled(_FUZZ_FABRIC))
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(opcode=st.sampled_from([0x00, 0x01, 0x02, 0x05, 0x06, 0x08, 0x09, 0x0A, 0x0C, 0x0D, 0x0E, 0x11, 0x15, 0x18,
+                               0x7F, 0x08, 0x02, 0x42]),
+       nsid=st.sampled_from([0, 1, 2, 0xFFFFFFFF, 0xFFFFFFFE]),
+       cdws=st.lists(st.integers(0, 0xFFFFFFFF), min_size=6, max_size=6),
+       sgl_len=st.sampled_from([0, 16, 512, 4096, 1 << 20]),
+       data=st.binary(max_size=64))
+def test_random_commands_never_raise(opcode: int, nsid: int, cdws: list[int], sgl_len: int, data: bytes) -> None:
+    cmd = Sqe(sqe(opcode, 1, nsid, cdw10=cdws[0], cdw11=cdws[1], cdw12=cdws[2], cdw13=cdws[3], cdw14=cdws[4],
+                  cdw15=cdws[5], sgl_len=sgl_len))
+    if opcode == 0x7F and cmd.fctype == 0x00 and cmd.cdw11 == 0x14:
+        return                                          # CC writes would disable the shared controller
+
+    async def go() -> None:
+        comp = await _FUZZ_CTRL.admin(cmd, data)
+        if comp is not None:
+            assert 0 <= comp.status < 0x8000
+            assert comp.data is None or len(comp.data) <= max(sgl_len, 4096)
+        comp = await execute_io(_FUZZ_CTRL, cmd, data)
+        assert 0 <= comp.status < 0x8000
+        assert comp.data is None or len(comp.data) <= 1 << 20
+    run(go())
+    _FUZZ_CTRL.aer_cids.clear()

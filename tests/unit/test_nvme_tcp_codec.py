@@ -205,3 +205,31 @@ def test_capsule_resp_with_header_digest() -> None:
     cqe = bytes(range(16))
     r = q.respond(cqe)
     assert len(r) == 28 and r[0] == 0x05 and r[1] == 0x01 and r[8:24] == cqe and r[24:] == dg(r[:24])
+
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+_GOOD = icreq(hd=True, dd=True) + capsule(sqe(0x01, 1, 1, sgl_len=512, in_capsule=True), bytes(512), hd=True,
+                                           dd=True) + capsule(sqe(0x06, 2, 0, cdw10=1, sgl_len=4096), hd=True)
+
+
+@settings(max_examples=500, deadline=None)
+@given(flips=st.lists(st.tuples(st.integers(0, len(_GOOD) - 1), st.integers(0, 255)), max_size=6),
+       cut=st.integers(1, len(_GOOD)), chunk=st.integers(1, 200), tail=st.binary(max_size=64))
+def test_mutated_streams_end_in_events_or_a_term_req(flips: list[tuple[int, int]], cut: int, chunk: int,
+                                                     tail: bytes) -> None:
+    raw = bytearray(_GOOD)
+    for pos, value in flips:
+        raw[pos] = value
+    stream = bytes(raw[:cut]) + tail
+    q = TcpQueue()
+    events = []
+    for i in range(0, len(stream), chunk):
+        events += q.receive_data(stream[i:i + chunk])
+    for ev in events[:-1]:
+        assert not isinstance(ev, Terminated)
+    if events and isinstance(events[-1], Terminated):
+        assert q.state is State.CLOSED
+        r = events[-1].response
+        assert r == b"" or (r[0] == 0x03 and int.from_bytes(r[4:8], "little") == len(r) <= 152)

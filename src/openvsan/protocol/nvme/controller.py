@@ -277,6 +277,8 @@ class Controller:
         lsp = (sqe.cdw10 >> 8) & 0x7F
         rae = bool(sqe.cdw10 & (1 << 15))
         size = ((sqe.cdw10 >> 16) | ((sqe.cdw11 & 0xFFFF) << 16)) * 4 + 4
+        if size > sqe.sgl_len:
+            return S.fail(S.DATA_SGL_LENGTH_INVALID)    # NUMD asks for more than the host's buffer holds
         offset = sqe.cdw12 | (sqe.cdw13 << 32)
         sub = self.subsystem
         if sub.discovery:

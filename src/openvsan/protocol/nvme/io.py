@@ -190,8 +190,11 @@ def _reservation(ctrl: Controller, sqe: Sqe, ns: Namespace, data: bytes | bytear
     op = sqe.opcode
     if op == OP_RESERVATION_REPORT:
         # Base 2.0 §7.8: NUMD (0's based) in CDW10, EDS in CDW11 bit 0
-        st, out = res.report(bool(sqe.cdw11 & 1), (c + 1) * 4)
-        return Completion(st, data=out.ljust((c + 1) * 4, b"\0")) if st == S.SUCCESS else S.fail(st)
+        size = (c + 1) * 4
+        if size > sqe.sgl_len:
+            return S.fail(S.DATA_SGL_LENGTH_INVALID)
+        st, out = res.report(bool(sqe.cdw11 & 1), size)
+        return Completion(st, data=out.ljust(size, b"\0")) if st == S.SUCCESS else S.fail(st)
     need = 8 if op == OP_RESERVATION_RELEASE else 16
     if len(data) < need:
         return S.fail(S.DATA_SGL_LENGTH_INVALID)
