@@ -427,3 +427,14 @@ def test_random_commands_never_raise(opcode: int, nsid: int, cdws: list[int], sg
         assert comp.data is None or len(comp.data) <= 1 << 20
     run(go())
     _FUZZ_CTRL.aer_cids.clear()
+
+
+def test_an_error_is_logged_once() -> None:
+    fabric, _, _ = make()
+
+    async def go() -> None:
+        ctrl = await enabled(fabric)
+        ctrl.record_error(0, 9, S.WRITE_FAULT, 1, 100)      # the I/O handler, with the LBA
+        ctrl.record_error(3, 9, S.WRITE_FAULT, 1)           # then the queue that completed it
+        assert ctrl.error_count == 1 and ctrl.errors[0].sqid == 3 and ctrl.errors[0].lba == 100
+    run(go())

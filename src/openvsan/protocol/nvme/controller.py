@@ -171,6 +171,10 @@ class Controller:
 
     # --- errors ------------------------------------------------------------------------------------------
     def record_error(self, sqid: int, cid: int, status: int, nsid: int = 0, lba: int = 0) -> None:
+        last = self.errors[-1] if self.errors else None
+        if last is not None and last.cid == cid and last.status == status and last.sqid == 0 and sqid:
+            last.sqid = sqid      # the command's handler logged it already (with its LBA); the queue adds its ID
+            return
         self.error_count += 1
         self.errors.append(LP.ErrorEntry(self.error_count, sqid, cid, status, nsid, lba))
         del self.errors[:-ID.ELPE]
