@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import socket
 import struct
 from collections.abc import Sequence
 
@@ -22,6 +21,7 @@ from openvsan.protocol.scsi import Nexus, ScsiResult
 from openvsan.protocol.scsi.sense import ABORTED_COMMAND, CHECK_CONDITION, GOOD, ILLEGAL_REQUEST, build_sense
 from openvsan.target.config import IscsiTargetConfig
 from openvsan.target.iscsi_session import Session, Task
+from openvsan.target.portals import BatchedConnection, PortalServer
 
 log = logging.getLogger("openvsan.iscsi")
 
@@ -38,18 +38,18 @@ WRITE_TRANSFER_LENGTH = {0x2A: (7, 2), 0xAA: (6, 4), 0x8A: (10, 4), 0x2E: (7, 2)
 _U32 = struct.Struct(">I")
 
 
-class IscsiServer:
+class IscsiServer(PortalServer):
+    kind = "iSCSI"
+
     def __init__(self, targets: Sequence[IscsiTargetConfig], *, nop_interval: float = NOP_INTERVAL,
                  nop_timeout: float = NOP_TIMEOUT) -> None:
+        super().__init__()
         self.targets = {t.iqn: t for t in targets}
         self.nop_interval = nop_interval
         self.nop_timeout = nop_timeout
         self.sessions: dict[tuple[str, bytes, str], Session] = {}
         self.by_tsih: dict[int, Session] = {}
-        self.connections: set[Connection] = set()
-        self._servers: list[asyncio.base_events.Server] = []
         self._tsih = itertools.count(1)
-        self._closing = False
 
     # --- life cycle ---------------------------------------------------------------------------------
     def portals(self) -> list[tuple[str, int]]:
@@ -59,35 +59,12 @@ class IscsiServer:
                 seen[(p[0], int(p[1]))] = None
         return list(seen)
 
-    async def start(self) -> None:
-        loop = asyncio.get_running_loop()
-        for host, port in self.portals():
-            try:
-                srv = await loop.create_server(lambda h=host, p=port: Connection(self, (h, p)),  # type: ignore[misc]
-                                               host, port, reuse_address=True, backlog=128)
-            except OSError as e:
-                await self.stop()
-                raise OSError(e.errno, f"cannot listen on {host}:{port}: {e.strerror}") from e
-            self._servers.append(srv)
-            log.info("iSCSI portal listening on %s:%d", host, port)
+    def make_connection(self, portal: tuple[str, int]) -> Connection:
+        return Connection(self, portal)
 
-    async def serve_forever(self) -> None:
-        await asyncio.gather(*(s.serve_forever() for s in self._servers))
-
-    async def stop(self) -> None:
-        """Stop accepting, let commands in flight finish, then close every connection."""
-        self._closing = True
-        for s in self._servers:
-            s.close()
-        runners = [t.runner for s in list(self.sessions.values()) + list(self.by_tsih.values())
-                   for t in s.tasks.values() if t.runner]
-        if runners:
-            await asyncio.wait(runners, timeout=30)
-        for c in list(self.connections):
-            c.close()
-        for s in self._servers:
-            await s.wait_closed()
-        self._servers.clear()
+    def in_flight(self) -> list[asyncio.Future[None]]:
+        return [t.runner for s in list(self.sessions.values()) + list(self.by_tsih.values())
+                for t in s.tasks.values() if t.runner]
 
     # --- directory --------------------------------------------------------------------------------
     def target_on_portal(self, name: str, portal: tuple[str, int]) -> IscsiTargetConfig | None:
@@ -105,7 +82,9 @@ class IscsiServer:
             if old is not None:
                 log.info("reinstating session tsih=%d of %s", old.tsih, st.initiator_name)
                 self.end_session(old, "reinstated")
-            tsih = next(self._tsih) & 0xFFFF or next(self._tsih)
+            tsih = next(self._tsih) & 0xFFFF
+            while tsih == 0 or tsih in self.by_tsih:  # §11.12.6: non-zero, unique among live sessions
+                tsih = next(self._tsih) & 0xFFFF
             s = Session(tsih, st.isid, st.initiator_name, st.target, st.params, st.cmdsn, st.cid)  # type: ignore[arg-type]
             if st.target is not None:
                 s.nexus = Nexus(st.initiator_name, int.from_bytes(st.isid, "big"), st.target_name,
@@ -114,9 +93,10 @@ class IscsiServer:
             self.by_tsih[tsih] = s
             conn.attach(s)
             return tsih
-        s = self.by_tsih.get(st.tsih)
-        if s is None or s.key() != key:
+        found = self.by_tsih.get(st.tsih)
+        if found is None or found.key() != key:
             raise LoginFailed(Status.SESSION_DOES_NOT_EXIST, f"no session with TSIH {st.tsih}")
+        s = found
         if s.conn is not None and s.cid != st.cid:
             raise LoginFailed(Status.TOO_MANY_CONNECTIONS, "MaxConnections=1: one connection per session")
         # connection reinstatement: at ERL 0 the old connection's tasks are gone with it (§7.1.1)
@@ -151,39 +131,29 @@ class IscsiServer:
                 s.forget(t)
 
 
-class Connection(asyncio.Protocol):
+class Connection(BatchedConnection):
     """One TCP connection to a portal: login, then the full feature phase."""
 
     def __init__(self, server: IscsiServer, portal: tuple[str, int]) -> None:
+        super().__init__()
         self.server = server
         self.portal = portal
-        self.transport: asyncio.Transport | None = None
         self.reader = PduReader()
         self.login: LoginMachine | None = LoginMachine(self._lookup, self._admit, our_mrdsl=OUR_MRDSL)
         self.session: Session | None = None
         self.statsn = 0
         self.hd = self.dd = False
-        self.peer = ""
         self._ttt = itertools.count(1)
         self._ping_ttt: int | None = None
         self._ping_sent = 0.0
         self._last_rx = 0.0
+        self._connected = 0.0
         self._timer: asyncio.TimerHandle | None = None
         self._text_pending: dict[int, bytes] = {}
-        self._closed = False
-        self._write_paused = False
-        self._out: list[bytes | memoryview] = []
-        self._flush_pending = False
 
     # --- asyncio.Protocol ---------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        # uvloop's TCPTransport implements asyncio.Transport without subclassing it: no isinstance check
-        self.transport = transport  # type: ignore[assignment]
-        sock = transport.get_extra_info("socket")
-        if sock is not None:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        peer = transport.get_extra_info("peername")
-        self.peer = f"{peer[0]}:{peer[1]}" if peer else "?"
+        super().connection_made(transport)
         self.server.connections.add(self)
         loop = asyncio.get_running_loop()
         self._last_rx = self._connected = loop.time()
@@ -201,12 +171,10 @@ class Connection(asyncio.Protocol):
             self.server.end_session(s, "connection lost")
 
     def pause_writing(self) -> None:
-        self._write_paused = True
         if self.transport:
             self.transport.pause_reading()
 
     def resume_writing(self) -> None:
-        self._write_paused = False
         if self.transport and not self._closed:
             self.transport.resume_reading()
 
@@ -228,30 +196,12 @@ class Connection(asyncio.Protocol):
 
     # --- sending ----------------------------------------------------------------------------------
     def send(self, bhs: bytes, data: bytes | memoryview | Sequence[bytes | memoryview] = b"") -> None:
-        if self._closed or self.transport is None:
-            return
-        # PDUs made in one turn of the event loop leave in one writelines (one sendmsg, not one per PDU)
-        self._out.extend(frame(bhs, data, header_digest=self.hd, data_digest=self.dd))
-        if not self._flush_pending:
-            self._flush_pending = True
-            asyncio.get_running_loop().call_soon(self._flush)
-
-    def _flush(self) -> None:
-        self._flush_pending = False
-        if self._out and self.transport is not None and not self.transport.is_closing():
-            out, self._out = self._out, []
-            self.transport.writelines(out)
+        self.send_buffers(frame(bhs, data, header_digest=self.hd, data_digest=self.dd))
 
     def next_statsn(self) -> int:
         sn = self.statsn
         self.statsn = (sn + 1) & 0xFFFFFFFF
         return sn
-
-    def close(self) -> None:
-        if not self._closed and self.transport is not None:
-            self._flush()
-            self._closed = True
-            self.transport.close()
 
     def detach_and_close(self) -> None:
         self.session = None
@@ -266,7 +216,7 @@ class Connection(asyncio.Protocol):
         return self.server.target_on_portal(name, self.portal)
 
     def _admit(self, st: LoginState) -> int:
-        if self.server._closing:
+        if self.server.closing:
             raise LoginFailed(Status.SERVICE_UNAVAILABLE, "target is shutting down")
         return self.server.admit(self, st)
 

@@ -33,6 +33,7 @@ from openvsan.protocol.nbd import (
 )
 from openvsan.protocol.nbd.events import DEFAULT_MAX_PAYLOAD, Buffer
 from openvsan.target.config import NbdExportConfig
+from openvsan.target.portals import BatchedConnection, PortalServer
 
 log = logging.getLogger("openvsan.nbd")
 
@@ -40,7 +41,6 @@ HANDSHAKE_TIMEOUT = 30.0                 # a connection must reach the transmiss
 MAX_INFLIGHT = 256                       # requests one connection may have running before we stop reading
 MAX_INFLIGHT_BYTES = 128 * 1024 * 1024   # data (write payloads, read results) one connection may hold
 ZERO_CHUNK = 1024 * 1024                 # NBD_CMD_FLAG_NO_HOLE writes real zeroes this much at a time
-DRAIN_TIMEOUT = 30.0
 _ZEROES = bytes(ZERO_CHUNK)
 
 
@@ -52,17 +52,17 @@ def export_info(e: NbdExportConfig) -> ExportInfo:
                       max_payload=DEFAULT_MAX_PAYLOAD, read_only=e.read_only, description=e.description)
 
 
-class NbdServer:
+class NbdServer(PortalServer):
+    kind = "NBD"
+
     def __init__(self, exports: Sequence[NbdExportConfig], *, handshake_timeout: float = HANDSHAKE_TIMEOUT) -> None:
+        super().__init__()
         names = [e.name for e in exports]
         if len(set(names)) != len(names):
             raise ValueError(f"NBD export names must be unique: {names}")
         self.exports = {e.name: e for e in exports}
         self.handshake_timeout = handshake_timeout
-        self.connections: set[Connection] = set()
         self.tasks: set[asyncio.Task[None]] = set()
-        self.closing = False
-        self._servers: list[asyncio.base_events.Server] = []
         self._on_portal: dict[tuple[str, int], list[ExportInfo]] = {}
 
     def portals(self) -> list[tuple[str, int]]:
@@ -72,62 +72,41 @@ class NbdServer:
                 seen[(host, int(port))] = None
         return list(seen)
 
-    async def start(self) -> None:
-        loop = asyncio.get_running_loop()
-        for portal in self.portals():
-            self._on_portal[portal] = [export_info(e) for e in self.exports.values()
-                                       if portal in [(h, int(p)) for h, p in e.portals]]
-            host, port = portal
-            try:
-                srv = await loop.create_server(lambda p=portal: Connection(self, p),  # type: ignore[misc]
-                                               host, port, reuse_address=True, backlog=128)
-            except OSError as e:
-                await self.stop()
-                raise OSError(e.errno, f"cannot listen on {host}:{port}: {e.strerror}") from e
-            self._servers.append(srv)
-            log.info("NBD portal listening on %s:%d (%s)", host, port,
-                     ", ".join(x.name for x in self._on_portal[portal]))
+    def make_connection(self, portal: tuple[str, int]) -> Connection:
+        return Connection(self, portal)
 
-    async def serve_forever(self) -> None:
-        await asyncio.gather(*(s.serve_forever() for s in self._servers))
+    def portal_note(self, portal: tuple[str, int]) -> str:
+        self._on_portal[portal] = [export_info(e) for e in self.exports.values()
+                                   if portal in [(h, int(p)) for h, p in e.portals]]
+        return ", ".join(x.name for x in self._on_portal[portal])
 
-    async def stop(self) -> None:
-        """Stop accepting, let requests in flight finish (new ones get NBD_ESHUTDOWN), then close."""
-        self.closing = True
-        for s in self._servers:
-            s.close()
+    def before_drain(self) -> None:
+        # requests still arriving get NBD_ESHUTDOWN while those in flight finish
         for c in list(self.connections):
+            assert isinstance(c, Connection)
             c.conn.start_shutdown()
-        if self.tasks:
-            await asyncio.wait(list(self.tasks), timeout=DRAIN_TIMEOUT)
-        for c in list(self.connections):
-            c.close()
-        for s in self._servers:
-            await s.wait_closed()
-        self._servers.clear()
+
+    def in_flight(self) -> list[asyncio.Future[None]]:
+        return list(self.tasks)
 
     def exports_on(self, portal: tuple[str, int]) -> list[ExportInfo]:
         return self._on_portal.get(portal, [])
 
 
-class Connection(asyncio.Protocol):
+class Connection(BatchedConnection):
     """One TCP connection: the handshake, then the transmission phase on one export."""
 
     def __init__(self, server: NbdServer, portal: tuple[str, int]) -> None:
+        super().__init__()
         self.server = server
         self.portal = portal
         self.conn = NbdServerConnection(server.exports_on(portal))
-        self.transport: asyncio.Transport | None = None
-        self.peer = "?"
         self.export: NbdExportConfig | None = None
         self.inflight = 0
         self.inflight_bytes = 0
-        self._closed = False
         self._disconnecting = False
         self._write_paused = False
         self._reading_paused = False
-        self._out: list[Buffer] = []
-        self._flush_pending = False
         self._timer: asyncio.TimerHandle | None = None
         # requests parsed but not started: one received chunk can hold thousands of 28-byte requests, each
         # asking for up to 32 MiB, so the budget is kept per request, not per chunk
@@ -135,15 +114,10 @@ class Connection(asyncio.Protocol):
 
     # --- asyncio.Protocol ---------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        # uvloop's transports implement asyncio.Transport without subclassing it: no isinstance check
-        self.transport = transport  # type: ignore[assignment]
+        super().connection_made(transport)  # TCP_NODELAY: proto.md "Protocol phases" asks both ends for it
         sock = transport.get_extra_info("socket")
         if sock is not None:
-            # proto.md "Protocol phases": both ends SHOULD disable Nagle's algorithm
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-        peer = transport.get_extra_info("peername")
-        self.peer = f"{peer[0]}:{peer[1]}" if peer else "?"
         self.server.connections.add(self)
         if self.server.closing:
             self.conn.start_shutdown()
@@ -185,25 +159,7 @@ class Connection(asyncio.Protocol):
 
     # --- sending ----------------------------------------------------------------------------------
     def send(self, data: list[Buffer]) -> None:
-        if self._closed or self.transport is None:
-            return
-        # replies made in one turn of the event loop leave in one writelines (one sendmsg, not one each)
-        self._out.extend(data)
-        if not self._flush_pending:
-            self._flush_pending = True
-            asyncio.get_running_loop().call_soon(self._flush)
-
-    def _flush(self) -> None:
-        self._flush_pending = False
-        if self._out and self.transport is not None and not self.transport.is_closing():
-            out, self._out = self._out, []
-            self.transport.writelines(out)
-
-    def close(self) -> None:
-        if not self._closed and self.transport is not None:
-            self._flush()
-            self._closed = True
-            self.transport.close()
+        self.send_buffers(data)
 
     def _update_reading(self) -> None:
         if self._closed or self.transport is None:

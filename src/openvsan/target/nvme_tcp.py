@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import socket
 import time
 from collections.abc import Sequence
 
@@ -32,6 +31,7 @@ from openvsan.protocol.nvme_tcp.queue import (
     Terminated,
 )
 from openvsan.target.config import NvmeSubsystemConfig
+from openvsan.target.portals import BatchedConnection, PortalServer
 
 log = logging.getLogger("openvsan.nvme")
 
@@ -51,10 +51,13 @@ def _ports_of(portals: Sequence[tuple[str, int]], ids: dict[tuple[str, int], int
     return out
 
 
-class NvmeTcpServer:
+class NvmeTcpServer(PortalServer):
+    kind = "NVMe/TCP"
+
     def __init__(self, subsystems: list[NvmeSubsystemConfig], *,
                  discovery_portals: list[tuple[str, int]] | None = None,
                  in_capsule: int = IN_CAPSULE, maxh2cdata: int = MAXH2CDATA) -> None:
+        super().__init__()
         self.configs = list(subsystems)
         self.in_capsule = in_capsule
         self.maxh2cdata = maxh2cdata
@@ -75,47 +78,26 @@ class NvmeTcpServer:
             self.listen[(h, int(p))] = None
         self.fabric = Fabric(subs, placement, clock=time.monotonic, in_capsule=in_capsule,
                              maxcmd=MAX_QUEUE_ENTRIES)
-        self.connections: set[Connection] = set()
         self.queues_of: dict[Controller, set[Connection]] = {}
-        self._servers: list[asyncio.base_events.Server] = []
         self._ka_timer: asyncio.TimerHandle | None = None
-        self._closing = False
 
     # --- life cycle -------------------------------------------------------------------------------------
     def portals(self) -> list[tuple[str, int]]:
         return list(self.listen)
 
+    def make_connection(self, portal: tuple[str, int]) -> Connection:
+        return Connection(self, portal)
+
     async def start(self) -> None:
-        loop = asyncio.get_running_loop()
-        for host, port in self.portals():
-            try:
-                srv = await loop.create_server(lambda h=host, p=port: Connection(self, (h, p)),  # type: ignore[misc]
-                                               host, port, reuse_address=True, backlog=128)
-            except OSError as e:
-                await self.stop()
-                raise OSError(e.errno, f"cannot listen on {host}:{port}: {e.strerror}") from e
-            self._servers.append(srv)
-            log.info("NVMe/TCP portal listening on %s:%d", host, port)
-        self._ka_timer = loop.call_later(KEEP_ALIVE_TICK, self._keep_alive_tick)
+        await super().start()
+        self._ka_timer = asyncio.get_running_loop().call_later(KEEP_ALIVE_TICK, self._keep_alive_tick)
 
-    async def serve_forever(self) -> None:
-        await asyncio.gather(*(s.serve_forever() for s in self._servers))
-
-    async def stop(self) -> None:
-        """Stop accepting, let commands in flight finish, then close every connection."""
-        self._closing = True
+    def before_drain(self) -> None:
         if self._ka_timer is not None:
             self._ka_timer.cancel()
-        for s in self._servers:
-            s.close()
-        tasks = [t for c in self.connections for t in c.tasks]
-        if tasks:
-            await asyncio.wait(tasks, timeout=30)
-        for c in list(self.connections):
-            c.close()
-        for s in self._servers:
-            await s.wait_closed()
-        self._servers.clear()
+
+    def in_flight(self) -> list[asyncio.Future[None]]:
+        return [t for c in self.connections if isinstance(c, Connection) for t in c.tasks]
 
     # --- controllers ------------------------------------------------------------------------------------
     def subsystem(self, nqn: str) -> Subsystem | None:
@@ -157,40 +139,30 @@ class NvmeTcpServer:
                     log.warning("host %s: no Keep Alive within %d ms; dropping controller %d of %s",
                                 ctrl.hostnqn, ctrl.kato_ms, ctrl.cntlid, sub.nqn)
                     self.drop_controller(ctrl, "keep-alive timeout")
-        if not self._closing:
+        if not self.closing:
             self._ka_timer = asyncio.get_running_loop().call_later(KEEP_ALIVE_TICK, self._keep_alive_tick)
 
 
-class Connection(asyncio.Protocol):
+class Connection(BatchedConnection):
     """One TCP connection: one NVMe queue (admin or I/O) of one controller."""
 
     def __init__(self, server: NvmeTcpServer, portal: tuple[str, int]) -> None:
+        super().__init__()
         self.server = server
         self.portal = portal
         self.queue = TcpQueue(in_capsule=server.in_capsule, maxh2cdata=server.maxh2cdata)
-        self.transport: asyncio.Transport | None = None
         self.ctrl: Controller | None = None
         self.qid = 0
         self.sqsize = 32
         self.sq_flow_off = False
         self.sqhd = 0
-        self.peer = "?"
         self.pending: dict[int, Sqe] = {}      # CID -> command waiting for data, running, or held (AER)
         self.tasks: set[asyncio.Task[None]] = set()
-        self._out: list[bytes | memoryview] = []
-        self._flush_pending = False
-        self._closed = False
         self._timer: asyncio.TimerHandle | None = None
 
     # --- asyncio.Protocol -------------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        # uvloop's TCPTransport is an asyncio.Transport without subclassing it: no isinstance check
-        self.transport = transport  # type: ignore[assignment]
-        sock = transport.get_extra_info("socket")
-        if sock is not None:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        peer = transport.get_extra_info("peername")
-        self.peer = f"{peer[0]}:{peer[1]}" if peer else "?"
+        super().connection_made(transport)
         self.server.connections.add(self)
         self._timer = asyncio.get_running_loop().call_later(IC_TIMEOUT, self._setup_deadline)
 
@@ -236,28 +208,7 @@ class Connection(asyncio.Protocol):
 
     # --- sending ----------------------------------------------------------------------------------------
     def _send(self, *parts: bytes | memoryview) -> None:
-        if self._closed:
-            return
-        # PDUs made in one turn of the event loop leave in one writelines (one sendmsg)
-        self._out.extend(parts)
-        self._schedule()
-
-    def _schedule(self) -> None:
-        if not self._flush_pending:
-            self._flush_pending = True
-            asyncio.get_running_loop().call_soon(self._flush)
-
-    def _flush(self) -> None:
-        self._flush_pending = False
-        if self._out and self.transport is not None and not self.transport.is_closing():
-            out, self._out = self._out, []
-            self.transport.writelines(out)
-
-    def close(self) -> None:
-        if not self._closed and self.transport is not None:
-            self._flush()
-            self._closed = True
-            self.transport.close()
+        self.send_buffers(parts)
 
     def _terminate(self, ev: Terminated) -> None:
         log.warning("%s: %s; closing the connection", self.peer, ev.reason)
@@ -348,8 +299,9 @@ class Connection(asyncio.Protocol):
             data = comp.data if len(comp.data) <= c2h_len else memoryview(comp.data)[:c2h_len]
             # NVMe/TCP 1.0 §3.6.2.9: with SQ flow control off the last C2HData can carry the completion
             success = self.sq_flow_off and not comp.dw0 and not comp.dw1
-            self.queue.read_data(self._out, cid, data, success=success)
-            self._schedule()
+            parts: list[bytes | memoryview] = []
+            self.queue.read_data(parts, cid, data, success=success)
+            self.send_buffers(parts)
             if success:
                 return
         elif comp.status and self.ctrl is not None and comp.status != S.ASYNC_EVENT_LIMIT_EXCEEDED:
@@ -360,7 +312,7 @@ class Connection(asyncio.Protocol):
     # --- fabrics ----------------------------------------------------------------------------------------
     def _connect(self, sqe: Sqe, data: bytes | bytearray | memoryview) -> Completion:
         srv = self.server
-        if srv._closing:
+        if srv.closing:
             return Completion(S.CONNECT_CONTROLLER_BUSY)
         res = srv.fabric.connect(sqe, data, lambda s: srv.reachable(s, self.portal))
         ctrl = res.controller

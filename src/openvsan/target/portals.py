@@ -1,0 +1,113 @@
+"""What the iSCSI, NVMe/TCP and NBD servers share: listening on portals, draining on stop, and connections
+that send everything made in one event-loop turn in one writelines."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from collections.abc import Sequence
+
+log = logging.getLogger("openvsan.target")
+
+Buffer = bytes | bytearray | memoryview
+DRAIN_TIMEOUT = 30.0  # seconds stop() waits for commands in flight before closing connections anyway
+
+
+class BatchedConnection(asyncio.Protocol):
+    """A connection whose replies leave in one writelines (one sendmsg) per event-loop turn."""
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.peer = "?"
+        self._closed = False
+        self._out: list[Buffer] = []
+        self._flush_pending = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]  # uvloop's transports do not subclass it
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        peer = transport.get_extra_info("peername")
+        self.peer = f"{peer[0]}:{peer[1]}" if peer else "?"
+
+    def send_buffers(self, parts: Sequence[Buffer]) -> None:
+        if self._closed or self.transport is None:
+            return
+        self._out.extend(parts)
+        if not self._flush_pending:
+            self._flush_pending = True
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._flush_pending = False
+        if self._out and self.transport is not None and not self.transport.is_closing():
+            out, self._out = self._out, []
+            self.transport.writelines(out)
+
+    def close(self) -> None:
+        """Send what is queued, then close."""
+        if not self._closed and self.transport is not None:
+            self._flush()
+            self._closed = True
+            self.transport.close()
+
+
+class PortalServer:
+    """The listening sockets of one protocol server and their life cycle."""
+
+    kind = "portal"  # the protocol's name in log lines
+
+    def __init__(self) -> None:
+        self.closing = False
+        self.connections: set[BatchedConnection] = set()
+        self._servers: list[asyncio.base_events.Server] = []
+
+    def portals(self) -> list[tuple[str, int]]:
+        raise NotImplementedError
+
+    def make_connection(self, portal: tuple[str, int]) -> asyncio.Protocol:
+        raise NotImplementedError
+
+    def portal_note(self, portal: tuple[str, int]) -> str:
+        """Anything worth saying about a portal once it listens."""
+        return ""
+
+    def in_flight(self) -> list[asyncio.Future[None]]:
+        """Commands running now: stop() lets them finish."""
+        return []
+
+    def before_drain(self) -> None:
+        """Called once listening has stopped and before stop() waits for commands in flight."""
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        for host, port in self.portals():
+            try:
+                srv = await loop.create_server(lambda p=(host, port): self.make_connection(p),  # type: ignore[misc]
+                                               host, port, reuse_address=True, backlog=128)
+            except OSError as e:
+                await self.stop()
+                raise OSError(e.errno, f"cannot listen on {host}:{port}: {e.strerror}") from e
+            self._servers.append(srv)
+            note = self.portal_note((host, port))
+            log.info("%s portal listening on %s:%d%s", self.kind, host, port, f" ({note})" if note else "")
+
+    async def serve_forever(self) -> None:
+        await asyncio.gather(*(s.serve_forever() for s in self._servers))
+
+    async def stop(self) -> None:
+        """Stop accepting, let commands in flight finish, then close every connection."""
+        self.closing = True
+        for s in self._servers:
+            s.close()
+        self.before_drain()
+        running = self.in_flight()
+        if running:
+            await asyncio.wait(running, timeout=DRAIN_TIMEOUT)
+        for c in list(self.connections):
+            c.close()
+        for s in self._servers:
+            await s.wait_closed()
+        self._servers.clear()
