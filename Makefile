@@ -1,5 +1,5 @@
-# make install: .venv/ with openvsan and its test dependencies
-# make run:     serve examples/single-node.toml (one 1 GiB RAM volume over iSCSI on 127.0.0.1:3260)
+# make install: .venv/ with openvsan and every test dependency
+# make run:     serve examples/single-node.toml (one 1 GiB RAM volume over iSCSI, NVMe/TCP and NBD)
 # make test:    the whole suite, as CI runs it (system packages: sudo bash .ci/run, or the apt line in README)
 # make test-quick: unit tests only (no root, no third-party tools; seconds)
 PYTHON ?= python3
@@ -9,24 +9,34 @@ DATA_DIR ?= .vsan-data
 
 .PHONY: install run test test-quick lint clean
 
-$(BIN)/vsan: pyproject.toml
+# Three steps, so `make run` needs nothing but python3-venv: the project alone; then the unit-test tools;
+# then pyfuse3 for the FUSE attach tests, which compiles against libfuse3-dev (installed by .ci/run).
+$(VENV)/.run-deps: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e .
+	touch $@
+
+$(VENV)/.unit-deps: $(VENV)/.run-deps
 	$(BIN)/pip install -q -e '.[test]'
 	touch $@
 
-install: $(BIN)/vsan
+$(VENV)/.test-deps: $(VENV)/.unit-deps
+	$(BIN)/pip install -q -e '.[test,fuse]'
+	touch $@
 
-run: install
+install: $(VENV)/.test-deps
+
+run: $(VENV)/.run-deps
 	$(BIN)/vsan serve --config examples/single-node.toml --data-dir $(DATA_DIR)
 
-test: install
+test: $(VENV)/.test-deps
 	$(BIN)/python -m pytest tests
 
-test-quick: install
+test-quick: $(VENV)/.unit-deps
 	$(BIN)/python -m pytest tests/unit -q
 
-lint: install
+lint: $(VENV)/.unit-deps
 	$(BIN)/ruff check src tests
 	$(BIN)/mypy
 
