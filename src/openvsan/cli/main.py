@@ -17,6 +17,7 @@ from rich.console import Console
 from rich.table import Table
 
 from openvsan import __version__
+from openvsan.cli.bench import bench
 from openvsan.cli.initiator import initiator_app
 from openvsan.node.config import ConfigError, NodeConfig, load_config, preflight
 from openvsan.node.values import format_size
@@ -30,6 +31,7 @@ app = typer.Typer(name="vsan", help="openvsan: a virtual SAN. Serve block volume
 config_app = typer.Typer(help="Work with config files.", no_args_is_help=True)
 app.add_typer(config_app, name="config")
 app.add_typer(initiator_app, name="initiator")  # cli/initiator.py: discover, inquiry/identify, read, write, attach
+app.command("bench")(bench)  # cli/bench.py: IOPS, MB/s, latency of a target (docs/benchmarks.md)
 
 log = logging.getLogger("openvsan.cli")
 

@@ -9,7 +9,10 @@ from openvsan.initiator.url import UrlError, parse_url
 
 
 async def open_url(url: str, **options: Any) -> BlockDevice:
-    """iscsi://... or nvme+tcp://... → an open BlockDevice (see initiator/url.py for the forms)."""
+    """iscsi://, nvme+tcp:// (initiator/url.py) or nbd:// (initiator/nbd.py) → an open BlockDevice."""
+    if url.lower().startswith("nbd://"):
+        from openvsan.initiator.nbd import NbdInitiator
+        return await NbdInitiator.open_url(url, **options)
     u = parse_url(url)
     if u.iscsi:
         from openvsan.initiator.iscsi import IscsiInitiator

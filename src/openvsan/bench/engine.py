@@ -1,0 +1,319 @@
+"""One worker: one device (its own connection(s)), `qd` requests in flight, for warmup + duration seconds.
+
+The worker is asyncio only; the runner (runner.py) starts one per thread, in its own process when there is
+more than one, and merges what they report. Latency is measured from submission to completion of each
+request and recorded in nanoseconds; with --rate a request that had to wait for its slot is timed from when
+it was sent, not from when it was due (no coordinated-omission correction).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from openvsan.bench.histogram import Histogram
+from openvsan.bench.profiles import Job
+from openvsan.bench.verify import Generations, Mismatch, check_buffer, make_buffer
+from openvsan.block.device import BlockDevice
+from openvsan.block.errors import BlockError
+
+INTERVAL = 1.0           # seconds per time-series point
+PROGRESS_EVERY = 0.5     # seconds between progress messages
+MAX_REPORTED = 20        # mismatches / errors listed by LBA; the rest only counted
+PRECONDITION_BS = 1 << 20
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What one worker runs (picklable: it crosses to worker processes)."""
+
+    target: str
+    job: Job
+    index: int = 0
+    workers: int = 1
+    warmup: float = 0.0
+    duration: float = 5.0
+    rate: float | None = None        # this worker's share of --rate, requests/s
+    verify: bool = False
+    precondition: bool = False
+    size: int | None = None          # bytes of the device to use (default: all of it)
+    seed: int = 0
+    options: dict[str, Any] = field(default_factory=dict)  # for open_url: queues=, queue_depth=
+
+
+@dataclass
+class Interval:
+    reads: int = 0
+    writes: int = 0
+    bytes: int = 0
+    lat: Histogram = field(default_factory=Histogram)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"reads": self.reads, "writes": self.writes, "bytes": self.bytes, "lat": self.lat.to_dict()}
+
+
+@dataclass
+class WorkerResult:
+    read: Histogram = field(default_factory=Histogram)
+    write: Histogram = field(default_factory=Histogram)
+    read_bytes: int = 0
+    write_bytes: int = 0
+    elapsed: float = 0.0             # seconds of the measured phase
+    cpu: float = 0.0                 # CPU seconds of this process during the measured phase
+    intervals: list[Interval] = field(default_factory=list)
+    io_errors: int = 0
+    mismatches: int = 0
+    problems: list[dict[str, Any]] = field(default_factory=list)  # the first MAX_REPORTED, with LBAs
+    block_size: int = 0
+    num_blocks: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"read": self.read.to_dict(), "write": self.write.to_dict(), "read_bytes": self.read_bytes,
+                "write_bytes": self.write_bytes, "elapsed": self.elapsed, "cpu": self.cpu,
+                "intervals": [i.to_dict() for i in self.intervals], "io_errors": self.io_errors,
+                "mismatches": self.mismatches, "problems": self.problems, "block_size": self.block_size,
+                "num_blocks": self.num_blocks}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> WorkerResult:
+        r = cls(Histogram.from_dict(d["read"]), Histogram.from_dict(d["write"]), d["read_bytes"],
+                d["write_bytes"], d["elapsed"], d["cpu"], [], d["io_errors"], d["mismatches"], d["problems"],
+                d["block_size"], d["num_blocks"])
+        r.intervals = [Interval(i["reads"], i["writes"], i["bytes"], Histogram.from_dict(i["lat"]))
+                       for i in d["intervals"]]
+        return r
+
+    def merge(self, o: WorkerResult) -> WorkerResult:
+        self.read.merge(o.read)
+        self.write.merge(o.write)
+        self.read_bytes += o.read_bytes
+        self.write_bytes += o.write_bytes
+        self.elapsed = max(self.elapsed, o.elapsed)
+        self.cpu += o.cpu
+        while len(self.intervals) < len(o.intervals):
+            self.intervals.append(Interval())
+        for mine, theirs in zip(self.intervals, o.intervals, strict=False):
+            mine.reads += theirs.reads
+            mine.writes += theirs.writes
+            mine.bytes += theirs.bytes
+            mine.lat.merge(theirs.lat)
+        self.io_errors += o.io_errors
+        self.mismatches += o.mismatches
+        self.problems = (self.problems + o.problems)[:MAX_REPORTED]
+        self.block_size = self.block_size or o.block_size
+        self.num_blocks = self.num_blocks or o.num_blocks
+        return self
+
+
+Emit = Callable[[str, dict[str, Any]], None]
+
+
+class Worker:
+    def __init__(self, dev: BlockDevice, plan: Plan, emit: Emit | None = None) -> None:
+        self.dev, self.plan, self.job = dev, plan, plan.job
+        self.emit = emit
+        bs = dev.block_size
+        if self.job.bs % bs:
+            raise ValueError(f"block size {self.job.bs} is not a multiple of the device's {bs}-byte blocks")
+        self.blocks_per_io = self.job.bs // bs
+        total = dev.num_blocks if plan.size is None else min(dev.num_blocks, plan.size // bs)
+        # each worker owns a slice: sequential streams do not overlap, and --verify knows every block's
+        # last generation because no other worker writes it
+        share = total // plan.workers
+        slots = share // self.blocks_per_io
+        if slots < 1:
+            raise ValueError(f"{total * bs} bytes split over {plan.workers} workers leaves less than one "
+                             f"{self.job.bs}-byte request each")
+        self.first = plan.index * share
+        self.slots = slots
+        self.rng = random.Random(plan.seed * 1000003 + plan.index)
+        self.gens = Generations(self.first, slots * self.blocks_per_io) if plan.verify else None
+        self.generation = 0
+        self.busy: set[int] = set()   # slots with a request in flight (--verify: no overlapping requests)
+        self.next_seq = 0
+        self.reported: set[int] = set()
+        self.payload = os.urandom(self.job.bs)
+        self.result = WorkerResult(block_size=bs, num_blocks=dev.num_blocks)
+        self.t0 = 0.0                 # start of the measured phase (perf_counter)
+        self.measuring = False
+        self._next_due = 0.0
+
+    # ------------------------------------------------------------------ picking requests
+    def _slot(self) -> int:
+        for _ in range(64):
+            if self.job.pattern == "seq":
+                s = self.next_seq
+                self.next_seq = (s + 1) % self.slots
+            else:
+                s = self.rng.randrange(self.slots)
+            if s not in self.busy:
+                return s
+        raise RuntimeError("no free slot: the region is smaller than the queue depth")
+
+    def _note(self, problem: Mismatch | dict[str, Any]) -> None:
+        if len(self.result.problems) < MAX_REPORTED:
+            self.result.problems.append(problem.to_dict() if isinstance(problem, Mismatch) else problem)
+
+    async def _one(self, write: bool) -> None:
+        slot = self._slot()
+        lba = self.first + slot * self.blocks_per_io
+        n = self.blocks_per_io
+        bs = self.dev.block_size
+        gens = self.gens
+        gen = 0
+        if gens is not None:
+            self.busy.add(slot)
+            if write:
+                self.generation += 1
+                gen = self.generation
+                data: bytes = make_buffer(lba, n, gen, bs)
+        elif write:
+            data = self.payload
+        t = time.perf_counter_ns()
+        try:
+            if write:
+                await self.dev.write(lba, data)
+                got = None
+            else:
+                got = await self.dev.read(lba, n)
+        except BlockError as e:
+            self.result.io_errors += 1
+            self._note({"lba": lba, "kind": "io-error", "message": f"{'write' if write else 'read'} "
+                                                                   f"LBA {lba}: {e}"})
+            self.busy.discard(slot)
+            return
+        ns = time.perf_counter_ns() - t
+        if gens is not None:
+            if write:
+                gens.set(lba, n, gen)
+            elif got is not None:
+                self._check(got, lba)
+            self.busy.discard(slot)
+        if self.measuring:
+            r = self.result
+            (r.write if write else r.read).record(ns)
+            if write:
+                r.write_bytes += self.job.bs
+            else:
+                r.read_bytes += self.job.bs
+            k = int((time.perf_counter() - self.t0) / INTERVAL)
+            while len(r.intervals) <= k:
+                r.intervals.append(Interval())
+            iv = r.intervals[k]
+            if write:
+                iv.writes += 1
+            else:
+                iv.reads += 1
+            iv.bytes += self.job.bs
+            iv.lat.record(ns)
+
+    def _check(self, data: Any, lba: int) -> None:
+        bad = check_buffer(data, lba, self.dev.block_size, self.gens)
+        for m in bad:
+            self.result.mismatches += 1
+            if m.lba not in self.reported:  # a bad block read again is counted, listed once
+                self.reported.add(m.lba)
+                self._note(m)
+
+    async def _loop(self, end: float) -> None:
+        wp = self.job.write_pct
+        rate = self.plan.rate
+        while time.perf_counter() < end:
+            if rate:
+                now = time.perf_counter()
+                # one slot every 1/rate s, shared by the qd loops; after a stall, no catching-up burst
+                due = self._next_due = max(self._next_due, now - 0.1)
+                self._next_due += 1 / rate
+                if due > now:
+                    await asyncio.sleep(due - now)
+                if time.perf_counter() >= end:
+                    return
+            await self._one(wp == 100 or (wp > 0 and self.rng.random() * 100 < wp))
+
+    # ------------------------------------------------------------------ phases
+    async def precondition(self) -> None:
+        """Fill this worker's slice once, sequentially in 1 MiB writes, QD 8 (fio's usual steady-state prep)."""
+        bs = self.dev.block_size
+        step = max(PRECONDITION_BS // bs, self.blocks_per_io)
+        end = self.first + self.slots * self.blocks_per_io
+        starts = list(range(self.first, end, step))
+        sem = asyncio.Semaphore(8)
+        self.generation += 1
+        gen = self.generation
+
+        async def fill(lba: int) -> None:
+            n = min(step, end - lba)
+            async with sem:
+                if self.gens is not None:
+                    await self.dev.write(lba, make_buffer(lba, n, gen, bs))
+                    self.gens.set(lba, n, gen)
+                else:
+                    await self.dev.write(lba, (self.payload * (n * bs // len(self.payload) + 1))[:n * bs])
+
+        await asyncio.gather(*(fill(s) for s in starts))
+        await self.dev.flush()
+
+    async def verify_pass(self) -> None:
+        """--verify: read back every block this worker wrote and check it."""
+        assert self.gens is not None
+        bs = self.dev.block_size
+        step = max(PRECONDITION_BS // bs, 1)
+        sem = asyncio.Semaphore(8)
+
+        async def check(lba: int, n: int) -> None:
+            async with sem:
+                self._check(await self.dev.read(lba, n), lba)
+
+        work = [(lba + i, min(step, n - i)) for lba, n in self.gens.written_runs() for i in range(0, n, step)]
+        await asyncio.gather(*(check(a, n) for a, n in work))
+
+    async def run(self, start: Callable[[], Awaitable[None]] | None = None) -> WorkerResult:
+        plan = self.plan
+        if plan.precondition:
+            await self.precondition()
+        if self.emit:
+            self.emit("ready", {"block_size": self.dev.block_size, "num_blocks": self.dev.num_blocks})
+        if start is not None:
+            await start()
+        now = time.perf_counter()
+        warm_end = now + plan.warmup
+        end = warm_end + plan.duration
+        loops = [asyncio.create_task(self._loop(end)) for _ in range(self.job.qd)]
+        if plan.warmup > 0:
+            await asyncio.sleep(max(0.0, warm_end - time.perf_counter()))
+        self.t0 = time.perf_counter()
+        cpu0 = time.process_time()
+        self.measuring = True
+        if self.emit:
+            self.emit("measuring", {})
+        reporter = asyncio.create_task(self._report()) if self.emit else None
+        try:
+            await asyncio.gather(*loops)
+        finally:
+            for t in loops:
+                t.cancel()
+            if reporter:
+                reporter.cancel()
+        self.result.elapsed = time.perf_counter() - self.t0
+        self.result.cpu = time.process_time() - cpu0
+        self.measuring = False
+        if self.emit:
+            self.emit("measured", {})
+        if plan.verify:
+            await self.verify_pass()
+        return self.result
+
+    async def _report(self) -> None:
+        assert self.emit is not None
+        while True:
+            await asyncio.sleep(PROGRESS_EVERY)
+            r = self.result
+            self.emit("progress", {"ops": r.read.count + r.write.count, "bytes": r.read_bytes + r.write_bytes,
+                                   "lat_total": r.read.total + r.write.total,
+                                   "elapsed": time.perf_counter() - self.t0,
+                                   "errors": r.io_errors + r.mismatches})
