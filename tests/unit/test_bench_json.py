@@ -44,9 +44,9 @@ def conforms(value: Any, schema: Any, where: str = "$") -> None:
 
 
 def test_document_schema() -> None:
-    plan = Plan("ram", custom_job("randrw", "4k", qd=4, mix=70), duration=1.2)
+    plan = Plan("ram", custom_job("randrw", "4k", qd=4, mix=70), duration=0.4)
     res = run_in_process(RamDevice(4096), plan)
-    doc = json.loads(json.dumps(document([res], {"duration": 1.2}, ["ram"])))
+    doc = json.loads(json.dumps(document([res], {"duration": 0.4}, ["ram"])))
     assert doc["schema_version"] == SCHEMA_VERSION == 1
     conforms(doc, DOC)
     (run,) = doc["runs"]

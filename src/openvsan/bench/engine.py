@@ -227,7 +227,7 @@ class Worker:
             if rate:
                 now = time.perf_counter()
                 # one slot every 1/rate s, shared by the qd loops; after a stall, no catching-up burst
-                due = self._next_due = max(self._next_due, now - 0.1)
+                due = self._next_due = max(self._next_due, now - 1 / rate)
                 self._next_due += 1 / rate
                 if due > now:
                     await asyncio.sleep(due - now)
