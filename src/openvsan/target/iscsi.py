@@ -353,8 +353,7 @@ class Connection(BatchedConnection):
                 self._respond(task, ScsiResult(TASK_SET_FULL))
                 return
             s.write_buffered += edtl
-            assert s.target is not None
-            needed = s.target.scsi.data_out_length(task.lun, cdb)
+            needed = self._needed_out(task)
             want = min(edtl, needed)
             task.transfer = WriteTransfer.start(edtl, want, imm, bool(flags & P.F_FINAL), s.params)
             self._send_r2ts(task)
@@ -395,7 +394,7 @@ class Connection(BatchedConnection):
         else:
             cdb: bytes | None = task.cdb
             want = t.want if t is not None else 0
-            needed = s.target.scsi.data_out_length(task.lun, task.cdb)
+            needed = self._needed_out(task)
             if needed and task.edtl != needed and task.cdb[0] in WRITE_TRANSFER_LENGTH:
                 # WRITE and WRITE AND VERIFY carry on with a mismatched EDTL (FCP-4 9.4.2 semantics); for
                 # other commands the SCSI layer judges the mismatch (it gets EDTL as expected_length).
@@ -412,6 +411,13 @@ class Connection(BatchedConnection):
                 result = ScsiResult(CHECK_CONDITION, b"", build_sense(0x04, 0x4400))  # HARDWARE ERROR
         self._respond(task, result)
 
+    @staticmethod
+    def _needed_out(task: Task) -> int:
+        if task.needed_out < 0:
+            target = task.session.target
+            task.needed_out = target.scsi.data_out_length(task.lun, task.cdb) if target is not None else 0
+        return task.needed_out
+
     def _shorten_write(self, task: Task, want: int) -> bytes | None:
         """EDTL below the CDB's transfer length: like FCP (FCP-4 9.4.2), write what the initiator sent, in
         whole blocks, and report the overflow; None where the CDB cannot be shortened that way."""
@@ -419,7 +425,7 @@ class Connection(BatchedConnection):
         assert s.target is not None
         off, size = WRITE_TRANSFER_LENGTH[task.cdb[0]]
         blocks = int.from_bytes(task.cdb[off:off + size], "big")
-        needed = s.target.scsi.data_out_length(task.lun, task.cdb)
+        needed = self._needed_out(task)
         if needed <= want:
             return task.cdb  # underflow: the CDB is whole, the residual says the rest went unused
         if not blocks or needed % blocks:
@@ -437,7 +443,7 @@ class Connection(BatchedConnection):
         data = result.data
         n = len(data)
         flags = residual = 0
-        needed_out = s.target.scsi.data_out_length(task.lun, task.cdb) if s.target is not None else 0
+        needed_out = self._needed_out(task)
         if needed_out:
             # §11.4.5.1: residuals count against the command's own transfer length
             if needed_out > task.edtl:
@@ -452,6 +458,13 @@ class Connection(BatchedConnection):
             elif n < expected:
                 flags, residual = P.F_UNDERFLOW, expected - n
         datasn = 0
+        if n and result.status == GOOD and not result.sense and n <= s.params.initiator_mrdsl \
+                and n <= s.params.max_burst_length:
+            # the common read: one Data-In carrying the data and the status (§11.7, phase collapse)
+            self.send(P.data_in(task.itt, 0, 0, n, final=True, expcmdsn=s.exp_cmdsn, maxcmdsn=s.max_cmdsn,
+                                lun=task.lun_raw, status=GOOD, statsn=self.next_statsn(), flags=flags,
+                                residual=residual), memoryview(data)[:n])
+            return
         if n:
             view = memoryview(data)
             segs = data_in_segments(n, s.params)

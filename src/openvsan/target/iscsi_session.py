@@ -32,6 +32,7 @@ class Task:
     immediate: bool
     session: Session
     transfer: WriteTransfer | None = None
+    needed_out: int = -1      # Data-Out bytes the CDB asks for; -1 until asked (one SCSI lookup per task)
     runner: asyncio.Task[None] | None = None
     aborted: bool = False
 
