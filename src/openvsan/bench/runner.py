@@ -22,6 +22,7 @@ from openvsan.bench.engine import Plan, Worker, WorkerResult
 from openvsan.bench.profiles import Job
 from openvsan.bench.target import open_target, redact
 from openvsan.block.device import BlockDevice
+from openvsan.block.errors import BlockError
 
 
 class BenchError(RuntimeError):
@@ -137,7 +138,9 @@ def _process_main(plan: Plan, q: Any, go: Any) -> None:
             runner = asyncio.run
         res = runner(_serve_worker(plan, emit, start))
         emit("done", {"result": res.to_dict()})
-    except BaseException as e:  # noqa: BLE001  (reported to the parent, which fails the run)
+    except (OSError, BlockError, ValueError) as e:  # a target that cannot be reached or used: one line
+        emit("error", {"message": f"worker {plan.index}: {e}"})
+    except BaseException as e:  # noqa: BLE001  (a bug: reported to the parent, with where, to fail the run)
         emit("error", {"message": f"worker {plan.index}: {type(e).__name__}: {e}\n{traceback.format_exc()}"})
 
 
