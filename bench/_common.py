@@ -1,0 +1,259 @@
+"""What both comparison scripts share: tool checks, free ports, core pinning, targets started in their own
+process group and always stopped, the CPU a target's process group used, and the median table.
+
+Standard library only, so anyone can run the scripts with the system python3 (the targets run from .venv).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+PEERS = REPO.parent / "shared" / "peers"
+VSAN = REPO / ".venv" / "bin" / "vsan"
+PROBE_IQN = "iqn.2026-11.org.openvsan.bench:probe"
+CLIENT_IQN = "iqn.2026-11.org.openvsan.bench:client"
+
+# A missing tool is named with the Debian package that provides it (the same words as .ci/run).
+TOOL_PACKAGES = {
+    "iscsi-perf": "libiscsi-bin",
+    "iscsi-readcapacity16": "libiscsi-bin",
+    "tgtd": "tgt",
+    "tgtadm": "tgt",
+    "taskset": "util-linux",
+    "fio": "fio",
+    "bash": "bash",
+}
+
+
+class BenchError(RuntimeError):
+    """One line for the user: what went wrong and how to mend it."""
+
+
+def require_tools(*names: str) -> None:
+    missing = [n for n in names if shutil.which(n) is None]
+    if missing:
+        pkgs = sorted({TOOL_PACKAGES.get(n, "?") for n in missing})
+        raise BenchError(f"missing {', '.join(missing)}: apt-get install {' '.join(pkgs)} (or `sudo bash .ci/run`)")
+    if not VSAN.exists():
+        raise BenchError(f"{VSAN} is missing: run `make install` in {REPO}")
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def pinning() -> tuple[list[str], list[str], bool]:
+    """(target prefix, client prefix, pinned): targets on core 0 and clients on core 1, so neither steals the
+    other's core; on a one-core machine (or without taskset) nothing is pinned and the report says so."""
+    if (os.cpu_count() or 1) >= 2 and shutil.which("taskset"):
+        return ["taskset", "-c", "0"], ["taskset", "-c", "1"], True
+    return [], [], False
+
+
+def sigterm_as_interrupt() -> None:
+    """SIGTERM takes the same path as Ctrl-C, so the `finally` that stops the targets runs either way. SIGINT
+    is set too: a shell starts a background job with SIGINT ignored, and Python keeps an inherited SIG_IGN."""
+
+    def handler(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+class Target:
+    """A target process in its own session (process group): Ctrl-C in the terminal reaches the client, not the
+    target, and stop() ends the target in its own clean way first, then kills whatever of the group is left."""
+
+    def __init__(self, name: str, argv: Sequence[str], workdir: Path, env: dict[str, str] | None = None) -> None:
+        self.name = name
+        self.argv = list(argv)
+        self.log = workdir / f"{name}.log"
+        self.env = env
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen(
+                self.argv, cwd=REPO, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True, env=None if self.env is None else {**os.environ, **self.env},
+            )
+
+    @property
+    def pgid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid  # start_new_session: the leader's pid is the group id
+
+    def check_alive(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            rc = None if self.proc is None else self.proc.returncode
+            raise BenchError(f"{self.name} exited ({rc}):\n{self.log_tail()}")
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def stop(self, timeout: float = 20) -> int | None:
+        """SIGTERM to the leader only (tgt-serve.sh traps it and deletes its target and LUN file; vsan serve
+        drains and exits 0), then SIGKILL to anything of the group still alive. The leader's exit status, None
+        when it had to be killed."""
+        if self.proc is None:
+            return None
+        rc: int | None = None
+        if self.proc.poll() is None:
+            try:
+                os.kill(self.proc.pid, signal.SIGTERM)
+                rc = self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                print(f"{self.name} did not exit within {timeout}s of SIGTERM: killed", file=sys.stderr)
+            except ProcessLookupError:
+                pass
+        try:
+            os.killpg(self.pgid, signal.SIGKILL)  # tgtd ignores SIGTERM; nothing of ours may outlive the run
+        except ProcessLookupError:
+            pass
+        if self.proc.poll() is None:
+            self.proc.wait(timeout=5)
+        return rc
+
+
+def group_cpu_seconds(pgid: int) -> float:
+    """user+system seconds of every live process in a process group (all threads included), from /proc."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        # the command name may hold spaces or parentheses: fields are counted after its last ')'
+        fields = stat[stat.rindex(b")") + 2:].split()
+        if int(fields[2]) == pgid:  # field 5, pgrp
+            total += int(fields[11]) + int(fields[12])  # fields 14, 15: utime, stime
+    return total / tick
+
+
+def wait_iscsi_ready(target: Target, url: str, timeout: float = 60) -> None:
+    """Ready = a login and READ CAPACITY(16) from a real initiator succeed; a listening port is not enough."""
+    deadline = time.monotonic() + timeout
+    while True:
+        target.check_alive()
+        try:
+            p = subprocess.run(["iscsi-readcapacity16", "-i", PROBE_IQN, url], check=False, capture_output=True,
+                               timeout=5)
+            if p.returncode == 0:
+                return
+        except subprocess.TimeoutExpired:
+            pass
+        if time.monotonic() > deadline:
+            raise BenchError(f"{target.name} did not serve {url} within {timeout}s:\n{target.log_tail()}")
+        time.sleep(0.2)
+
+
+def wait_port(target: Target, port: int, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        target.check_alive()
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1):
+                return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise BenchError(f"{target.name}: nothing listens on 127.0.0.1:{port} after {timeout}s") from None
+            time.sleep(0.2)
+
+
+def run_tool(argv: Sequence[str], timeout: float) -> str:
+    """Run a client tool; its output on success, one BenchError with the command line and output otherwise."""
+    try:
+        p = subprocess.run(list(argv), check=False, cwd=REPO, stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                           timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        raise BenchError(f"timed out after {timeout:.0f}s: {' '.join(argv)}") from e
+    if p.returncode != 0:
+        raise BenchError(f"exit {p.returncode}: {' '.join(argv)}\n{p.stdout[-2000:]}{p.stderr[-2000:]}")
+    return p.stdout
+
+
+def vsan_bench_iops(out: str) -> dict[str, float]:
+    """IOPS, MB/s and p50/p99 latency of the first run of `vsan bench --json`."""
+    doc = json.loads(out)
+    run = doc["runs"][0]
+    if run["errors"]["io"] or run["errors"]["verify"]:
+        raise BenchError(f"vsan bench on {run['target']}: errors {run['errors']}")
+    total = run["total"]
+    return {"iops": total["iops"], "mbps": total["mbps"], "p50_us": total["latency_us"]["p50"],
+            "p99_us": total["latency_us"]["p99"]}
+
+
+def make_workdir(prefix: str) -> Path:
+    return Path(tempfile.mkdtemp(prefix=prefix))
+
+
+def stop_all(targets: Sequence[Target], work: Path, ok: bool) -> None:
+    """Stop every target; vsan serve must exit 0 after SIGTERM (a drained, clean stop). The work dir (logs,
+    config, data dir) is removed after a clean run and kept, with its path printed, otherwise."""
+    clean = ok
+    for t in targets:
+        rc = t.stop()
+        if t.name.startswith("openvsan") and rc != 0:
+            print(f"{t.name} exited {rc} after SIGTERM (want 0):\n{t.log_tail()}", file=sys.stderr)
+            clean = False
+        elif "Traceback" in t.log_tail(400):
+            print(f"{t.name} logged a Traceback:\n{t.log_tail()}", file=sys.stderr)
+            clean = False
+    if clean:
+        shutil.rmtree(work, ignore_errors=True)
+    else:
+        print(f"logs kept in {work}", file=sys.stderr)
+    if ok and not clean:
+        raise BenchError("a target did not stop cleanly")
+
+
+def median(xs: Sequence[float]) -> float:
+    return float(statistics.median(xs)) if xs else 0.0
+
+
+def fmt(x: float | None, unit: str) -> str:
+    if x is None:
+        return "-"
+    if unit == "IOPS":
+        return f"{x / 1000:.1f}K IOPS" if x >= 1000 else f"{x:.0f} IOPS"
+    if unit == "MB/s":
+        return f"{x:,.0f} MB/s"
+    if unit == "us":
+        return f"{x:.0f} µs"
+    return f"{x:.3g} {unit}"
+
+
+def print_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
+    """A Markdown table, so the output pastes straight into docs/benchmarks.md."""
+    print("| " + " | ".join(header) + " |")
+    print("|" + "|".join("---" for _ in header) + "|")
+    for row in rows:
+        print("| " + " | ".join(row) + " |")
+
+
+def host_info(pinned: bool) -> dict[str, Any]:
+    return {"hostname": socket.gethostname(), "cpus": os.cpu_count(), "pinned": pinned,
+            "python": sys.version.split()[0]}

@@ -1,0 +1,79 @@
+"""The peer comparison scripts in bench/ run end to end (issue 4 §2), so they cannot rot: each with --smoke
+(1 round, short runs, 64 MiB LUNs), exit 0, and a JSON result with a figure above zero for every target of
+every case. Speed itself is never asserted here. The module takes about a minute."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from vsan_harness import REPO, VSAN
+
+pytestmark = pytest.mark.interop
+
+# Executable -> the Debian package that ships it (what .ci/run installs)
+PACKAGES = {
+    "iscsi-perf": "libiscsi-bin",
+    "iscsi-readcapacity16": "libiscsi-bin",
+    "tgtd": "tgt",
+    "tgtadm": "tgt",
+    "taskset": "util-linux",
+    "fio": "fio",
+}
+
+
+def require(*tools: str) -> None:
+    """Fail (never skip) when a tool is missing, naming its package."""
+    missing = [t for t in tools if shutil.which(t) is None]
+    if missing:
+        pkgs = " ".join(sorted({PACKAGES[t] for t in missing}))
+        pytest.fail(f"missing {', '.join(missing)}: apt-get install {pkgs} (or `sudo bash .ci/run`)", pytrace=False)
+    if not VSAN.exists():
+        pytest.fail(f"{VSAN} is missing: run `make install`", pytrace=False)
+
+
+def run_script(script: str, out: Path, timeout: float) -> dict[str, Any]:
+    argv = [sys.executable, str(REPO / "bench" / script), "--smoke", "--out", str(out)]
+    try:
+        p = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=timeout, check=False)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"{script} --smoke ran over {timeout}s:\n{e.stderr}", pytrace=False)
+    assert p.returncode == 0, f"{' '.join(argv)}: exit {p.returncode}\n{p.stdout}\n{p.stderr}"
+    assert "| openvsan" in p.stdout or "| vsan bench" in p.stdout, p.stdout  # the table
+    doc: dict[str, Any] = json.loads(out.read_text())
+    assert doc["options"]["smoke"] is True
+    return doc
+
+
+def test_compare_tgt_smoke(tmp_path: Path) -> None:
+    require("iscsi-perf", "iscsi-readcapacity16", "tgtd", "tgtadm", "taskset")
+    doc = run_script("compare_tgt.py", tmp_path / "tgt.json", timeout=70)
+    seen = {(c["tool"], c["case"]) for c in doc["cases"]}
+    assert seen == {("iscsi-perf", "4k-randread-qd32"), ("iscsi-perf", "4k-randread-qd1"),
+                    ("iscsi-perf", "1m-seqread-qd8"), ("vsan bench", "4k-randread-qd32")}
+    for case in doc["cases"]:
+        assert set(case["targets"]) == {"tgt", "openvsan"}
+        for name, t in case["targets"].items():
+            assert t[case["metric"]] > 0 and t["iops"] > 0, (case["tool"], case["case"], name, t)
+        assert case["ratio"] > 0
+        if case["qd"] == 1:
+            assert case["latency_ratio"] > 0
+            assert all(t["latency_us"] > 0 for t in case["targets"].values())
+
+
+def test_compare_local_smoke(tmp_path: Path) -> None:
+    require("iscsi-readcapacity16", "taskset", "fio")
+    doc = run_script("compare_local.py", tmp_path / "local.json", timeout=60)
+    assert [c["profile"] for c in doc["cases"]] == ["4k-randread", "4k-randread-qd1", "1m-seqread"]
+    for case in doc["cases"]:
+        assert set(case["targets"]) == {"fio", "local", "iscsi", "nvme", "nbd"}
+        for name, t in case["targets"].items():
+            assert t[case["metric"]] > 0 and t["iops"] > 0, (case["profile"], name, t)
+        for name in ("iscsi", "nvme", "nbd"):
+            assert case["percent_of_local"][name] > 0
+            assert case["targets"][name]["target_cpu_pct"] > 0
