@@ -34,6 +34,9 @@ class FakeTransport(asyncio.Transport):
     def close(self) -> None:
         self.aborted = True
 
+    def is_closing(self) -> bool:
+        return self.aborted
+
     def pdus(self) -> list[P.Pdu]:
         out = PduReader().receive_data(bytes(self.sent))
         self.sent.clear()

@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from openvsan.netio import WriteBatcher
 from openvsan.protocol.iscsi import initiator_pdus as Q
 from openvsan.protocol.iscsi.framing import FramingError, PduReader, frame
 from openvsan.protocol.iscsi.initiator_login import InitiatorLogin, LoginConfig, LoginError, SessionParams
@@ -65,8 +66,7 @@ class IscsiConnection(asyncio.Protocol):
         self.maxcmdsn = 1
         self._itt = 0
         self._window = asyncio.Event()
-        self._out: list[Buf] = []
-        self._flush_scheduled = False
+        self._batch = WriteBatcher()
         self._paused: asyncio.Future[None] | None = None
         self._login: InitiatorLogin | None = None
         self._login_fut: asyncio.Future[None] | None = None
@@ -78,10 +78,12 @@ class IscsiConnection(asyncio.Protocol):
     # ---------------------------------------------------------------------------------- transport
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        self._batch.transport = self.transport
         self.alive = True
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.alive = False
+        self._batch.transport = None
         err = ConnectionLost(f"{self.name}: connection lost" + (f": {exc}" if exc else ""))
         for t in self.tasks.values():
             if not t.future.done():
@@ -115,16 +117,7 @@ class IscsiConnection(asyncio.Protocol):
 
     def _send(self, parts: Sequence[Buf]) -> None:
         # everything made in one event-loop turn leaves in one writelines, as the target does
-        self._out.extend(parts)
-        if not self._flush_scheduled:
-            self._flush_scheduled = True
-            self.loop.call_soon(self._flush)
-
-    def _flush(self) -> None:
-        self._flush_scheduled = False
-        out, self._out = self._out, []
-        if self.alive and self.transport is not None and out:
-            self.transport.writelines(out)
+        self._batch.send(parts)
 
     def _frame(self, bhs: bytes, data: Sequence[Buf] | Buf = b"") -> list[Buf]:
         return list(frame(bhs, data, header_digest=self.params.header_digest,  # type: ignore[arg-type]

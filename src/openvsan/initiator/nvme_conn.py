@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from openvsan.initiator.iscsi_conn import ConnectionLost
+from openvsan.netio import WriteBatcher
 from openvsan.protocol.nvme_tcp import host_pdus as H
 from openvsan.protocol.nvme_tcp.framing import Pdu
 from openvsan.protocol.nvme_tcp.pdu import F_LAST_PDU, F_SUCCESS, PduType
@@ -57,16 +58,17 @@ class NvmeQueue(asyncio.Protocol):
         self.on_lost: Callable[[NvmeQueue], None] | None = None
         self._cid = 0
         self._icresp: asyncio.Future[H.IcResp] | None = None
-        self._out: list[Buf] = []
-        self._flush_scheduled = False
+        self._batch = WriteBatcher()
 
     # ---------------------------------------------------------------------------------- transport
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        self._batch.transport = self.transport
         self.alive = True
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.alive = False
+        self._batch.transport = None
         err = ConnectionLost(f"{self.name}: connection lost" + (f": {exc}" if exc else ""))
         for c in self.cmds.values():
             if not c.future.done():
@@ -88,16 +90,8 @@ class NvmeQueue(asyncio.Protocol):
             self.transport.close()
 
     def _send(self, parts: Sequence[Buf]) -> None:
-        self._out.extend(parts)
-        if not self._flush_scheduled:
-            self._flush_scheduled = True
-            self.loop.call_soon(self._flush)
-
-    def _flush(self) -> None:
-        self._flush_scheduled = False
-        out, self._out = self._out, []
-        if self.alive and self.transport is not None and out:
-            self.transport.writelines(out)
+        # everything made in one event-loop turn leaves in one writelines, as the target does
+        self._batch.send(parts)
 
     # --------------------------------------------------------------------------------- handshake
     async def initialize(self, *, hdgst: bool, ddgst: bool) -> H.IcResp:

@@ -341,7 +341,7 @@ class Connection(BatchedConnection):
         ctrl = self.ctrl
         if ctrl is None:
             return
-        self._flush()
+        self._batch.flush()
         if self.qid == 0:
             self.server.drop_controller(ctrl, "Disconnect")
         else:

@@ -8,24 +8,25 @@ import logging
 import socket
 from collections.abc import Sequence
 
+from openvsan.netio import Buffer, WriteBatcher
+
 log = logging.getLogger("openvsan.target")
 
-Buffer = bytes | bytearray | memoryview
 DRAIN_TIMEOUT = 30.0  # seconds stop() waits for commands in flight before closing connections anyway
 
 
 class BatchedConnection(asyncio.Protocol):
-    """A connection whose replies leave in one writelines (one sendmsg) per event-loop turn."""
+    """A target connection: TCP_NODELAY, and replies sent through a WriteBatcher."""
 
     def __init__(self) -> None:
         self.transport: asyncio.Transport | None = None
         self.peer = "?"
         self._closed = False
-        self._out: list[Buffer] = []
-        self._flush_pending = False
+        self._batch = WriteBatcher()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]  # uvloop's transports do not subclass it
+        self._batch.transport = self.transport
         sock = transport.get_extra_info("socket")
         if sock is not None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -33,23 +34,13 @@ class BatchedConnection(asyncio.Protocol):
         self.peer = f"{peer[0]}:{peer[1]}" if peer else "?"
 
     def send_buffers(self, parts: Sequence[Buffer]) -> None:
-        if self._closed or self.transport is None:
-            return
-        self._out.extend(parts)
-        if not self._flush_pending:
-            self._flush_pending = True
-            asyncio.get_running_loop().call_soon(self._flush)
-
-    def _flush(self) -> None:
-        self._flush_pending = False
-        if self._out and self.transport is not None and not self.transport.is_closing():
-            out, self._out = self._out, []
-            self.transport.writelines(out)
+        if not self._closed:
+            self._batch.send(parts)
 
     def close(self) -> None:
         """Send what is queued, then close."""
         if not self._closed and self.transport is not None:
-            self._flush()
+            self._batch.flush()
             self._closed = True
             self.transport.close()
 
