@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+import types
+from collections.abc import Coroutine, Generator, Sequence
+from typing import Any, TypeVar
 
 Buffer = bytes | bytearray | memoryview
+T = TypeVar("T")
 
 
 class WriteBatcher:
@@ -31,3 +34,35 @@ class WriteBatcher:
         t = self.transport
         if out and t is not None and not t.is_closing():
             t.writelines(out)
+
+
+@types.coroutine
+def _continue(coro: Coroutine[Any, Any, T], yielded: Any) -> Generator[Any, Any, T]:
+    """Drive the rest of a coroutine that has already run up to its first suspension, inside a Task: hand the
+    Task what the coroutine yielded (the future it waits on), and pass results and exceptions back in."""
+    while True:
+        try:
+            value = yield yielded
+        except BaseException as e:  # noqa: BLE001 - cancellation too: the coroutine decides what to do with it
+            try:
+                yielded = coro.throw(e)
+            except StopIteration as stop:
+                return stop.value  # type: ignore[no-any-return]
+        else:
+            try:
+                yielded = coro.send(value)
+            except StopIteration as stop:
+                return stop.value  # type: ignore[no-any-return]
+
+
+def start_eagerly(coro: Coroutine[Any, Any, None]) -> asyncio.Task[None] | None:
+    """Run coro now, in the caller's turn of the event loop; only if it suspends does a Task carry on with it.
+
+    A command whose device answers at once (RAM, a cache hit) then costs no Task at all: Python 3.11 has no
+    eager task factory. Code that needs asyncio.current_task() must not run before the first suspension.
+    Returns the Task, or None when the coroutine finished without suspending (its exceptions propagate)."""
+    try:
+        first = coro.send(None)
+    except StopIteration:
+        return None
+    return asyncio.get_running_loop().create_task(_continue(coro, first))

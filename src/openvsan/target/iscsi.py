@@ -12,6 +12,7 @@ import logging
 import struct
 from collections.abc import Sequence
 
+from openvsan.netio import start_eagerly
 from openvsan.protocol.iscsi import pdu as P
 from openvsan.protocol.iscsi.framing import FramingError, PduReader, frame
 from openvsan.protocol.iscsi.keys import TextError, encode_text, parse_text
@@ -372,7 +373,7 @@ class Connection(BatchedConnection):
         s = self.session
         assert s is not None
         task = s.tasks.get(pdu.itt)
-        if task is None or task.transfer is None or task.runner is not None:
+        if task is None or task.transfer is None or task.running:
             # Data for a task already ended (aborted, or failed early): drop it quietly.
             return
         t = task.transfer
@@ -383,7 +384,8 @@ class Connection(BatchedConnection):
             self._run(task)
 
     def _run(self, task: Task) -> None:
-        task.runner = asyncio.get_running_loop().create_task(self._execute(task))
+        task.running = True
+        task.runner = start_eagerly(self._execute(task))
 
     async def _execute(self, task: Task) -> None:
         s = task.session

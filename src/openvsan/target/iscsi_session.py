@@ -33,7 +33,8 @@ class Task:
     session: Session
     transfer: WriteTransfer | None = None
     needed_out: int = -1      # Data-Out bytes the CDB asks for; -1 until asked (one SCSI lookup per task)
-    runner: asyncio.Task[None] | None = None
+    runner: asyncio.Task[None] | None = None   # set only when the command suspended (see netio.start_eagerly)
+    running: bool = False
     aborted: bool = False
 
 

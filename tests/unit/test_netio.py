@@ -1,0 +1,88 @@
+"""netio: the eager start of commands and the one-writelines-per-turn sender."""
+
+import asyncio
+
+import pytest
+
+from openvsan.netio import WriteBatcher, start_eagerly
+
+
+def test_a_coroutine_that_does_not_suspend_needs_no_task():
+    done = []
+
+    async def quick():
+        done.append(1)
+
+    async def go():
+        assert start_eagerly(quick()) is None
+        assert done == [1]  # ran before start_eagerly returned
+
+    asyncio.run(go())
+
+
+def test_a_suspended_coroutine_goes_on_in_a_task_with_results_and_errors():
+    async def go():
+        fut = asyncio.get_running_loop().create_future()
+        seen = []
+
+        async def waits():
+            seen.append("before")
+            seen.append(await fut)
+            await asyncio.sleep(0)
+            try:
+                await asyncio.get_running_loop().create_future()
+            except asyncio.CancelledError:
+                seen.append("cancelled")
+                raise
+
+        task = start_eagerly(waits())
+        assert task is not None and seen == ["before"]
+        fut.set_result("value")
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert seen == ["before", "value"]
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert seen[-1] == "cancelled"
+
+    asyncio.run(go())
+
+
+def test_an_exception_before_suspension_reaches_the_caller():
+    async def bad():
+        raise ValueError("x")
+
+    async def go():
+        with pytest.raises(ValueError):
+            start_eagerly(bad())
+
+    asyncio.run(go())
+
+
+def test_write_batcher_sends_one_writelines_per_turn():
+    class T:
+        def __init__(self):
+            self.calls = []
+
+        def writelines(self, parts):
+            self.calls.append(list(parts))
+
+        def is_closing(self):
+            return False
+
+    async def go():
+        b = WriteBatcher()
+        t = T()
+        b.transport = t
+        b.send([b"a", b"b"])
+        b.send([b"c"])
+        assert t.calls == []
+        await asyncio.sleep(0)
+        assert t.calls == [[b"a", b"b", b"c"]]
+        b.transport = None
+        b.send([b"d"])
+        await asyncio.sleep(0)
+        assert len(t.calls) == 1  # nothing goes out once the connection is lost
+
+    asyncio.run(go())
