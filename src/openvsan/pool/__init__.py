@@ -1,0 +1,1 @@
+"""Storage pools: RAID levels over member block devices, and their parity kernels (pool/parity)."""

@@ -1,0 +1,143 @@
+"""The RAID 5/6 algebra, written once over a few array primitives that each backend (numpy, CuPy) supplies.
+
+Argument checks, the choice of how to rebuild lost chunks, and the coefficients live here, so a backend only
+has to be fast at: XOR of chunks, P/Q of chunks (a missing one counted as zeros), and multiplying a chunk by a
+GF(2^8) constant. Recovery follows Anvin, "The mathematics of RAID-6" (what Linux md does): rebuild from the
+syndromes P ^ Pxy and Q ^ Qxy, where Pxy/Qxy are P/Q over the surviving data.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import Any
+
+from openvsan.pool.parity.gf import gf_pow2, raid6_two_data_coefficients
+
+Buffer = bytes | bytearray | memoryview
+Array = Any  # a 1-D uint8 array of the backend's array module (numpy.ndarray, cupy.ndarray)
+
+# Q = sum g^i * D_i has 255 distinct coefficients; with more data chunks two of them would share one and a
+# two-chunk loss could not be solved (md has the same limit).
+MAX_PQ_DATA = 255
+
+
+def buffer_length(buf: Buffer) -> int:
+    return memoryview(buf).nbytes
+
+
+class ArrayParity(ABC):
+    """Parity (see openvsan.pool.parity) over an array module; subclasses give the primitives."""
+
+    name: str
+
+    # -- primitives ---------------------------------------------------------------------------------------------
+
+    @abstractmethod
+    def _load(self, buf: Buffer) -> Array:
+        """A uint8 view (or device copy) of a buffer; read only."""
+
+    @abstractmethod
+    def _store(self, arr: Array) -> bytes: ...
+
+    @abstractmethod
+    def _xor(self, arrs: Sequence[Array]) -> Array:
+        """A new array, the XOR of one or more equal-length arrays."""
+
+    @abstractmethod
+    def _pq(self, arrs: Sequence[Array | None], length: int) -> tuple[Array, Array]:
+        """New (P, Q) arrays of `length` bytes; a None chunk counts as zeros (it still has its index i)."""
+
+    @abstractmethod
+    def _mul(self, c: int, arr: Array) -> Array:
+        """A new array c * arr in GF(2^8)."""
+
+    @abstractmethod
+    def _ixor(self, acc: Array, arr: Array) -> None:
+        """acc ^= arr, in place (acc is an array this backend made)."""
+
+    # -- the Parity protocol --------------------------------------------------------------------------------------
+
+    def xor(self, data: Sequence[Buffer]) -> bytes:
+        self._check(data, pq=False)
+        return self._store(self._xor([self._load(d) for d in data]))
+
+    def pq(self, data: Sequence[Buffer]) -> tuple[bytes, bytes]:
+        length = self._check(data, pq=True)
+        p, q = self._pq([self._load(d) for d in data], length)
+        return self._store(p), self._store(q)
+
+    def recover(self, data: Sequence[Buffer | None], p: Buffer | None, q: Buffer | None) -> list[bytes]:
+        n = len(data)
+        if n == 0:
+            raise ValueError("recover needs at least one data chunk slot")
+        if n > MAX_PQ_DATA:
+            raise ValueError(f"{n} data chunks: RAID 6 P+Q supports at most {MAX_PQ_DATA}")
+        missing = [i for i, d in enumerate(data) if d is None]
+        lost = len(missing) + (p is None) + (q is None)
+        if lost > 2:
+            raise ValueError(
+                f"{lost} chunks lost ({len(missing)} data{', P' if p is None else ''}{', Q' if q is None else ''}):"
+                " P+Q can rebuild at most two"
+            )
+        present = [buffer_length(b) for b in (*data, p, q) if b is not None]
+        length = present[0]
+        if any(x != length for x in present):
+            raise ValueError(f"chunks differ in length: {sorted(set(present))}")
+        out: list[bytes | None] = [None if d is None else bytes(d) for d in data]
+        if not missing:
+            return [b for b in out if b is not None]
+        arrs: list[Array | None] = [None if d is None else self._load(d) for d in data]
+        if len(missing) == 1 and p is not None:
+            # one data chunk and at most Q lost: RAID 5 rule, D_x = P ^ (XOR of the other data)
+            x = missing[0]
+            out[x] = self._store(self._xor([self._load(p), *(a for a in arrs if a is not None)]))
+        elif len(missing) == 1:
+            # data and P lost: D_x = g^-x * (Q ^ Qx), Qx being Q over the surviving data
+            assert q is not None
+            x = missing[0]
+            _, qx = self._pq(arrs, length)
+            self._ixor(qx, self._load(q))
+            out[x] = self._store(self._mul(gf_pow2(-x), qx))
+        else:
+            # two data chunks lost, P and Q present
+            assert p is not None and q is not None
+            x, y = missing
+            pxy, qxy = self._pq(arrs, length)
+            self._ixor(pxy, self._load(p))  # D_x ^ D_y
+            self._ixor(qxy, self._load(q))  # g^x D_x ^ g^y D_y
+            a, b = raid6_two_data_coefficients(x, y)
+            dx = self._mul(a, pxy)
+            self._ixor(dx, self._mul(b, qxy))
+            self._ixor(pxy, dx)
+            out[x] = self._store(dx)
+            out[y] = self._store(pxy)
+        return [b for b in out if b is not None]
+
+    def pq_update(
+        self, index: int, old: Buffer, new: Buffer, p: Buffer, q: Buffer | None
+    ) -> tuple[bytes, bytes | None]:
+        if not 0 <= index < MAX_PQ_DATA:
+            raise ValueError(f"data index {index} outside 0..{MAX_PQ_DATA - 1}")
+        lengths = {buffer_length(b) for b in (old, new, p, q) if b is not None}
+        if len(lengths) != 1:
+            raise ValueError(f"chunks differ in length: {sorted(lengths)}")
+        delta = self._xor([self._load(old), self._load(new)])
+        p2 = self._xor([self._load(p), delta])
+        if q is None:
+            return self._store(p2), None
+        q2 = self._mul(gf_pow2(index), delta)
+        self._ixor(q2, self._load(q))
+        return self._store(p2), self._store(q2)
+
+    # -- checks ---------------------------------------------------------------------------------------------------
+
+    def _check(self, data: Sequence[Buffer], *, pq: bool) -> int:
+        if not data:
+            raise ValueError("no data chunks")
+        if pq and len(data) > MAX_PQ_DATA:
+            raise ValueError(f"{len(data)} data chunks: RAID 6 P+Q supports at most {MAX_PQ_DATA}")
+        lengths = [buffer_length(d) for d in data]
+        if any(x != lengths[0] for x in lengths):
+            raise ValueError(f"data chunks differ in length: {sorted(set(lengths))}")
+        return lengths[0]
