@@ -1,0 +1,286 @@
+"""RAID 5 and 6 I/O: data chunks plus P (and Q), rotating over the members (layout.py).
+
+Reads of a chunk whose member is in sync go straight to it. A chunk on a failed (or not yet rebuilt) member is
+rebuilt from the rest of its stripe: the other data chunks and P, or Q, or both (openvsan.pool.parity), over
+just the block range asked for, under the stripe lock so no write is half-way through that stripe.
+
+Writes run one task per stripe (row), each under its stripe lock, concurrently for a request spanning rows:
+
+- every data chunk of the row written whole: parity from the new data, nothing read;
+- otherwise, with every member in sync, whichever reads fewer blocks: read-modify-write (read the old data
+  being replaced and the parity, `pq_update`) or reconstruct-write (read the data not being replaced,
+  recompute parity); parity is only touched over the block range the write covers;
+- with a member out of sync (degraded): the row's data over that range is rebuilt, the new data laid over it,
+  parity recomputed, and every in-sync member written (a lost data chunk then lives on in the parity).
+
+A read phase that hits a failing member raises MemberFaults (nothing written yet; the pool marks the member
+failed and plans the request again). In the write phase a failing member is marked failed and the write
+stands: the members that took it hold a consistent stripe.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from openvsan.block.device import Buffer
+from openvsan.block.errors import DeviceFailed
+from openvsan.pool.layout import Geometry, Level, Segment
+from openvsan.pool.locks import StripeLocks
+from openvsan.pool.members import MemberSet
+from openvsan.pool.parity import backend
+from openvsan.pool.scrub import RowCheck
+
+
+class ParityIO:
+    def __init__(self, ms: MemberSet, geo: Geometry, locks: StripeLocks, parity: str | None = None) -> None:
+        self.ms = ms
+        self.geo = geo
+        self.locks = locks
+        self.par = backend(parity)
+        self.bs = ms.block_size
+        self.cb = geo.chunk_blocks
+        self.k = geo.data_chunks
+        self.raid6 = geo.level is Level.RAID6
+
+    def _parity(self, chunks: Sequence[Buffer]) -> list[Buffer]:
+        if self.raid6:
+            return list(self.par.pq(chunks))
+        return [self.par.xor(chunks)]
+
+    # --- read -------------------------------------------------------------------------------------------------
+
+    async def read(self, lba: int, blocks: int) -> Buffer:
+        segs = self.geo.segments(lba, blocks)
+        ms, geo, bs = self.ms, self.geo, self.bs
+        if len(segs) == 1:
+            s = segs[0]
+            m = geo.data_member(s.row, s.index)
+            if ms.valid(m, s.row):
+                return await ms.read(m, s.row, s.offset, s.blocks)
+            return (await self._read_degraded(s.row, segs))[0]
+        direct = []
+        degraded: dict[int, list[Segment]] = {}
+        for s in segs:
+            if ms.valid(geo.data_member(s.row, s.index), s.row):
+                direct.append(s)
+            else:
+                degraded.setdefault(s.row, []).append(s)
+        ops = [ms.read(geo.data_member(s.row, s.index), s.row, s.offset, s.blocks) for s in direct]
+        ops += [self._read_degraded(row, rsegs) for row, rsegs in degraded.items()]  # type: ignore[misc]
+        results = await ms.gather(ops)
+        out = bytearray(blocks * bs)
+        view = memoryview(out)
+        placed: list[tuple[Segment, Buffer]] = list(zip(direct, results, strict=False))
+        for rsegs, parts in zip(degraded.values(), results[len(direct):], strict=True):
+            placed += zip(rsegs, parts, strict=True)  # type: ignore[arg-type]
+        for s, data in placed:
+            view[s.start * bs:(s.start + s.blocks) * bs] = data
+        return out
+
+    async def _read_degraded(self, row: int, segs: list[Segment]) -> list[Buffer]:
+        bs = self.bs
+        async with self.locks.hold(row):
+            lo = min(s.offset for s in segs)
+            hi = max(s.offset + s.blocks for s in segs)
+            chunks = await self._stripe_data(row, lo, hi)
+        return [memoryview(chunks[s.index])[(s.offset - lo) * bs:(s.offset - lo + s.blocks) * bs] for s in segs]
+
+    async def _stripe_data(self, row: int, lo: int, hi: int) -> list[Buffer]:
+        """Every data chunk of `row` over blocks [lo, hi) of the chunk, the out-of-sync ones rebuilt."""
+        ms = self.ms
+        dm = self.geo.data_members(row)
+        pm = self.geo.parity_members(row)
+        missing = [i for i, m in enumerate(dm) if not ms.valid(m, row)]
+        readable_parity = [j for j, m in enumerate(pm) if ms.valid(m, row)]
+        use = readable_parity[:len(missing)]
+        if len(use) < len(missing):
+            raise DeviceFailed(f"pool: stripe {row} has lost {len(missing)} data chunks and "
+                               f"{len(pm) - len(readable_parity)} of {len(pm)} parity chunks")
+        present = [i for i in range(self.k) if i not in missing]
+        ops = [ms.read(dm[i], row, lo, hi - lo) for i in present] + [ms.read(pm[j], row, lo, hi - lo) for j in use]
+        got = await ms.gather(ops)
+        data: list[Buffer | None] = [None] * self.k
+        for i, d in zip(present, got, strict=False):
+            data[i] = d
+        if not missing:
+            return data  # type: ignore[return-value]
+        par = dict(zip(use, got[len(present):], strict=True))
+        return self.par.recover(data, par.get(0), par.get(1) if self.raid6 else None)  # type: ignore[return-value]
+
+    # --- write ------------------------------------------------------------------------------------------------
+
+    async def write(self, lba: int, data: Buffer, fua: bool) -> None:
+        view = memoryview(data).cast("B")
+        rows: dict[int, list[Segment]] = {}
+        for s in self.geo.segments(lba, len(view) // self.bs):
+            rows.setdefault(s.row, []).append(s)
+        if len(rows) == 1:
+            ((row, segs),) = rows.items()
+            await self._write_row(row, segs, view, fua)
+        else:
+            await self.ms.gather([self._write_row(row, segs, view, fua) for row, segs in rows.items()])
+
+    async def _write_row(self, row: int, segs: list[Segment], view: memoryview, fua: bool) -> None:
+        ms, bs, cb, k = self.ms, self.bs, self.cb, self.k
+        dm = self.geo.data_members(row)
+        pm = self.geo.parity_members(row)
+        new = {s.index: (s.offset, s.blocks, view[s.start * bs:(s.start + s.blocks) * bs]) for s in segs}
+        lo = min(s.offset for s in segs)
+        hi = max(s.offset + s.blocks for s in segs)
+        width = hi - lo
+        async with self.locks.hold(row):
+            data_ok = all(ms.valid(m, row) for m in dm)
+            parity_ok = [ms.valid(m, row) for m in pm]
+            parity: list[Buffer]
+            if data_ok and all(parity_ok):
+                if len(new) == k and width == cb and all(n == cb for _, n, _ in new.values()):
+                    parity = self._parity([new[i][2] for i in range(k)])
+                else:
+                    rmw = sum(n for _, n, _ in new.values()) + len(pm) * width
+                    rcw = sum(width for i in range(k) if i not in new or new[i][1] < width)
+                    if rmw < rcw:
+                        parity = await self._read_modify(row, dm, pm, new, lo, hi)
+                    else:
+                        parity = self._parity(await self._overlay(row, lo, hi, new, await self._read_rest(
+                            row, dm, new, lo, hi)))
+            elif data_ok and not any(parity_ok):
+                parity = []  # nothing to keep in step: write the data alone
+            else:
+                parity = self._parity(await self._overlay(row, lo, hi, new, await self._stripe_data(row, lo, hi)))
+            ops = [ms.write(dm[i], row, off, buf, fua) for i, (off, _, buf) in new.items() if ms.valid(dm[i], row)]
+            ops += [ms.write(pm[j], row, lo, p, fua) for j, p in enumerate(parity) if parity_ok[j]]
+            await ms.write_all(ops)
+
+    async def _read_modify(self, row: int, dm: list[int], pm: tuple[int, ...],
+                           new: dict[int, tuple[int, int, memoryview]], lo: int, hi: int) -> list[Buffer]:
+        ms, bs = self.ms, self.bs
+        order = list(new)
+        ops = [ms.read(dm[i], row, new[i][0], new[i][1]) for i in order]
+        ops += [ms.read(m, row, lo, hi - lo) for m in pm]
+        got = await ms.gather(ops)
+        p = bytearray(got[len(order)])
+        q = bytearray(got[len(order) + 1]) if self.raid6 else None
+        for i, old in zip(order, got, strict=False):
+            off, n, buf = new[i]
+            a, b = (off - lo) * bs, (off - lo + n) * bs
+            p2, q2 = self.par.pq_update(i, old, buf, p[a:b], q[a:b] if q is not None else None)
+            p[a:b] = p2
+            if q is not None and q2 is not None:
+                q[a:b] = q2
+        return [p] if q is None else [p, q]
+
+    async def _read_rest(self, row: int, dm: list[int], new: dict[int, tuple[int, int, memoryview]],
+                         lo: int, hi: int) -> list[Buffer | None]:
+        """Reconstruct-write's reads: every data chunk over [lo, hi) that the new data does not cover whole."""
+        need = [i for i in range(self.k) if i not in new or new[i][1] < hi - lo]
+        got = await self.ms.gather([self.ms.read(dm[i], row, lo, hi - lo) for i in need])
+        out: list[Buffer | None] = [None] * self.k
+        for i, d in zip(need, got, strict=True):
+            out[i] = d
+        return out
+
+    async def _overlay(self, row: int, lo: int, hi: int, new: dict[int, tuple[int, int, memoryview]],
+                       chunks: Sequence[Buffer | None]) -> list[Buffer]:
+        """The row's data over [lo, hi) after the write: `chunks` (old data) with the new data laid over it."""
+        bs = self.bs
+        out: list[Buffer] = []
+        for i in range(self.k):
+            old = chunks[i]
+            if i in new:
+                off, n, buf = new[i]
+                if n == hi - lo:
+                    out.append(buf)
+                    continue
+                assert old is not None
+                merged = bytearray(old)
+                merged[(off - lo) * bs:(off - lo + n) * bs] = buf
+                out.append(merged)
+            else:
+                assert old is not None
+                out.append(old)
+        return out
+
+    # --- rebuild ----------------------------------------------------------------------------------------------
+
+    async def rebuild(self, targets: list[int], start: int, end: int) -> None:
+        """Rows [start, end) of each target member, recomputed from the in-sync members (stripe locks held)."""
+        ms, geo = self.ms, self.geo
+        chunk = self.cb * self.bs
+        nrows = end - start
+        sources = [m for m in range(geo.members) if m not in targets and ms.members[m].valid_rows(start, end)]
+        got = await ms.gather([ms.read(m, start, 0, nrows * self.cb) for m in sources])
+        bufs = {m: memoryview(d).cast("B") for m, d in zip(sources, got, strict=True)}
+        out = {t: bytearray(nrows * chunk) for t in targets}
+        for row in range(start, end):
+            span = slice((row - start) * chunk, (row - start + 1) * chunk)
+            dm = geo.data_members(row)
+            pm = geo.parity_members(row)
+            data: list[Buffer | None] = [bufs[m][span] if m in bufs else None for m in dm]
+            if any(d is None for d in data):
+                p = bufs[pm[0]][span] if pm[0] in bufs else None
+                q = bufs[pm[1]][span] if self.raid6 and pm[1] in bufs else None
+                try:
+                    data = self.par.recover(data, p, q)  # type: ignore[assignment]
+                except ValueError as e:
+                    raise DeviceFailed(f"pool: cannot rebuild stripe {row}: {e}") from e
+            parity = self._parity(data) if any(t in pm for t in targets) else []  # type: ignore[arg-type]
+            for t in targets:
+                out[t][span] = data[dm.index(t)] if t in dm else parity[pm.index(t)]  # type: ignore[index]
+        await ms.write_all([ms.write(t, start, 0, out[t]) for t in targets])
+
+    # --- scrub and resync -------------------------------------------------------------------------------------
+
+    async def check(self, start: int, end: int, *, repair: bool, locate: bool = False) -> RowCheck:
+        """Compare P (and Q) with the data of rows [start, end); see scrub.py. Without `locate` (the resync), a
+        mismatch is always settled by rewriting parity from the data."""
+        ms, geo = self.ms, self.geo
+        chunk = self.cb * self.bs
+        result = RowCheck()
+        sources = [m for m in range(geo.members) if ms.members[m].valid_rows(start, end)]
+        got = await ms.gather([ms.read(m, start, 0, (end - start) * self.cb) for m in sources])
+        bufs = {m: memoryview(d).cast("B") for m, d in zip(sources, got, strict=True)}
+        fixes = []
+        for row in range(start, end):
+            span = slice((row - start) * chunk, (row - start + 1) * chunk)
+            dm = geo.data_members(row)
+            pm = geo.parity_members(row)
+            if any(m not in bufs for m in dm) or not any(m in bufs for m in pm):
+                result.skipped += 1
+                continue
+            result.checked += 1
+            data = [bufs[m][span] for m in dm]
+            want = self._parity(data)
+            bad = [j for j, m in enumerate(pm) if m in bufs and bufs[m][span] != want[j]]
+            if not bad:
+                continue
+            if locate and len(bad) == 2:
+                z = self._locate(data, bufs[pm[0]][span], bufs[pm[1]][span])
+                if z is None:
+                    result.mismatch(row, list(pm), "P and Q both disagree with the data and no single data chunk"
+                                    " explains it: more than one chunk is bad")
+                    result.unrepairable += 1
+                    continue
+                fixed = self.par.recover([None if i == z else d for i, d in enumerate(data)],
+                                         bufs[pm[0]][span], None)[z]
+                result.mismatch(row, [dm[z]], f"data chunk {z} on member {dm[z]} is corrupt (located by P and Q)")
+                if repair:
+                    fixes.append(ms.write(dm[z], row, 0, fixed))
+                    result.repaired += 1
+                continue
+            names = "/".join("PQ"[j] for j in bad)
+            result.mismatch(row, [pm[j] for j in bad], f"{names} disagrees with the data")
+            if repair:
+                fixes += [ms.write(pm[j], row, 0, want[j]) for j in bad]
+                result.repaired += 1
+        if fixes:
+            await ms.write_all(fixes)
+        return result
+
+    def _locate(self, data: list[memoryview], p: Buffer, q: Buffer) -> int | None:
+        """The one data chunk whose replacement (rebuilt from the others and P) makes Q right again."""
+        for z in range(self.k):
+            trial: list[Buffer | None] = [None if i == z else d for i, d in enumerate(data)]
+            candidate = self.par.recover(trial, p, None)
+            if self.par.pq(candidate)[1] == bytes(q):
+                return z
+        return None

@@ -1,0 +1,140 @@
+"""The pool's members at run time: which device holds each slot, how far it is trusted, and member I/O that
+reports a failing member by its index instead of by an exception from somewhere below.
+
+A member I/O that raises `MediumError` or `DeviceFailed` becomes `MemberFaults({index: error})`; the level's
+I/O code decides whether to retry (a read phase: nothing was written yet) or to carry on without the member (a
+write phase), and reports the member to `fail`, which marks it failed durably before it returns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid as uuidlib
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from openvsan.block.device import BlockDevice, Buffer
+from openvsan.block.errors import DeviceFailed, MediumError
+from openvsan.pool.superblock import MemberState
+
+T = TypeVar("T")
+
+# what a member may raise that means "this member is failing" rather than "the request was wrong"
+MEMBER_FAULTS = (MediumError, DeviceFailed)
+
+
+class MemberFaults(Exception):
+    def __init__(self, faults: dict[int, BaseException]) -> None:
+        super().__init__(", ".join(f"member {i}: {e}" for i, e in sorted(faults.items())))
+        self.faults = faults
+
+
+@dataclass
+class Member:
+    index: int
+    dev: BlockDevice | None
+    uuid: uuidlib.UUID
+    state: MemberState
+    checkpoint: int = 0  # REBUILDING: rows below this one are in sync
+
+    @property
+    def name(self) -> str:
+        if self.dev is None:
+            return f"member{self.index} (missing)"
+        return str(getattr(self.dev, "name", f"member{self.index}"))
+
+    def valid(self, row: int) -> bool:
+        return self.state is MemberState.ACTIVE or (self.state is MemberState.REBUILDING and row < self.checkpoint)
+
+    def valid_rows(self, start: int, end: int) -> bool:
+        """In sync for every row of [start, end)."""
+        return self.state is MemberState.ACTIVE or (self.state is MemberState.REBUILDING and end <= self.checkpoint)
+
+    def valid_until(self, rows: int) -> int:
+        """The first row this member is not in sync for (rows when all are)."""
+        if self.state is MemberState.ACTIVE:
+            return rows
+        return self.checkpoint if self.state is MemberState.REBUILDING else 0
+
+    @property
+    def present(self) -> bool:
+        """Has a device that should receive writes and metadata."""
+        return self.dev is not None and self.state in (MemberState.ACTIVE, MemberState.REBUILDING)
+
+
+Fail = Callable[[dict[int, BaseException]], Awaitable[None]]
+
+
+class MemberSet:
+    def __init__(self, members: list[Member], data_offset: int, chunk_blocks: int, block_size: int,
+                 fail: Fail) -> None:
+        self.members = members
+        self.data_offset = data_offset
+        self.chunk_blocks = chunk_blocks
+        self.block_size = block_size
+        self.fail = fail
+
+    def valid(self, m: int, row: int) -> bool:
+        return self.members[m].valid(row)
+
+    def _dev(self, m: int) -> BlockDevice:
+        dev = self.members[m].dev
+        if dev is None:
+            raise MemberFaults({m: DeviceFailed(f"member {m} is missing")})
+        return dev
+
+    async def read(self, m: int, row: int, offset: int, blocks: int) -> Buffer:
+        """`blocks` blocks from `offset` blocks into chunk row `row` of member m (may run into later rows)."""
+        dev = self._dev(m)
+        try:
+            return await dev.read(self.data_offset + row * self.chunk_blocks + offset, blocks)
+        except MEMBER_FAULTS as e:
+            raise MemberFaults({m: e}) from e
+
+    async def write(self, m: int, row: int, offset: int, data: Buffer, fua: bool = False) -> None:
+        dev = self._dev(m)
+        try:
+            await dev.write(self.data_offset + row * self.chunk_blocks + offset, data, fua=fua)
+        except MEMBER_FAULTS as e:
+            raise MemberFaults({m: e}) from e
+
+    async def write_zeroes(self, m: int, row: int, offset: int, blocks: int) -> None:
+        dev = self._dev(m)
+        try:
+            await dev.write_zeroes(self.data_offset + row * self.chunk_blocks + offset, blocks)
+        except MEMBER_FAULTS as e:
+            raise MemberFaults({m: e}) from e
+
+    async def raw(self, m: int, op: Callable[[BlockDevice], Awaitable[T]]) -> T:
+        """Any other member request (header I/O, flush), with its faults reported the same way."""
+        dev = self._dev(m)
+        try:
+            return await op(dev)
+        except MEMBER_FAULTS as e:
+            raise MemberFaults({m: e}) from e
+
+    @staticmethod
+    async def gather(ops: Sequence[Awaitable[T]]) -> list[T]:
+        """Run member requests concurrently; after all have finished, raise one MemberFaults naming every member
+        that failed (any other exception is a bug above and is raised as it is)."""
+        if len(ops) == 1:
+            return [await ops[0]]
+        results: list[Any] = await asyncio.gather(*ops, return_exceptions=True)
+        faults: dict[int, BaseException] = {}
+        for r in results:
+            if isinstance(r, MemberFaults):
+                faults.update(r.faults)
+            elif isinstance(r, BaseException):
+                raise r
+        if faults:
+            raise MemberFaults(faults)
+        return results
+
+    async def write_all(self, ops: Sequence[Awaitable[None]]) -> None:
+        """A write phase: what failed is marked failed and the rest stands (the surviving members hold a
+        consistent stripe); `fail` raises DeviceFailed when that leaves the pool without its data."""
+        try:
+            await self.gather(ops)
+        except MemberFaults as e:
+            await self.fail(e.faults)
