@@ -1,7 +1,8 @@
 """Parity kernels (openvsan.pool.parity) against the byte-by-byte reference, for every backend usable here.
 
-The GPU (CuPy) backend runs the same tests and is skipped, with the reason, where there is no CUDA GPU. On a
-GPU machine: `python -m pytest tests/unit/test_parity.py -k gpu`.
+The ISA-L backend runs the same tests where libisal is installed (Debian libisal2; .ci/run installs it) and
+the GPU (CuPy) backend where there is a CUDA GPU; each is skipped elsewhere with the reason. On a GPU machine:
+`python -m pytest tests/unit/test_parity.py -k gpu`.
 """
 
 from __future__ import annotations
@@ -17,11 +18,14 @@ from hypothesis import strategies as st
 from openvsan.pool.parity import Parity, available, backend, gf, gf_inv, gf_mul, gf_pow2, reference_pq, reference_xor
 from openvsan.pool.parity.cpu import NumpyParity
 from openvsan.pool.parity.gpu import unavailable_reason
+from openvsan.pool.parity.isal import unavailable_reason as isal_unavailable_reason
 
 GPU_WHY = unavailable_reason()
+ISAL_WHY = isal_unavailable_reason()
 
 BACKENDS = [
     pytest.param("numpy", id="numpy"),
+    pytest.param("isal", id="isal", marks=pytest.mark.skipif(ISAL_WHY is not None, reason=str(ISAL_WHY))),
     pytest.param("cupy", id="gpu-cupy", marks=pytest.mark.skipif(GPU_WHY is not None, reason=str(GPU_WHY))),
 ]
 
@@ -100,6 +104,31 @@ def test_two_data_coefficients_solve_the_syndromes() -> None:
             p = dx ^ dy
             q = gf_mul(gf_pow2(x), dx) ^ gf_mul(gf_pow2(y), dy)
             assert gf_mul(a_, p) ^ gf_mul(b_, q) == dx
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 5])
+def test_recovery_rows_rebuild_every_loss(n: int) -> None:
+    """The one-pass rows (what the ISA-L backend feeds ec_encode_data), checked in pure Python."""
+    rng = random.Random(n)
+    data = chunks(rng, n, 24)
+    p, q = reference_pq(data)
+    members = [*data, p, q]
+    for lost in itertools.chain.from_iterable(itertools.combinations(range(n + 2), k) for k in (1, 2)):
+        missing = [i for i in lost if i < n]
+        if not missing:
+            continue
+        sources, rows = gf.raid6_recovery_rows(n, missing, n not in lost, n + 1 not in lost)
+        assert not set(sources) & set(lost)
+        for x, row in zip(missing, rows, strict=True):
+            rebuilt = bytearray(24)
+            for s_, c in zip(sources, row, strict=True):
+                for j, byte in enumerate(members[s_]):
+                    rebuilt[j] ^= gf_mul(c, byte)
+            assert bytes(rebuilt) == data[x], (lost, x)
+    with pytest.raises(ValueError):
+        gf.raid6_recovery_rows(4, [0, 1], True, False)
+    with pytest.raises(ValueError):
+        gf.raid6_recovery_rows(4, [0, 1, 2], True, True)
 
 
 def test_reference_by_hand() -> None:
@@ -293,7 +322,7 @@ def test_backend_names() -> None:
     assert isinstance(backend("numpy"), Parity)
     auto = backend()
     assert auto is backend("auto")
-    assert auto.name == ("cupy" if GPU_WHY is None else "numpy")
+    assert auto.name == ("cupy" if GPU_WHY is None else "numpy" if ISAL_WHY else "isal")
     with pytest.raises(ValueError, match="unknown parity backend 'raid9'"):
         backend("raid9")
 
@@ -301,6 +330,9 @@ def test_backend_names() -> None:
 def test_available_says_why() -> None:
     avail = available()
     assert avail["numpy"] is None
+    assert avail["isal"] == ISAL_WHY
+    if ISAL_WHY is not None:
+        assert "libisal2" in ISAL_WHY
     if GPU_WHY is None:
         assert avail["cupy"] is None
     else:
@@ -314,3 +346,15 @@ def test_gpu_backend_present_or_skip_reason_visible() -> None:
     if GPU_WHY is not None:
         pytest.skip(GPU_WHY)
     assert backend("cupy").name == "cupy"
+
+
+def test_isal_missing_library_says_how_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    from openvsan.pool.parity import isal
+
+    def no_library(name: str) -> None:
+        raise OSError(f"{name}: cannot open shared object file: No such file or directory")
+
+    monkeypatch.setattr(isal.ctypes.util, "find_library", lambda name: None)
+    monkeypatch.setattr(isal.ctypes, "CDLL", no_library)
+    with pytest.raises(ValueError, match=r"'isal' is unavailable: libisal.so.2: .*apt-get install libisal2"):
+        isal._library.__wrapped__()

@@ -65,6 +65,15 @@ def _numpy() -> Parity:
     return NumpyParity()
 
 
+def _isal() -> Parity:
+    from openvsan.pool.parity import isal
+
+    why = isal.unavailable_reason()
+    if why:
+        raise ValueError(why)
+    return isal.IsalParity()
+
+
 def _cupy() -> Parity:
     from openvsan.pool.parity import gpu
 
@@ -75,7 +84,7 @@ def _cupy() -> Parity:
 
 
 # CPU backends, fastest first (bench/parity_bench.py).
-_CPU: dict[str, Callable[[], Parity]] = {"numpy": _numpy}
+_CPU: dict[str, Callable[[], Parity]] = {"isal": _isal, "numpy": _numpy}
 _ALL: dict[str, Callable[[], Parity]] = {**_CPU, "cupy": _cupy}
 
 
@@ -92,8 +101,8 @@ def available() -> dict[str, str | None]:
 
 
 def backend(name: str | None = None) -> Parity:
-    """name: "numpy" | "cupy" | "auto" (or None). Auto is CuPy when a CUDA GPU is present and cupy imports, else
-    the fastest CPU backend. ValueError for an unknown or unavailable name, saying why. One object per backend:
+    """name: "isal" | "numpy" | "cupy" | "auto" (or None). Auto is CuPy when a CUDA GPU is present and cupy
+    imports, else the fastest CPU backend: ISA-L where the library is installed, else numpy. ValueError for an unknown or unavailable name, saying why. One object per backend:
     they hold no state."""
     return _backend(name or "auto")
 

@@ -26,6 +26,48 @@ def buffer_length(buf: Buffer) -> int:
     return memoryview(buf).nbytes
 
 
+def check_data(data: Sequence[Buffer], *, pq: bool) -> int:
+    """The common chunk length of an encode's data, or ValueError."""
+    if not data:
+        raise ValueError("no data chunks")
+    if pq and len(data) > MAX_PQ_DATA:
+        raise ValueError(f"{len(data)} data chunks: RAID 6 P+Q supports at most {MAX_PQ_DATA}")
+    lengths = [buffer_length(d) for d in data]
+    if any(x != lengths[0] for x in lengths):
+        raise ValueError(f"data chunks differ in length: {sorted(set(lengths))}")
+    return lengths[0]
+
+
+def check_recover(data: Sequence[Buffer | None], p: Buffer | None, q: Buffer | None) -> tuple[list[int], int]:
+    """(indices of the missing data chunks, chunk length), or ValueError when the loss is beyond P+Q."""
+    n = len(data)
+    if n == 0:
+        raise ValueError("recover needs at least one data chunk slot")
+    if n > MAX_PQ_DATA:
+        raise ValueError(f"{n} data chunks: RAID 6 P+Q supports at most {MAX_PQ_DATA}")
+    missing = [i for i, d in enumerate(data) if d is None]
+    lost = len(missing) + (p is None) + (q is None)
+    if lost > 2:
+        raise ValueError(
+            f"{lost} chunks lost ({len(missing)} data{', P' if p is None else ''}{', Q' if q is None else ''}):"
+            " P+Q can rebuild at most two"
+        )
+    lengths = [buffer_length(b) for b in (*data, p, q) if b is not None]
+    if any(x != lengths[0] for x in lengths):
+        raise ValueError(f"chunks differ in length: {sorted(set(lengths))}")
+    return missing, lengths[0]
+
+
+def check_update(index: int, old: Buffer, new: Buffer, p: Buffer, q: Buffer | None) -> int:
+    """The chunk length of a read-modify-write, or ValueError."""
+    if not 0 <= index < MAX_PQ_DATA:
+        raise ValueError(f"data index {index} outside 0..{MAX_PQ_DATA - 1}")
+    lengths = {buffer_length(b) for b in (old, new, p, q) if b is not None}
+    if len(lengths) != 1:
+        raise ValueError(f"chunks differ in length: {sorted(lengths)}")
+    return lengths.pop()
+
+
 class ArrayParity(ABC):
     """Parity (see openvsan.pool.parity) over an array module; subclasses give the primitives."""
 
@@ -59,31 +101,16 @@ class ArrayParity(ABC):
     # -- the Parity protocol --------------------------------------------------------------------------------------
 
     def xor(self, data: Sequence[Buffer]) -> bytes:
-        self._check(data, pq=False)
+        check_data(data, pq=False)
         return self._store(self._xor([self._load(d) for d in data]))
 
     def pq(self, data: Sequence[Buffer]) -> tuple[bytes, bytes]:
-        length = self._check(data, pq=True)
+        length = check_data(data, pq=True)
         p, q = self._pq([self._load(d) for d in data], length)
         return self._store(p), self._store(q)
 
     def recover(self, data: Sequence[Buffer | None], p: Buffer | None, q: Buffer | None) -> list[bytes]:
-        n = len(data)
-        if n == 0:
-            raise ValueError("recover needs at least one data chunk slot")
-        if n > MAX_PQ_DATA:
-            raise ValueError(f"{n} data chunks: RAID 6 P+Q supports at most {MAX_PQ_DATA}")
-        missing = [i for i, d in enumerate(data) if d is None]
-        lost = len(missing) + (p is None) + (q is None)
-        if lost > 2:
-            raise ValueError(
-                f"{lost} chunks lost ({len(missing)} data{', P' if p is None else ''}{', Q' if q is None else ''}):"
-                " P+Q can rebuild at most two"
-            )
-        present = [buffer_length(b) for b in (*data, p, q) if b is not None]
-        length = present[0]
-        if any(x != length for x in present):
-            raise ValueError(f"chunks differ in length: {sorted(set(present))}")
+        missing, length = check_recover(data, p, q)
         out: list[bytes | None] = [None if d is None else bytes(d) for d in data]
         if not missing:
             return [b for b in out if b is not None]
@@ -117,11 +144,7 @@ class ArrayParity(ABC):
     def pq_update(
         self, index: int, old: Buffer, new: Buffer, p: Buffer, q: Buffer | None
     ) -> tuple[bytes, bytes | None]:
-        if not 0 <= index < MAX_PQ_DATA:
-            raise ValueError(f"data index {index} outside 0..{MAX_PQ_DATA - 1}")
-        lengths = {buffer_length(b) for b in (old, new, p, q) if b is not None}
-        if len(lengths) != 1:
-            raise ValueError(f"chunks differ in length: {sorted(lengths)}")
+        check_update(index, old, new, p, q)
         delta = self._xor([self._load(old), self._load(new)])
         p2 = self._xor([self._load(p), delta])
         if q is None:
@@ -129,15 +152,3 @@ class ArrayParity(ABC):
         q2 = self._mul(gf_pow2(index), delta)
         self._ixor(q2, self._load(q))
         return self._store(p2), self._store(q2)
-
-    # -- checks ---------------------------------------------------------------------------------------------------
-
-    def _check(self, data: Sequence[Buffer], *, pq: bool) -> int:
-        if not data:
-            raise ValueError("no data chunks")
-        if pq and len(data) > MAX_PQ_DATA:
-            raise ValueError(f"{len(data)} data chunks: RAID 6 P+Q supports at most {MAX_PQ_DATA}")
-        lengths = [buffer_length(d) for d in data]
-        if any(x != lengths[0] for x in lengths):
-            raise ValueError(f"data chunks differ in length: {sorted(set(lengths))}")
-        return lengths[0]

@@ -6,14 +6,15 @@ is by g = 2, done on uint8 lanes in four SIMD passes: t = (q < 0 as int8) (the b
 the same trick on uint64 lanes (six passes with masks) and far faster than a table lookup (np.take runs at
 about 0.6 GB/s). Chunks are walked in tiles so the accumulators stay in L2 cache for 1 MiB chunks.
 
-Multiplying by any other constant (recovery, RAID 6 read-modify-write) is a 256-entry table lookup, or a few
-doublings when the constant is a small power of g.
+Multiplying by any other constant (recovery, RAID 6 read-modify-write) is a table lookup two bytes at a time
+(np.take on a 65536-entry uint16 table, about 1 GB/s), or a few doublings when the constant is a small power
+of g.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from functools import cache
+from functools import cache, lru_cache
 
 import numpy as np
 import numpy.typing as npt
@@ -28,7 +29,7 @@ U8 = npt.NDArray[np.uint8]
 # 4 to 16 data chunks (bench/parity_bench.py).
 TILE = 32 * 1024
 
-# Up to this many doublings beat one table lookup (four passes of ~15 GB/s each against ~0.6 GB/s).
+# Up to this many doublings beat one table lookup (four passes of ~15 GB/s each against ~1 GB/s).
 MAX_DOUBLINGS = 4
 
 
@@ -37,16 +38,56 @@ def _table(c: int) -> U8:
     return np.frombuffer(mul_table(c), dtype=np.uint8)
 
 
-def _mul2(src: U8, dst: U8, t: U8) -> None:
-    """dst = src * g; t is scratch of the same length. dst may be src."""
-    np.less(src.view(np.int8), 0, out=t.view(np.bool_))
-    np.multiply(t, 0x1D, out=t)
-    np.add(src, src, out=dst)
-    np.bitwise_xor(dst, t, out=dst)
+@lru_cache(maxsize=32)  # 128 KiB each; a pool's recoveries use a few constants over and over
+def _table16(c: int) -> npt.NDArray[np.uint16]:
+    """c times each byte of a 16-bit word, for lookups two bytes at a time (about twice the bytes per second of
+    the 8-bit table): entry (hi << 8 | lo) = c*hi << 8 | c*lo, the same on either byte order."""
+    t8 = _table(c).astype(np.uint16)
+    table: npt.NDArray[np.uint16] = np.bitwise_or.outer(t8 << 8, t8).ravel()
+    return table
 
 
-def _pq_tile(ds: Sequence[U8 | None], p: U8, q: U8, t: U8) -> None:
-    """P and Q of one tile into p and q (Horner from the top chunk; missing chunks are zeros)."""
+def _mul_table(c: int, arr: U8) -> U8:
+    out = np.empty_like(arr)
+    even = len(arr) & ~1
+    if even:
+        np.take(_table16(c), arr[:even].view(np.uint16), out=out[:even].view(np.uint16))
+    if even != len(arr):
+        out[-1] = _table(c)[arr[-1]]
+    return out
+
+
+# Operands as 0-d arrays and `out` given by position: numpy converts a Python int scalar and parses keywords on
+# every call, about 0.6 µs each, which is most of a 4 KiB pass.
+_ZERO = np.zeros((), dtype=np.int8)
+_REDUCE = np.array(0x1D, dtype=np.uint8)  # x^8 = x^4 + x^3 + x^2 + 1 (0x11d without its x^8)
+
+
+class _Scratch:
+    """Per-call output and scratch arrays with the int8/bool views the doubling needs, made once."""
+
+    __slots__ = ("p", "q", "qi", "t", "tb")
+
+    def __init__(self, length: int, scratch: int) -> None:
+        self.p = np.empty(length, dtype=np.uint8)
+        self.q = np.empty(length, dtype=np.uint8)
+        self.qi = self.q.view(np.int8)
+        self.t = np.empty(scratch, dtype=np.uint8)
+        self.tb = self.t.view(np.bool_)
+
+
+def _mul2(src: U8, srci: npt.NDArray[np.int8], dst: U8, t: U8, tb: npt.NDArray[np.bool_]) -> None:
+    """dst = src * g, srci being src viewed as int8 (its sign is the bit that falls off); t and tb are scratch of
+    the same length as uint8 and bool. dst may be src."""
+    np.less(srci, _ZERO, tb)
+    np.multiply(t, _REDUCE, t)
+    np.add(src, src, dst)
+    np.bitwise_xor(dst, t, dst)
+
+
+def _pq_tile(ds: Sequence[U8 | None], p: U8, q: U8, qi: npt.NDArray[np.int8], t: U8, tb: npt.NDArray[np.bool_]) -> None:
+    """P and Q of one tile into p and q (Horner from the top chunk; a None chunk is zeros); qi views q as int8,
+    t/tb are scratch."""
     top = len(ds) - 1
     while top >= 0 and ds[top] is None:
         top -= 1  # leading zero chunks: Q stays zero through their doublings
@@ -61,18 +102,18 @@ def _pq_tile(ds: Sequence[U8 | None], p: U8, q: U8, t: U8) -> None:
         np.copyto(q, d)
         return
     nxt = ds[top - 1]
-    _mul2(d, q, t)  # the first step reads D_{top} directly: no copy into q first
+    _mul2(d, d.view(np.int8), q, t, tb)  # the first step reads D_top directly: no copy into q first
     if nxt is None:
         np.copyto(p, d)
     else:
-        np.bitwise_xor(d, nxt, out=p)
-        np.bitwise_xor(q, nxt, out=q)
+        np.bitwise_xor(d, nxt, p)
+        np.bitwise_xor(q, nxt, q)
     for i in range(top - 2, -1, -1):
-        _mul2(q, q, t)
+        _mul2(q, qi, q, t, tb)
         d = ds[i]
         if d is not None:
-            np.bitwise_xor(p, d, out=p)
-            np.bitwise_xor(q, d, out=q)
+            np.bitwise_xor(p, d, p)
+            np.bitwise_xor(q, d, q)
 
 
 class NumpyParity(ArrayParity):
@@ -95,24 +136,25 @@ class NumpyParity(ArrayParity):
         for start in range(0, length, self.tile):
             stop = min(start + self.tile, length)
             o = out[start:stop]
-            np.bitwise_xor(arrs[0][start:stop], arrs[1][start:stop], out=o)
+            np.bitwise_xor(arrs[0][start:stop], arrs[1][start:stop], o)
             for a in arrs[2:]:
-                np.bitwise_xor(o, a[start:stop], out=o)
+                np.bitwise_xor(o, a[start:stop], o)
         return out
 
     def _pq(self, arrs: Sequence[Array | None], length: int) -> tuple[Array, Array]:
-        p = np.empty(length, dtype=np.uint8)
-        q = np.empty(length, dtype=np.uint8)
-        t = np.empty(min(self.tile, length), dtype=np.uint8)
-        if length <= self.tile:
-            _pq_tile(arrs, p, q, t)
-            return p, q
-        for start in range(0, length, self.tile):
-            stop = min(start + self.tile, length)
+        tile = self.tile
+        s = _Scratch(length, min(tile, length))
+        if length <= tile:
+            _pq_tile(arrs, s.p, s.q, s.qi, s.t, s.tb)
+            return s.p, s.q
+        for start in range(0, length, tile):
+            stop = min(start + tile, length)
+            n = stop - start
             _pq_tile(
-                [None if a is None else a[start:stop] for a in arrs], p[start:stop], q[start:stop], t[: stop - start]
-            )
-        return p, q
+                [None if a is None else a[start:stop] for a in arrs],
+                s.p[start:stop], s.q[start:stop], s.qi[start:stop], s.t[:n], s.tb[:n],
+            )  # fmt: skip
+        return s.p, s.q
 
     def _mul(self, c: int, arr: Array) -> Array:
         if c == 0:
@@ -123,11 +165,13 @@ class NumpyParity(ArrayParity):
         if k <= MAX_DOUBLINGS:
             out = np.empty_like(arr)
             t = np.empty_like(arr)
-            _mul2(arr, out, t)
+            tb = t.view(np.bool_)
+            _mul2(arr, arr.view(np.int8), out, t, tb)
+            outi = out.view(np.int8)
             for _ in range(k - 1):
-                _mul2(out, out, t)
+                _mul2(out, outi, out, t, tb)
             return out
-        return np.take(_table(c), arr)
+        return _mul_table(c, arr)
 
     def _ixor(self, acc: Array, arr: Array) -> None:
-        np.bitwise_xor(acc, arr, out=acc)
+        np.bitwise_xor(acc, arr, acc)

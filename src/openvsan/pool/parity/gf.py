@@ -95,3 +95,29 @@ def reference_pq(data: Sequence[Buffer]) -> tuple[bytes, bytes]:
             p[j] ^= b
             q[j] ^= gf_mul(coef, b)
     return bytes(p), bytes(q)
+
+
+def raid6_recovery_rows(
+    n: int, missing: Sequence[int], have_p: bool, have_q: bool
+) -> tuple[tuple[int, ...], tuple[tuple[int, ...], ...]]:
+    """Lost data chunks as linear combinations of the surviving members, for kernels that compute
+    out_j = sum_s rows[j][s] * member[sources[s]] in one pass (ISA-L's ec_encode_data).
+
+    Members are numbered data 0..n-1, then P = n, Q = n + 1. Returns (sources, rows), row j rebuilding
+    missing[j]. One data chunk lost: from P when present (all ones), else D_x = g^-x * (Q ^ sum g^i D_i). Two:
+    the expansion of D_x = A (P ^ Pxy) ^ B (Q ^ Qxy) and D_y = P ^ Pxy ^ D_x over the members."""
+    lost = sorted(missing)
+    if not 1 <= len(lost) <= 2 or len(lost) + (not have_p) + (not have_q) > 2:
+        raise ValueError(
+            f"cannot rebuild data {lost} with P {'present' if have_p else 'lost'}, Q {'present' if have_q else 'lost'}"
+        )
+    present = tuple(i for i in range(n) if i not in lost)
+    if len(lost) == 1 and have_p:
+        return (*present, n), ((1,) * (len(present) + 1),)
+    if len(lost) == 1:
+        c = gf_pow2(-lost[0])
+        return (*present, n + 1), ((*(gf_mul(c, gf_pow2(i)) for i in present), c),)
+    a, b = raid6_two_data_coefficients(*lost)
+    row_x = (*(a ^ gf_mul(b, gf_pow2(i)) for i in present), a, b)
+    row_y = (*(1 ^ a ^ gf_mul(b, gf_pow2(i)) for i in present), 1 ^ a, b)
+    return (*present, n, n + 1), (row_x, row_y)

@@ -1,0 +1,128 @@
+"""The ISA-L parity backend: Intel's erasure-code kernels (AVX-512/AVX2/SSE, chosen by ISA-L at run time) called
+through ctypes. Needs the system library (Debian: `apt-get install libisal2`); without it this backend is
+unavailable and the numpy one is used.
+
+Everything is one call of `ec_encode_data`, which computes rows of GF(2^8) dot products over source chunks:
+P is a row of ones, Q the row g^i (ISA-L's own `gf_gen_rs_matrix` parity rows, and md's), a rebuild the rows
+of gf.raid6_recovery_rows, a read-modify-write the rows of P' = P ^ old ^ new and Q' = Q ^ g^i (old ^ new).
+`ec_encode_data` takes any length and unaligned pointers (lengths under 32 bytes go to ISA-L's portable
+code), unlike `pq_gen`, which wants 32-byte aligned buffers. ctypes lets go of the GIL during the call.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+from collections.abc import Sequence
+from functools import cache, lru_cache
+from typing import Any
+
+import numpy as np
+
+from openvsan.pool.parity.base import Buffer, check_data, check_recover, check_update
+from openvsan.pool.parity.gf import gf_pow2, raid6_recovery_rows
+
+_MAX_LEN = 2**31 - 1  # ISA-L takes the length as a C int
+
+
+@cache
+def _library() -> Any:
+    """The loaded libisal, or ValueError saying why not."""
+    name = ctypes.util.find_library("isal") or "libisal.so.2"
+    try:
+        lib = ctypes.CDLL(name)
+        encode, init = lib.ec_encode_data, lib.ec_init_tables
+    except (OSError, AttributeError) as e:
+        raise ValueError(f"parity backend 'isal' is unavailable: {e} (Debian: apt-get install libisal2)") from None
+    encode.restype = None
+    init.restype = None
+    return lib
+
+
+def unavailable_reason() -> str | None:
+    try:
+        _library()
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+@lru_cache(maxsize=256)
+def _tables(rows: tuple[tuple[int, ...], ...]) -> ctypes.Array[ctypes.c_char]:
+    """ISA-L's expanded multiply tables (32 bytes per coefficient) for a coefficient matrix, rows x sources."""
+    k = len(rows[0])
+    tables = (ctypes.c_char * (32 * k * len(rows)))()
+    _library().ec_init_tables(k, len(rows), bytes(c for row in rows for c in row), tables)
+    return tables
+
+
+def _pointer(buf: Buffer, keep: list[object]) -> bytes | int:
+    """What a c_char_p array slot takes for this buffer without copying it: bytes themselves, else an address
+    (the object that owns the address goes into `keep` until the call returns)."""
+    if type(buf) is bytes:
+        return buf
+    view = memoryview(buf)
+    if not view.readonly:
+        arr = (ctypes.c_char * view.nbytes).from_buffer(view)
+        keep.append(arr)
+        return ctypes.addressof(arr)
+    np_view = np.frombuffer(view, dtype=np.uint8)
+    keep.append(np_view)
+    return int(np_view.ctypes.data)
+
+
+class IsalParity:
+    name = "isal"
+
+    def __init__(self) -> None:
+        self._encode = _library().ec_encode_data
+
+    def _combine(self, sources: Sequence[Buffer], rows: tuple[tuple[int, ...], ...], length: int) -> list[bytes]:
+        if length > _MAX_LEN:
+            raise ValueError(f"chunks of {length} bytes: the isal backend takes at most {_MAX_LEN}")
+        keep: list[object] = []
+        src = (ctypes.c_char_p * len(sources))(*(_pointer(s, keep) for s in sources))  # type: ignore[misc]
+        outs = [(ctypes.c_char * length)() for _ in rows]
+        dst = (ctypes.c_void_p * len(rows))(*(ctypes.addressof(o) for o in outs))
+        self._encode(length, len(sources), len(rows), _tables(rows), src, dst)
+        return [o.raw for o in outs]
+
+    def xor(self, data: Sequence[Buffer]) -> bytes:
+        length = check_data(data, pq=False)
+        return self._combine(data, ((1,) * len(data),), length)[0]
+
+    def pq(self, data: Sequence[Buffer]) -> tuple[bytes, bytes]:
+        length = check_data(data, pq=True)
+        p, q = self._combine(data, _pq_rows(len(data)), length)
+        return p, q
+
+    def recover(self, data: Sequence[Buffer | None], p: Buffer | None, q: Buffer | None) -> list[bytes]:
+        missing, length = check_recover(data, p, q)
+        out = [b"" if d is None else bytes(d) for d in data]
+        if missing:
+            members = [*data, p, q]
+            sources, rows = raid6_recovery_rows(len(data), missing, p is not None, q is not None)
+            chosen: list[Buffer] = []
+            for s in sources:
+                member = members[s]
+                assert member is not None  # the rows name surviving members only
+                chosen.append(member)
+            rebuilt = self._combine(chosen, rows, length)
+            for x, chunk in zip(missing, rebuilt, strict=True):
+                out[x] = chunk
+        return out
+
+    def pq_update(
+        self, index: int, old: Buffer, new: Buffer, p: Buffer, q: Buffer | None
+    ) -> tuple[bytes, bytes | None]:
+        length = check_update(index, old, new, p, q)
+        if q is None:
+            return self._combine([old, new, p], ((1, 1, 1),), length)[0], None
+        g = gf_pow2(index)
+        p2, q2 = self._combine([old, new, p, q], ((1, 1, 1, 0), (g, g, 0, 1)), length)
+        return p2, q2
+
+
+@cache
+def _pq_rows(n: int) -> tuple[tuple[int, ...], ...]:
+    return (1,) * n, tuple(gf_pow2(i) for i in range(n))
