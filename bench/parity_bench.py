@@ -22,6 +22,7 @@ pays, which is the comparison issue 5 asks for.
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import os
 import platform
@@ -36,9 +37,10 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "src"))  # run from a checkout without installing
 
-from openvsan.pool.parity import available, backend  # noqa: E402
+from openvsan.pool.parity import available, backend
 
 SCHEMA_VERSION = 1
+PEER = "pyeclib-isal"  # ISA-L through pyeclib; our own "isal" backend calls ISA-L directly
 OPS = ("xor", "pq", "recover2")
 UNITS = {"k": 1024, "m": 1024 * 1024}
 
@@ -90,16 +92,21 @@ def isal_driver(k: int, m: int) -> Any:
 def isal_status() -> tuple[str | None, str]:
     """(None, what it is) when ISA-L runs through pyeclib here, else (why not, '')."""
     try:
-        import pyeclib  # type: ignore[import-not-found,import-untyped,unused-ignore]
+        import pyeclib  # type: ignore[import-not-found,import-untyped,unused-ignore]  # noqa: F401
     except ImportError as e:
-        return (f"pyeclib is not installed ({e}): `pip install -e .[parity-bench]` after "
-                "`apt-get install liberasurecode-dev libisal-dev`"), ""
+        return (
+            f"pyeclib is not installed ({e}): `pip install -e .[parity-bench]` after "
+            "`apt-get install liberasurecode-dev libisal-dev`"
+        ), ""
     try:
         driver = isal_driver(4, 2)
         driver.encode(b"\x00" * 4096)
     except Exception as e:  # noqa: BLE001 - pyeclib raises its own ECDriverError family; any of them means no ISA-L
         return f"pyeclib cannot run isa_l_rs_vand ({type(e).__name__}: {e}): `apt-get install libisal2`", ""
-    version = getattr(pyeclib, "__version__", "?")
+    try:
+        version = importlib.metadata.version("pyeclib")
+    except importlib.metadata.PackageNotFoundError:
+        version = "?"
     return None, f"ISA-L through pyeclib {version}, isa_l_rs_vand"
 
 
@@ -137,14 +144,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     impls = args.backends or [n for n, why in available().items() if why is None]
     isal_why, isal_what = isal_status()
     if isal_why is None:
-        impls.append("isa-l")
+        impls.append(PEER)
     else:
         print(f"ISA-L absent: {isal_why}", file=sys.stderr)
     cases = [Case(m, s) for m in args.members for s in args.sizes]
     ops: dict[tuple[str, int, int], dict[str, Op]] = {}
     for case in cases:
         for impl in impls:
-            ops[(impl, case.members, case.size)] = isal_ops(case) if impl == "isa-l" else our_ops(impl, case)
+            ops[(impl, case.members, case.size)] = isal_ops(case) if impl == PEER else our_ops(impl, case)
     samples: dict[tuple[str, str, int, int], list[tuple[float, float, int]]] = {}
     for _ in range(args.rounds):
         for case in cases:
@@ -155,20 +162,35 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     samples.setdefault(key, []).append(measure(op, case.members * case.size, args.seconds))
     results = []
     for (impl, op_name, members, size), runs in samples.items():
-        results.append({
-            "impl": impl, "op": op_name, "data_members": members, "chunk": size,
-            "gbps": statistics.median(r[0] for r in runs),
-            "gbps_wall": statistics.median(r[1] for r in runs),
-            "calls": sum(r[2] for r in runs),
-            "rounds": [round(r[0], 4) for r in runs],
-        })
+        results.append(
+            {
+                "impl": impl,
+                "op": op_name,
+                "data_members": members,
+                "chunk": size,
+                "gbps": statistics.median(r[0] for r in runs),
+                "gbps_wall": statistics.median(r[1] for r in runs),
+                "calls": sum(r[2] for r in runs),
+                "rounds": [round(r[0], 4) for r in runs],
+            }
+        )
     return {
         "schema_version": SCHEMA_VERSION,
         "tool": "parity_bench",
-        "host": {"hostname": socket.gethostname(), "cpus": os.cpu_count(), "machine": platform.machine(),
-                 "python": sys.version.split()[0], "pinned_cpu": args.cpu},
-        "options": {"members": args.members, "sizes": args.sizes, "seconds": args.seconds, "rounds": args.rounds,
-                    "quick": args.quick},
+        "host": {
+            "hostname": socket.gethostname(),
+            "cpus": os.cpu_count(),
+            "machine": platform.machine(),
+            "python": sys.version.split()[0],
+            "pinned_cpu": args.cpu,
+        },
+        "options": {
+            "members": args.members,
+            "sizes": args.sizes,
+            "seconds": args.seconds,
+            "rounds": args.rounds,
+            "quick": args.quick,
+        },
         "isal": {"available": isal_why is None, "reason": isal_why, "via": isal_what or None},
         "results": results,
     }
@@ -178,20 +200,20 @@ def print_tables(doc: dict[str, Any]) -> None:
     """One Markdown table per data-member count: GB/s per core for each op and implementation, and ours / ISA-L."""
     res = doc["results"]
     impls = list(dict.fromkeys(r["impl"] for r in res))
-    ours = [i for i in impls if i != "isa-l"]
+    ours = [i for i in impls if i != PEER]
     by = {(r["impl"], r["op"], r["data_members"], r["chunk"]): r["gbps"] for r in res}
     for members in doc["options"]["members"]:
         header = ["chunk", "op", *[f"{i} GB/s" for i in impls]]
-        if "isa-l" in impls:
-            header += [f"{i} / ISA-L" for i in ours]
+        if PEER in impls:
+            header += [f"{i} / {PEER}" for i in ours]
         print(f"\n{members} data members, GB/s per core (data bytes / CPU s), median of {doc['options']['rounds']}")
         print("| " + " | ".join(header) + " |")
         print("|" + "|".join("---" for _ in header) + "|")
         for size in doc["options"]["sizes"]:
             for op in OPS:
                 row = [size_name(size), op, *[f"{by[(i, op, members, size)]:.2f}" for i in impls]]
-                if "isa-l" in impls:
-                    row += [f"{by[(i, op, members, size)] / by[('isa-l', op, members, size)]:.2f}" for i in ours]
+                if PEER in impls:
+                    row += [f"{by[(i, op, members, size)] / by[(PEER, op, members, size)]:.2f}" for i in ours]
                 print("| " + " | ".join(row) + " |")
     if not doc["isal"]["available"]:
         print(f"\nISA-L absent: {doc['isal']['reason']}")

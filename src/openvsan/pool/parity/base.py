@@ -23,7 +23,8 @@ MAX_PQ_DATA = 255
 
 
 def buffer_length(buf: Buffer) -> int:
-    return memoryview(buf).nbytes
+    # len() of a memoryview counts items, not bytes; bytes themselves skip the view (a 4 KiB stripe notices)
+    return len(buf) if type(buf) is bytes else memoryview(buf).nbytes
 
 
 def check_data(data: Sequence[Buffer], *, pq: bool) -> int:

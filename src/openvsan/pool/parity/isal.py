@@ -71,6 +71,16 @@ def _pointer(buf: Buffer, keep: list[object]) -> bytes | int:
     return int(np_view.ctypes.data)
 
 
+@cache
+def _pointers(n: int) -> type[ctypes.Array[ctypes.c_char_p]]:
+    return ctypes.c_char_p * n  # making the array type costs more than filling it
+
+
+@cache
+def _addresses(n: int) -> type[ctypes.Array[ctypes.c_void_p]]:
+    return ctypes.c_void_p * n
+
+
 class IsalParity:
     name = "isal"
 
@@ -81,9 +91,10 @@ class IsalParity:
         if length > _MAX_LEN:
             raise ValueError(f"chunks of {length} bytes: the isal backend takes at most {_MAX_LEN}")
         keep: list[object] = []
-        src = (ctypes.c_char_p * len(sources))(*(_pointer(s, keep) for s in sources))  # type: ignore[misc]
-        outs = [(ctypes.c_char * length)() for _ in rows]
-        dst = (ctypes.c_void_p * len(rows))(*(ctypes.addressof(o) for o in outs))
+        src = _pointers(len(sources))(*[s if type(s) is bytes else _pointer(s, keep) for s in sources])  # type: ignore[misc]
+        chunk = ctypes.c_char * length
+        outs = [chunk() for _ in rows]
+        dst = _addresses(len(rows))(*[ctypes.addressof(o) for o in outs])
         self._encode(length, len(sources), len(rows), _tables(rows), src, dst)
         return [o.raw for o in outs]
 
