@@ -222,17 +222,23 @@ def print_tables(doc: dict[str, Any]) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cpu", type=int, help="pin this process to one CPU (os.sched_setaffinity)")
-    ap.add_argument("--members", default="4,8", help="data chunks per stripe, comma separated (default 4,8)")
-    ap.add_argument("--sizes", default="4k,16k,64k,256k,1m", help="chunk sizes (default 4k,16k,64k,256k,1m)")
-    ap.add_argument("--seconds", type=float, default=0.3, help="CPU seconds per case per round (default 0.3)")
-    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds; the median is reported (default 3)")
+    ap.add_argument("--members", help="data chunks per stripe, comma separated (default 4,8)")
+    ap.add_argument("--sizes", help="chunk sizes (default 4k,16k,64k,256k,1m)")
+    ap.add_argument("--seconds", type=float, help="CPU seconds per case per round (default 0.3)")
+    ap.add_argument("--rounds", type=int, help="interleaved rounds; the median is reported (default 3)")
     ap.add_argument("--backends", help="our backends to run, comma separated (default: every one usable here)")
     ap.add_argument("--json", action="store_true", help="print the JSON result instead of the tables")
     ap.add_argument("--out", type=Path, help="also write the JSON result here")
-    ap.add_argument("--quick", action="store_true", help="CI smoke: 4 members, 4k and 64k, 1 round of 0.02 s")
+    ap.add_argument(
+        "--quick", action="store_true", help="CI smoke: defaults of 4 members, 4k and 64k, 1 round of 0.02 s"
+    )
     args = ap.parse_args(argv)
-    if args.quick:
-        args.members, args.sizes, args.seconds, args.rounds = "4", "4k,64k", 0.02, 1
+    defaults = ("4", "4k,64k", 0.02, 1) if args.quick else ("4,8", "4k,16k,64k,256k,1m", 0.3, 3)
+    for option, default in zip(("members", "sizes", "seconds", "rounds"), defaults, strict=True):
+        if getattr(args, option) is None:
+            setattr(args, option, default)
+    if args.seconds <= 0 or args.rounds < 1:
+        ap.error("--seconds must be above 0 and --rounds at least 1")
     try:
         args.members = [int(x) for x in str(args.members).split(",")]
         args.sizes = [parse_size(x) for x in str(args.sizes).split(",")]
