@@ -15,16 +15,19 @@ class WriteBatcher:
     """Buffers handed over in one event-loop turn leave in one `transport.writelines` (one sendmsg), not one
     system call per PDU. Set `transport` once connected and back to None once lost: nothing is sent then."""
 
-    __slots__ = ("_out", "_pending", "transport")
+    __slots__ = ("_out", "_pending", "holding", "transport")
 
     def __init__(self) -> None:
         self.transport: asyncio.WriteTransport | None = None
         self._out: list[Buffer] = []
         self._pending = False
+        # set while a connection handles what one read brought; it calls flush() itself at the end, so
+        # answers made at once leave in that turn (one loop iteration less of latency at queue depth 1)
+        self.holding = False
 
     def send(self, parts: Sequence[Buffer]) -> None:
         self._out.extend(parts)
-        if not self._pending:
+        if not self._pending and not self.holding:
             self._pending = True
             asyncio.get_running_loop().call_soon(self.flush)
 

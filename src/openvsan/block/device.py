@@ -33,3 +33,19 @@ def check_range(dev: BlockDevice, lba: int, blocks: int) -> None:
     """Bounds check, done once at the export edge (STYLE.md §2) and by leaf devices."""
     if lba < 0 or blocks < 0 or lba + blocks > dev.num_blocks:
         raise OutOfRange(f"lba {lba} + {blocks} blocks beyond {dev.num_blocks}")
+
+
+@runtime_checkable
+class SyncIO(Protocol):
+    """What a device that answers at memory speed may offer besides BlockDevice: reads and writes done in
+    the caller's turn of the event loop, with no coroutine. Frontends use it for plain commands (no Task,
+    no await); everything else takes the async path. The caller has checked the range, and a write is as
+    durable on return as `write(..., fua=True)` would make it.
+
+    read_now may lend a view of the device's own memory rather than a copy: it is for sending at once, and
+    a write to the same blocks before the send is done shows through, as it may for any read that overlaps
+    a write in flight (SAM-5 gives such commands no order). Keep a copy (bytes()) to hold on to it."""
+
+    def read_now(self, lba: int, blocks: int) -> Buffer: ...
+
+    def write_now(self, lba: int, data: Buffer) -> None: ...

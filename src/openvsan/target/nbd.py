@@ -20,6 +20,7 @@ from openvsan.block.errors import (
     OutOfRange,
     ReadOnly,
 )
+from openvsan.netio import start_eagerly
 from openvsan.protocol.nbd import (
     Close,
     Cmd,
@@ -111,6 +112,7 @@ class Connection(BatchedConnection):
         # requests parsed but not started: one received chunk can hold thousands of 28-byte requests, each
         # asking for up to 32 MiB, so the budget is kept per request, not per chunk
         self._waiting: deque[Request] = deque()
+        self._starting = False
 
     # --- asyncio.Protocol ---------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -139,7 +141,7 @@ class Connection(BatchedConnection):
         self._write_paused = False
         self._update_reading()
 
-    def data_received(self, data: bytes) -> None:
+    def received(self, data: bytes) -> None:
         for event in self.conn.receive_data(data):
             if self._closed:
                 return
@@ -202,8 +204,14 @@ class Connection(BatchedConnection):
         self._run_now(req)
 
     def _start_waiting(self) -> None:
-        while self._waiting and not self._over_budget() and not self._closed:
-            self._run_now(self._waiting.popleft())
+        if self._starting:
+            return  # a request that completed at once, inside the loop below: the loop goes on
+        self._starting = True
+        try:
+            while self._waiting and not self._over_budget() and not self._closed:
+                self._run_now(self._waiting.popleft())
+        finally:
+            self._starting = False
 
     def _run_now(self, req: Request) -> None:
         if self.server.closing:
@@ -213,9 +221,11 @@ class Connection(BatchedConnection):
         size = req.length if req.cmd in (Cmd.READ, Cmd.WRITE) else 0
         self.inflight += 1
         self.inflight_bytes += size
-        task = asyncio.get_running_loop().create_task(self._execute(req, size))
-        self.server.tasks.add(task)
-        task.add_done_callback(self.server.tasks.discard)
+        # a device that answers at once (RAM) completes the request here, with no Task (netio.start_eagerly)
+        task = start_eagerly(self._execute(req, size))
+        if task is not None:
+            self.server.tasks.add(task)
+            task.add_done_callback(self.server.tasks.discard)
         self._update_reading()
 
     async def _execute(self, req: Request, size: int) -> None:

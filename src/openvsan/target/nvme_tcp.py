@@ -12,6 +12,7 @@ import logging
 import time
 from collections.abc import Sequence
 
+from openvsan.netio import start_eagerly
 from openvsan.protocol.nvme import status as S
 from openvsan.protocol.nvme.command import FABRICS_OPCODE, Sqe, data_plan
 from openvsan.protocol.nvme.controller import FCTYPE_CONNECT, FCTYPE_DISCONNECT, Controller
@@ -188,7 +189,7 @@ class Connection(BatchedConnection):
         if self.transport is not None and not self._closed:
             self.transport.resume_reading()
 
-    def data_received(self, data: bytes) -> None:
+    def received(self, data: bytes) -> None:
         for ev in self.queue.receive_data(data):
             if self._closed:
                 return
@@ -257,9 +258,11 @@ class Connection(BatchedConnection):
         self._run(sqe, ev.data, 0)
 
     def _run(self, sqe: Sqe, data: bytes | bytearray | memoryview, c2h_len: int) -> None:
-        task = asyncio.get_running_loop().create_task(self._execute(sqe, data, c2h_len))
-        self.tasks.add(task)
-        task.add_done_callback(self.tasks.discard)
+        # a device that answers at once (RAM) completes the command here, with no Task (netio.start_eagerly)
+        task = start_eagerly(self._execute(sqe, data, c2h_len))
+        if task is not None:
+            self.tasks.add(task)
+            task.add_done_callback(self.tasks.discard)
 
     async def _execute(self, sqe: Sqe, data: bytes | bytearray | memoryview, c2h_len: int) -> None:
         ctrl = self.ctrl

@@ -16,7 +16,8 @@ DRAIN_TIMEOUT = 30.0  # seconds stop() waits for commands in flight before closi
 
 
 class BatchedConnection(asyncio.Protocol):
-    """A target connection: TCP_NODELAY, and replies sent through a WriteBatcher."""
+    """A target connection: TCP_NODELAY, and replies sent through a WriteBatcher. Subclasses implement
+    received(); what it answers at once leaves in one writelines when it returns, in the same loop turn."""
 
     def __init__(self) -> None:
         self.transport: asyncio.Transport | None = None
@@ -32,6 +33,18 @@ class BatchedConnection(asyncio.Protocol):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         peer = transport.get_extra_info("peername")
         self.peer = f"{peer[0]}:{peer[1]}" if peer else "?"
+
+    def data_received(self, data: bytes) -> None:
+        batch = self._batch
+        batch.holding = True
+        try:
+            self.received(data)
+        finally:
+            batch.holding = False
+            batch.flush()
+
+    def received(self, data: bytes) -> None:
+        raise NotImplementedError
 
     def send_buffers(self, parts: Sequence[Buffer]) -> None:
         if not self._closed:

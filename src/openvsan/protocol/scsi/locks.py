@@ -49,6 +49,11 @@ class RangeLock:
             self._exclusive_held += 1
         return token
 
+    @property
+    def exclusive_idle(self) -> bool:
+        """No exclusive holder or waiter: a plain write may go straight to the device."""
+        return not self._exclusive_held and not self._exclusive_waiting
+
     def release(self, token: int) -> None:
         _, _, exclusive = self._held.pop(token)
         if exclusive:

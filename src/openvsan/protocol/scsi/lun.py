@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import pathlib
+import struct
 import uuid as uuidlib
 from collections.abc import Awaitable, Callable, Iterable
 
-from openvsan.block.device import BlockDevice
+from openvsan.block.device import BlockDevice, Buffer, SyncIO
 from openvsan.block.errors import BlockError
 from openvsan.protocol.scsi import provisioning, sbc, spc, xcopy
 from openvsan.protocol.scsi.inquiry import BlockLimits
@@ -68,6 +69,22 @@ _EXACT_DATA_OUT = frozenset((0x89, 0x41, 0x93))
 
 _OPCODE_UNSUPPORTED = ScsiError(ILLEGAL_REQUEST, ASC_INVALID_OPCODE)
 
+# The fast path's commands: READ(10)/(16) and WRITE(10)/(16), by opcode: (CDB length, where LBA and
+# TRANSFER LENGTH sit, the CDB bits that may be set) (SBC-4 5.15, 5.17, 5.41, 5.43)
+_LBA10 = struct.Struct(">xxIxH")
+_LBA16 = struct.Struct(">xxQI")
+
+
+def _fast_entry(op: int) -> tuple[int, struct.Struct, int]:
+    entry = _TABLE[op]
+    assert isinstance(entry, tuple)
+    spec = entry[0]
+    return len(spec.usage), _LBA16 if len(spec.usage) == 16 else _LBA10, spec.check_mask
+
+
+_FAST_READ = {op: _fast_entry(op) for op in (0x28, 0x88)}
+_FAST_WRITE = {op: _fast_entry(op) for op in (0x2A, 0x8A)}
+
 
 class Lun:
     def __init__(self, device: BlockDevice, *, name: str, uuid: uuidlib.UUID, serial: str,
@@ -91,6 +108,7 @@ class Lun:
             max_atomic=(1 << 20) // bs, atomic_alignment=0, atomic_granularity=0)
         # unmapped blocks read back as zeros (LBPRZ), unless the device says otherwise
         self.lbprz: bool = getattr(device, "unmap_reads_zero", True)
+        self._sync: SyncIO | None = device if isinstance(device, SyncIO) else None
         self.mode = ModeState()
         self.pr = PersistentReservations(pr_state_path)
         self.pr.load()
@@ -107,6 +125,50 @@ class Lun:
         self.copy_results: dict[tuple[Nexus, int], tuple[int, int, int]] = {}   # EXTENDED COPY, by list id
         # the other LUs of the target, for EXTENDED COPY between them (set by ScsiTarget)
         self.peers: Callable[[], Iterable[Lun]] | None = None
+
+    # ---- the synchronous fast path
+
+    def _fast_ok(self, nexus: Nexus) -> bool:
+        """Nothing stands between a plain READ/WRITE from this nexus and the device: no unit attention to
+        report, no reservation to weigh, a medium present, and a device that answers at once."""
+        return (self._sync is not None and not self.unit_attentions and self.spc2_holder is None
+                and not self.pr.type and self.medium_present and nexus in self.nexuses)
+
+    def _fast_range(self, table: dict[int, tuple[int, struct.Struct, int]], cdb: Buffer) -> tuple[int, int]:
+        """(LBA, blocks) of a plain command in table whose CDB has nothing unusual, else (0, 0)."""
+        found = table.get(cdb[0])
+        if found is None:
+            return 0, 0
+        n, layout, mask = found
+        if len(cdb) < n or int.from_bytes(cdb[:n], "big") & ~mask:
+            return 0, 0
+        lba, blocks = layout.unpack_from(cdb)
+        if not blocks or lba + blocks > self.device.num_blocks or blocks > self.limits.max_transfer:
+            return 0, 0
+        return lba, blocks
+
+    def read_now(self, cdb: Buffer, nexus: Nexus) -> Buffer | None:
+        """The data of a plain READ(10)/(16), read at once, or None: then the command must take execute(),
+        which does every check and reports every condition. Side-effect free, so a caller may ask first."""
+        sync = self._sync
+        if (sync is None or self.unit_attentions or self.spc2_holder is not None or self.pr.type
+                or not self.medium_present or nexus not in self.nexuses):
+            return None
+        lba, blocks = self._fast_range(_FAST_READ, cdb)
+        return sync.read_now(lba, blocks) if blocks else None
+
+    def write_now(self, cdb: Buffer, data: Buffer, nexus: Nexus) -> bool:
+        """Do a plain WRITE(10)/(16) at once, with exactly the data it asks for; False (nothing written):
+        the command must take execute(). FUA needs nothing more: a SyncIO write is durable on return."""
+        if not self._fast_ok(nexus) or self.write_protected or not self.locks.exclusive_idle:
+            return False
+        lba, blocks = self._fast_range(_FAST_WRITE, cdb)
+        if not blocks or len(data) != blocks * self.block_size:
+            return False
+        assert self._sync is not None
+        self.all_deallocated = False
+        self._sync.write_now(lba, data)
+        return True
 
     @property
     def num_blocks(self) -> int:

@@ -1,0 +1,218 @@
+"""The iSCSI target's fast path (plain READ/WRITE on a device with SyncIO, answered without a Task) must say
+exactly what the normal path says: the same bytes on the wire for the same command stream, whichever path
+each command takes, and every condition (unit attention, reservation, range, residual) still reported."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import struct
+import uuid
+from typing import Any
+
+from openvsan.block.device import Buffer, SyncIO
+from openvsan.block.ram import RamDevice
+from openvsan.protocol.iscsi.login import LoginState
+from openvsan.protocol.scsi import Lun, ScsiTarget
+from openvsan.target.config import IscsiTargetConfig
+from openvsan.target.iscsi import Connection, IscsiServer
+
+IQN = "iqn.2026-11.org.openvsan:fast"
+BS = 512
+BLOCKS = 4096
+
+
+class Wire:
+    """A transport that keeps what the target sends."""
+
+    def __init__(self) -> None:
+        self.out = bytearray()
+        self.writes = 0
+
+    def writelines(self, parts: list[Buffer]) -> None:
+        self.writes += 1
+        for p in parts:
+            self.out += p
+
+    def get_extra_info(self, key: str, default: Any = None) -> Any:
+        return default
+
+    def is_closing(self) -> bool:
+        return False
+
+    def close(self) -> None:
+        pass
+
+    def pause_reading(self) -> None:
+        pass
+
+    def resume_reading(self) -> None:
+        pass
+
+
+class AsyncOnly:
+    """The same RAM, without SyncIO: every command takes the normal path."""
+
+    def __init__(self, inner: RamDevice) -> None:
+        self.inner = inner
+        self.block_size, self.num_blocks = inner.block_size, inner.num_blocks
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("read_now", "write_now"):
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+
+class Counting(RamDevice):
+    def __init__(self, *a: Any, **kw: Any) -> None:
+        super().__init__(*a, **kw)
+        self.fast = 0
+
+    def read_now(self, lba: int, blocks: int) -> bytes:
+        self.fast += 1
+        return super().read_now(lba, blocks)
+
+    def write_now(self, lba: int, data: Buffer) -> None:
+        self.fast += 1
+        super().write_now(lba, data)
+
+
+def cmd(itt: int, cmdsn: int, cdb: bytes, *, read: bool = False, write: bool = False, edtl: int = 0,
+        data: bytes = b"", immediate: bool = False, lun: int = 0) -> bytes:
+    b = bytearray(48)
+    b[0] = 0x01 | (0x40 if immediate else 0)
+    b[1] = 0x80 | (0x40 if read else 0) | (0x20 if write else 0)
+    b[5:8] = len(data).to_bytes(3, "big")
+    b[8:10] = lun.to_bytes(2, "big")
+    struct.pack_into(">III", b, 16, itt, edtl, cmdsn)
+    b[32:32 + len(cdb)] = cdb
+    return bytes(b) + data + bytes(-len(data) % 4)
+
+
+def rw(op: int, lba: int, n: int, flags: int = 0) -> bytes:
+    if op in (0x28, 0x2A):
+        return struct.pack(">BBIBHB", op, flags, lba, 0, n, 0)
+    return struct.pack(">BBQIBB", op, flags, lba, n, 0, 0)
+
+
+async def run(device: Any, stream: list[bytes], *, setup: Any = None) -> tuple[bytes, Connection]:
+    unit = Lun(device, name="d", uuid=uuid.UUID(int=1), serial="s")
+    t = IscsiTargetConfig(IQN, ScsiTarget(IQN, {0: unit}), [("127.0.0.1", 3260)])
+    srv = IscsiServer([t])
+    c = Connection(srv, ("127.0.0.1", 3260))
+    wire = Wire()
+    c.connection_made(wire)  # type: ignore[arg-type]
+    st = LoginState(isid=b"\x40\0\0\0\0\1", initiator_name="iqn.x:y", target_name=IQN, target=t, cmdsn=1)
+    st.params.initiator_mrdsl = 65536
+    srv.admit(c, st)
+    c.login = None
+    c.reader.max_dsl = st.params.target_mrdsl = 65536   # what login would have set
+    if setup is not None:
+        setup(unit, c)
+    for chunk in stream:
+        c.data_received(chunk)
+        for _ in range(4):
+            await asyncio.sleep(0)
+    return bytes(wire.out), c
+
+
+def both(stream: list[bytes], setup: Any = None) -> tuple[bytes, bytes, int]:
+    async def go() -> tuple[bytes, bytes, int]:
+        fast_dev = Counting(BLOCKS, BS)
+        slow_dev = RamDevice(BLOCKS, BS)
+        for d in (fast_dev, slow_dev):
+            d.write_now(0, random.Random(7).randbytes(BLOCKS * BS))
+        fast_dev.fast = 0
+        fast, _ = await run(fast_dev, stream, setup=setup)
+        used = fast_dev.fast
+        slow, _ = await run(AsyncOnly(slow_dev), stream, setup=setup)
+        assert fast_dev.read_now(0, BLOCKS) == slow_dev.read_now(0, BLOCKS)
+        return fast, slow, used
+
+    return asyncio.run(go())
+
+
+def test_ram_offers_sync_io_and_the_wrapper_does_not() -> None:
+    assert isinstance(RamDevice(8, BS), SyncIO)
+    assert not isinstance(AsyncOnly(RamDevice(8, BS)), SyncIO)
+
+
+def test_a_random_command_stream_gets_the_same_bytes_on_either_path() -> None:
+    rnd = random.Random(1)
+    stream: list[bytes] = []
+    batch: list[bytes] = []
+    sn = 1
+    for itt in range(1, 400):
+        op = rnd.choice((0x28, 0x88, 0x2A, 0x8A))
+        # reads of 300 blocks take several Data-In PDUs (MRDSL 64 KiB); writes stay within one immediate PDU
+        n = rnd.choice((1, 8, 64, 0) + ((300,) if op in (0x28, 0x88) else ()))
+        lba = rnd.choice((rnd.randrange(BLOCKS - 64), BLOCKS - n + rnd.randrange(3)))  # some past the end
+        flags = rnd.choice((0, 0, 0x08, 0x10, 0x20))  # FUA, DPO, and a protection bit (refused)
+        edtl = n * BS + rnd.choice((0, 0, 0, 0, -BS, BS))  # some residuals
+        edtl = max(edtl, 0)
+        if op in (0x28, 0x88):
+            pdu = cmd(itt, sn, rw(op, lba, n, flags), read=True, edtl=edtl)
+        else:
+            payload = rnd.randbytes(min(edtl, n * BS))
+            pdu = cmd(itt, sn, rw(op, lba, n, flags), write=True, edtl=edtl, data=payload[:edtl])
+        sn += 1
+        batch.append(pdu)
+        if rnd.random() < 0.3:
+            stream.append(b"".join(batch))
+            batch = []
+    stream.append(b"".join(batch))
+    # split one read's bytes at random points too: the reader joins them
+    whole = b"".join(stream)
+    cuts = sorted(rnd.sample(range(1, len(whole)), 50))
+    pieces = [whole[a:b] for a, b in zip([0, *cuts], [*cuts, len(whole)], strict=True)]
+    fast, slow, used = both(pieces)
+    assert used > 100, "the fast path was hardly taken"
+    assert fast == slow
+
+
+def test_commands_out_of_order_and_immediate_ones_agree() -> None:
+    data = bytes(range(256)) * 2
+    stream = [
+        cmd(1, 1, rw(0x28, 0, 1), read=True, edtl=BS),           # a nexus's first command: normal path
+        cmd(2, 2, rw(0x2A, 10, 1), write=True, edtl=BS, data=data),
+        cmd(4, 4, rw(0x28, 10, 1), read=True, edtl=BS),          # ahead of its turn: waits for CmdSN 3
+        cmd(3, 3, rw(0x88, 10, 1), read=True, edtl=BS),
+        cmd(5, 5, rw(0x28, 11, 1), read=True, edtl=BS, immediate=True),
+    ]
+    fast, slow, used = both([b"".join(stream)])
+    assert used == 1   # the write; the rest are first, wait behind a queued CmdSN or are immediate
+    assert fast == slow
+    assert data in fast
+
+
+def _pdus(wire: bytes) -> list[tuple[int, int, bytes]]:
+    """(opcode, status byte, data) of each PDU the target sent."""
+    out, pos = [], 0
+    while pos < len(wire):
+        dsl = int.from_bytes(wire[pos + 5:pos + 8], "big")
+        out.append((wire[pos] & 0x3F, wire[pos + 3], wire[pos + 48:pos + 48 + dsl]))
+        pos += 48 + dsl + (-dsl & 3)
+    return out
+
+
+def test_a_unit_attention_and_a_reservation_are_still_reported() -> None:
+    def pending_ua(unit: Lun, c: Connection) -> None:
+        assert c.session is not None and c.session.nexus is not None
+        unit.nexuses.add(c.session.nexus)
+        unit.add_ua(c.session.nexus, 0x2900)   # POWER ON, RESET
+
+    stream = [cmd(1, 1, rw(0x28, 0, 1), read=True, edtl=BS), cmd(2, 2, rw(0x28, 0, 1), read=True, edtl=BS)]
+    fast, slow, used = both([b"".join(stream)], pending_ua)
+    assert fast == slow
+    sent = _pdus(fast)
+    assert sent[0][0] == 0x21 and sent[0][1] == 0x02   # SCSI Response, CHECK CONDITION (the UA)
+    assert sent[1][0] == 0x25 and used == 1            # then the read, fast
+
+    def reserved_elsewhere(unit: Lun, c: Connection) -> None:
+        assert c.session is not None and c.session.nexus is not None
+        unit.nexuses.add(c.session.nexus)
+        unit.spc2_holder = type(c.session.nexus)("iqn.other", 1, IQN, 1)
+
+    fast, slow, used = both([b"".join(stream)], reserved_elsewhere)
+    assert fast == slow and used == 0
+    assert [p[1] for p in _pdus(fast)] == [0x18, 0x18]   # RESERVATION CONFLICT
