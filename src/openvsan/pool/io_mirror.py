@@ -73,7 +73,7 @@ class MirrorIO:
                 return await self.ms.read(m, first.row, first.offset, blocks)
             except MemberFaults as e:
                 tried.update(e.faults)
-                await self.ms.fail(e.faults)
+                await self.ms.fail(e)
 
     # --- write ------------------------------------------------------------------------------------------------
 
@@ -126,7 +126,7 @@ class MirrorIO:
                     data = await self.ms.read(sources[0], start, 0, (end - start) * cb)
                     break
                 except MemberFaults as e:
-                    await self.ms.fail(e.faults)
+                    await self.ms.fail(e)
             await self.ms.write_all([self.ms.write(t, start, 0, data) for t in group])
 
     async def check(self, start: int, end: int, *, repair: bool, locate: bool = False) -> RowCheck:

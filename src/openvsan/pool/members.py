@@ -25,9 +25,13 @@ MEMBER_FAULTS = (MediumError, DeviceFailed)
 
 
 class MemberFaults(Exception):
-    def __init__(self, faults: dict[int, BaseException]) -> None:
+    """Member index -> its error, and the device that raised it: by the time the fault is handled the slot
+    may hold another device (a spare that took over), which must not be blamed."""
+
+    def __init__(self, faults: dict[int, BaseException], devices: dict[int, BlockDevice | None]) -> None:
         super().__init__(", ".join(f"member {i}: {e}" for i, e in sorted(faults.items())))
         self.faults = faults
+        self.devices = devices
 
 
 @dataclass
@@ -63,7 +67,7 @@ class Member:
         return self.dev is not None and self.state in (MemberState.ACTIVE, MemberState.REBUILDING)
 
 
-Fail = Callable[[dict[int, BaseException]], Awaitable[None]]
+Fail = Callable[[MemberFaults], Awaitable[None]]
 
 
 class MemberSet:
@@ -81,7 +85,7 @@ class MemberSet:
     def _dev(self, m: int) -> BlockDevice:
         dev = self.members[m].dev
         if dev is None:
-            raise MemberFaults({m: DeviceFailed(f"member {m} is missing")})
+            raise MemberFaults({m: DeviceFailed(f"member {m} is missing")}, {m: None})
         return dev
 
     async def read(self, m: int, row: int, offset: int, blocks: int) -> Buffer:
@@ -90,21 +94,21 @@ class MemberSet:
         try:
             return await dev.read(self.data_offset + row * self.chunk_blocks + offset, blocks)
         except MEMBER_FAULTS as e:
-            raise MemberFaults({m: e}) from e
+            raise MemberFaults({m: e}, {m: dev}) from e
 
     async def write(self, m: int, row: int, offset: int, data: Buffer, fua: bool = False) -> None:
         dev = self._dev(m)
         try:
             await dev.write(self.data_offset + row * self.chunk_blocks + offset, data, fua=fua)
         except MEMBER_FAULTS as e:
-            raise MemberFaults({m: e}) from e
+            raise MemberFaults({m: e}, {m: dev}) from e
 
     async def write_zeroes(self, m: int, row: int, offset: int, blocks: int) -> None:
         dev = self._dev(m)
         try:
             await dev.write_zeroes(self.data_offset + row * self.chunk_blocks + offset, blocks)
         except MEMBER_FAULTS as e:
-            raise MemberFaults({m: e}) from e
+            raise MemberFaults({m: e}, {m: dev}) from e
 
     async def raw(self, m: int, op: Callable[[BlockDevice], Awaitable[T]]) -> T:
         """Any other member request (header I/O, flush), with its faults reported the same way."""
@@ -112,7 +116,7 @@ class MemberSet:
         try:
             return await op(dev)
         except MEMBER_FAULTS as e:
-            raise MemberFaults({m: e}) from e
+            raise MemberFaults({m: e}, {m: dev}) from e
 
     @staticmethod
     async def gather(ops: Sequence[Awaitable[T]]) -> list[T]:
@@ -122,13 +126,15 @@ class MemberSet:
             return [await ops[0]]
         results: list[Any] = await asyncio.gather(*ops, return_exceptions=True)
         faults: dict[int, BaseException] = {}
+        devices: dict[int, BlockDevice | None] = {}
         for r in results:
             if isinstance(r, MemberFaults):
                 faults.update(r.faults)
+                devices.update(r.devices)
             elif isinstance(r, BaseException):
                 raise r
         if faults:
-            raise MemberFaults(faults)
+            raise MemberFaults(faults, devices)
         return results
 
     async def write_all(self, ops: Sequence[Awaitable[None]]) -> None:
@@ -137,4 +143,4 @@ class MemberSet:
         try:
             await self.gather(ops)
         except MemberFaults as e:
-            await self.fail(e.faults)
+            await self.fail(e)

@@ -257,13 +257,20 @@ class Pool:
         if not devices:
             raise PoolError("no devices to assemble a pool from")
         names = [_dev_name(d, f"device{i}") for i, d in enumerate(devices)]
-        sbs = await asyncio.gather(*(read_superblock(d) for d in devices))
-        for nm, sb in zip(names, sbs, strict=True):
-            if sb is None:
+        sbs = await asyncio.gather(*(read_superblock(d) for d in devices), return_exceptions=True)
+        found: list[tuple[BlockDevice, str, Superblock]] = []
+        for d, nm, sb in zip(devices, names, sbs, strict=True):
+            if isinstance(sb, MEMBER_FAULTS):
+                # a device that cannot be read is as good as missing; the tolerance check below decides
+                log.error("pool: %s: cannot read its superblock (%s); leaving it out", nm, sb)
+            elif isinstance(sb, BaseException):
+                raise sb
+            elif sb is None:
                 raise PoolError(f"{nm} carries no openvsan pool superblock")
-        found: list[tuple[BlockDevice, str, Superblock]] = [
-            (d, nm, sb) for d, nm, sb in zip(devices, names, sbs, strict=True) if sb is not None
-        ]
+            else:
+                found.append((d, nm, sb))
+        if not found:
+            raise PoolError("none of the devices could be read")
         pools = {sb.pool_uuid for _, _, sb in found}
         if len(pools) > 1:
             which = "; ".join(f"{nm}: pool {sb.name!r} ({sb.pool_uuid})" for _, nm, sb in found)
@@ -374,7 +381,8 @@ class Pool:
                     if not isinstance(r, MEMBER_FAULTS):
                         raise r
                 if faults:
-                    self._mark_failed(faults)  # and write again, without them
+                    # and write again, without them
+                    self._mark_failed(MemberFaults(faults, {i: self.members[i].dev for i in faults}))
                 else:
                     self._durable_gen = gen
                     self.checkpointed_at = time.monotonic()
@@ -397,10 +405,12 @@ class Pool:
 
     # --- member failure, spares, replace ----------------------------------------------------------------------
 
-    def _mark_failed(self, faults: dict[int, BaseException]) -> bool:
+    def _mark_failed(self, faults: MemberFaults) -> bool:
         changed = False
-        for i, err in faults.items():
+        for i, err in faults.faults.items():
             m = self.members[i]
+            if faults.devices.get(i, m.dev) is not m.dev:
+                continue  # the slot has a new device since: the old one's error is not its fault
             if m.state in (MemberState.ACTIVE, MemberState.REBUILDING):
                 log.error("pool %s: member %d (%s) failed: %s", self.name, i, m.name, err)
                 m.state = MemberState.FAILED
@@ -421,7 +431,7 @@ class Pool:
         return (f"pool {self.name}: RAID {int(self.level)} has lost members {self._lost()}, more than it "
                 f"tolerates ({self.geo.tolerance}); stopped")
 
-    async def fail(self, faults: dict[int, BaseException]) -> None:
+    async def fail(self, faults: MemberFaults) -> None:
         """Members that returned errors: marked failed and recorded durably before this returns; DeviceFailed
         when the pool cannot go on without them."""
         self._mark_failed(faults)
@@ -432,7 +442,7 @@ class Pool:
     async def fail_member(self, index: int) -> None:
         """Take a member out by hand (mdadm --fail): it stops being used and is rebuilt when replaced."""
         self._check_index(index)
-        await self.fail({index: DeviceFailed("failed by request")})
+        await self.fail(MemberFaults({index: DeviceFailed("failed by request")}, {index: self.members[index].dev}))
 
     def _use_spares(self) -> None:
         for m in self.members:
@@ -536,7 +546,7 @@ class Pool:
                 try:
                     return await self.io.check(start, end, repair=repair, locate=locate)  # type: ignore[no-any-return]
                 except MemberFaults as e:
-                    await self.fail(e.faults)
+                    await self.fail(e)
 
     async def scrub(self, *, repair: bool = True) -> ScrubReport:
         """Read every stripe and check its redundancy (see scrub.py for what is repaired and how)."""
@@ -591,7 +601,7 @@ class Pool:
             try:
                 return await op()
             except MemberFaults as e:
-                await self.fail(e.faults)
+                await self.fail(e)
         raise DeviceFailed(f"pool {self.name}: request failed on every attempt")
 
     async def read(self, lba: int, blocks: int) -> Buffer:

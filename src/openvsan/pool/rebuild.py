@@ -34,6 +34,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("openvsan.pool")
 
+STEP_SECONDS = 0.05
+
 
 class Maintenance:
     def __init__(self, pool: Pool, *, rate: float | None = None, checkpoint_interval: float = 1.0) -> None:
@@ -103,6 +105,14 @@ class Maintenance:
             log.exception("pool %s: background work failed", self.pool.name)
             self.error = f"{type(e).__name__}: {e}"
 
+    def _step_rows(self) -> int:
+        """Rows per step: the pool's batch, or less under a rate limit, so the limit is kept in steps of about
+        STEP_SECONDS rather than in bursts of a whole batch."""
+        batch = self.pool.batch_rows
+        if not self.rate:
+            return batch
+        return max(1, min(batch, int(self.rate * STEP_SECONDS) // self.pool.chunk_size))
+
     async def _throttle(self, nbytes: int) -> None:
         self._bytes += nbytes
         if self.rate:
@@ -120,8 +130,9 @@ class Maintenance:
             self.resync_total, self.resync_done = len(pool.bitmap.pending_resync), 0
         first = region * pool.bitmap.region_rows
         last = min(pool.geo.rows, first + pool.bitmap.region_rows)
-        for start in range(first, last, pool.batch_rows):
-            end = min(last, start + pool.batch_rows)
+        step = self._step_rows()
+        for start in range(first, last, step):
+            end = min(last, start + step)
             rc = await pool.check_rows(start, end, repair=True, locate=False)
             self.resync_fixed += rc.repaired
             await self._throttle((end - start) * pool.chunk_size)
@@ -137,14 +148,14 @@ class Maintenance:
         rows = pool.geo.rows
         targets = [m for m in pool.members if m.state is MemberState.REBUILDING]
         start = min(m.checkpoint for m in targets)
-        end = min([rows, start + pool.batch_rows] + [m.checkpoint for m in targets if m.checkpoint > start])
+        end = min([rows, start + self._step_rows()] + [m.checkpoint for m in targets if m.checkpoint > start])
         group = [m.index for m in targets if m.checkpoint == start]
         if start < rows:
             async with pool.locks.hold_rows(start, end):
                 try:
                     await pool.io.rebuild(group, start, end)
                 except MemberFaults as e:
-                    await pool.fail(e.faults)
+                    await pool.fail(e)
                     return  # re-plan: a source or a target is gone
                 for i in group:
                     if pool.members[i].state is MemberState.REBUILDING:

@@ -1,0 +1,195 @@
+"""Rebuild: replace a member, hot spares, writes during a rebuild, progress, rate limit, resume after a restart.
+Each rebuild is proven by failing a different member afterwards: the rebuilt chunks must then carry the data."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+
+import pytest
+
+from openvsan.block import FaultDevice, RamDevice
+from openvsan.pool.raid import Pool, PoolError
+from openvsan.pool.superblock import MemberState, read_superblock
+
+BS = 512
+CHUNK = 4096
+HEADER = 64 * 1024
+ROWS = 64
+
+
+class Disk(FaultDevice):
+    """A member that outlives the pool object (close is a no-op), like a disk that stays in the machine."""
+
+    def __init__(self, name: str, rows: int = ROWS) -> None:
+        super().__init__(RamDevice((HEADER + rows * CHUNK) // BS), name=name)
+
+    async def close(self) -> None:
+        pass
+
+
+COUNTS = {1: 2, 10: 4, 5: 4, 6: 5}
+
+
+async def filled(level: int, **kw: object) -> tuple[Pool, list[Disk], bytearray]:
+    ds = [Disk(f"d{i}") for i in range(COUNTS[level])]
+    pool = await Pool.create(ds, level, CHUNK, data_offset=HEADER, **kw)  # type: ignore[arg-type]
+    model = bytearray(pool.num_blocks * BS)
+    await scribble(pool, model, random.Random(level), 60)
+    return pool, ds, model
+
+
+async def scribble(pool: Pool, model: bytearray, rng: random.Random, writes: int) -> None:
+    for _ in range(writes):
+        lba = rng.randrange(pool.num_blocks)
+        blocks = min(rng.randint(1, 30), pool.num_blocks - lba)
+        buf = rng.randbytes(blocks * BS)
+        await pool.write(lba, buf)
+        model[lba * BS:(lba + blocks) * BS] = buf
+
+
+async def same(pool: Pool, model: bytearray) -> bool:
+    return bytes(await pool.read(0, pool.num_blocks)) == bytes(model)
+
+
+def run(coro):  # noqa: ANN001, ANN201
+    return asyncio.run(coro)
+
+
+def other_victim(level: int, replaced: int) -> int:
+    # RAID 10: the replaced member's partner, so the rebuilt copy is the only one left
+    return replaced ^ 1 if level == 10 else (replaced + 1) % COUNTS[level]
+
+
+@pytest.mark.parametrize("level", [1, 10, 5, 6])
+def test_replace_rebuild_then_lose_another(level: int) -> None:
+    async def go() -> None:
+        pool, ds, model = await filled(level)
+        ds[0].fail_device()
+        await scribble(pool, model, random.Random(99), 20)  # the failure is found, and writes go on degraded
+        assert pool.status().state == "degraded"
+        with pytest.raises(PoolError, match="member 1 .* is active; fail it first"):
+            await pool.replace(1, Disk("x"))
+        with pytest.raises(PoolError, match="fewer than"):
+            await pool.replace(0, Disk("tiny", rows=2))
+        new = Disk("new")
+        await pool.replace(0, new)
+        await pool.wait_idle()
+        st = pool.status()
+        assert st.state == "optimal" and st.members[0].name == "new", st
+        ds[other_victim(level, 0)].fail_device()
+        assert await same(pool, model)
+        await pool.close()
+
+    run(go())
+
+
+def test_raid6_two_members_rebuilt_in_one_pass() -> None:
+    async def go() -> None:
+        pool, ds, model = await filled(6)
+        ds[1].fail_device()
+        ds[3].fail_device()
+        assert await same(pool, model)
+        await pool.replace(1, Disk("n1"))
+        await pool.replace(3, Disk("n3"))
+        await pool.wait_idle()
+        assert pool.status().state == "optimal"
+        ds[0].fail_device()
+        ds[2].fail_device()  # now only d4 and the two rebuilt members are left
+        assert await same(pool, model)
+        await pool.close()
+
+    run(go())
+
+
+@pytest.mark.parametrize("level", [1, 5, 6])
+def test_hot_spare_takes_over(level: int) -> None:
+    async def go() -> None:
+        pool, ds, model = await filled(level)
+        spare = Disk("spare")
+        await pool.add_spare(spare)
+        assert pool.status().spares == ["spare"]
+        ds[1].fail_device()
+        await scribble(pool, model, random.Random(3), 5)  # a write finds the failure; the spare steps in
+        st = pool.status()
+        assert st.spares == [] and st.members[1].name == "spare" and st.members[1].state in ("rebuilding", "active")
+        await pool.wait_idle()
+        assert pool.status().state == "optimal"
+        ds[other_victim(level, 1)].fail_device()
+        assert await same(pool, model)
+        await pool.close()
+
+    run(go())
+
+
+@pytest.mark.parametrize("level", [1, 10, 5, 6])
+def test_writes_during_a_slow_rebuild(level: int) -> None:
+    async def go() -> None:
+        pool, ds, model = await filled(level, rebuild_rate=ROWS * CHUNK * 3)  # about a third of a second
+        await pool.fail_member(0)
+        await pool.replace(0, Disk("new"))
+        rng = random.Random(7)
+        seen = []
+        while pool.status().state == "rebuilding":
+            seen.append(pool.status().rebuild_progress)
+            await scribble(pool, model, rng, 3)  # above and below the checkpoint
+            assert await same(pool, model)
+            await asyncio.sleep(0.01)
+        assert len(seen) > 5 and seen == sorted(seen), seen  # progress only goes forward
+        assert pool.status().state == "optimal"
+        ds[other_victim(level, 0)].fail_device()
+        assert await same(pool, model)
+        await pool.close()
+
+    run(go())
+
+
+def test_rate_limit_holds() -> None:
+    async def go() -> None:
+        pool, ds, model = await filled(5)
+        await pool.fail_member(2)
+        pool.rebuild_rate = ROWS * CHUNK * 4  # four rebuilds a second: 0.25 s
+        started = time.monotonic()
+        await pool.replace(2, Disk("new"))
+        await pool.wait_idle()
+        took = time.monotonic() - started
+        assert 0.2 <= took < 2.0, took
+        await pool.close()
+
+    run(go())
+
+
+@pytest.mark.parametrize("level", [1, 5, 6])
+def test_interrupted_rebuild_resumes_from_checkpoint(level: int) -> None:
+    async def go() -> None:
+        pool, ds, model = await filled(level, rebuild_rate=ROWS * CHUNK * 2)
+        pool.maintenance.checkpoint_interval = 0.05
+        await pool.fail_member(1)
+        new = Disk("new")
+        await pool.replace(1, new)
+        await asyncio.sleep(0.25)  # about half way
+        await pool.close()  # mid-rebuild: the checkpoint is flushed and recorded
+        sb = await read_superblock(new)
+        assert sb is not None and sb.state is MemberState.REBUILDING
+        assert 0 < sb.checkpoint < ROWS * CHUNK // BS, sb.checkpoint
+        resumed_at = sb.checkpoint // (CHUNK // BS)
+        pool = await Pool.assemble([ds[0], new, *ds[2:]], rebuild_rate=ROWS * CHUNK * 2)
+        m = pool.members[1]
+        assert m.state is MemberState.REBUILDING and m.checkpoint == resumed_at
+        steps: list[int] = []
+        rebuild = pool.io.rebuild
+
+        async def spy(targets: list[int], start: int, end: int) -> None:
+            steps.append(start)
+            await rebuild(targets, start, end)
+
+        pool.io.rebuild = spy  # the background task has not run yet: assemble returned without yielding
+        await pool.wait_idle()
+        assert steps and steps[0] == resumed_at  # not from the start
+        assert pool.status().state == "optimal"
+        ds[other_victim(level, 1)].fail_device()
+        assert await same(pool, model)
+        await pool.close()
+
+    run(go())
