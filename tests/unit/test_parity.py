@@ -358,3 +358,24 @@ def test_isal_missing_library_says_how_to_install(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setattr(isal.ctypes, "CDLL", no_library)
     with pytest.raises(ValueError, match=r"'isal' is unavailable: libisal.so.2: .*apt-get install libisal2"):
         isal._library.__wrapped__()
+
+
+def test_threads_share_a_backend(par: Parity) -> None:
+    """The pool may run parity in worker threads: one backend object, concurrent calls, no crossed scratch."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def work(seed: int) -> bool:
+        rng = random.Random(seed)
+        length = rng.choice([4096, 65536 + 3, 300_000])
+        data = [rng.randbytes(length) for _ in range(5)]
+        ok = True
+        for _ in range(5):
+            p, q = par.pq(data)
+            have: list[bytes | None] = list(data)
+            have[1] = have[3] = None
+            ok &= par.recover(have, p, q) == data
+            ok &= (p[:64], q[:64]) == reference_pq([d[:64] for d in data])
+        return ok
+
+    with ThreadPoolExecutor(4) as pool:
+        assert all(pool.map(work, range(8)))

@@ -89,7 +89,9 @@ class ArrayParity(ABC):
 
     @abstractmethod
     def _pq(self, arrs: Sequence[Array | None], length: int) -> tuple[Array, Array]:
-        """New (P, Q) arrays of `length` bytes; a None chunk counts as zeros (it still has its index i)."""
+        """(P, Q) arrays of `length` bytes; a None chunk counts as zeros (it still has its index i). They may be
+        scratch that the next _pq call on the same thread overwrites: the algebra below is done with them
+        (stored, or folded into arrays of its own) before it calls _pq again."""
 
     @abstractmethod
     def _mul(self, c: int, arr: Array) -> Array:

@@ -13,6 +13,7 @@ of g.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from functools import cache, lru_cache
 
@@ -25,9 +26,10 @@ from openvsan.pool.parity.gf import LOG, mul_table
 U8 = npt.NDArray[np.uint8]
 
 # Bytes of each chunk handled per pass. Per-ufunc-call overhead (about 1 µs) favours large tiles; cache favours
-# small ones: P, Q and a scratch tile plus one tile of each chunk must fit in L2. 32 KiB measured best from
-# 4 to 16 data chunks (bench/parity_bench.py).
-TILE = 32 * 1024
+# small ones: P, Q and a scratch tile plus one tile of each chunk should fit in L2 (2 MiB a core here). An
+# interleaved sweep of 16 KiB..1 MiB tiles over 4 and 8 chunks of 64 KiB..1 MiB: 16 and 32 KiB were 10-40 %
+# slower, 64 KiB and up within the noise of one another.
+TILE = 128 * 1024
 
 # Up to this many doublings beat one table lookup (four passes of ~15 GB/s each against ~1 GB/s).
 MAX_DOUBLINGS = 4
@@ -64,11 +66,14 @@ _REDUCE = np.array(0x1D, dtype=np.uint8)  # x^8 = x^4 + x^3 + x^2 + 1 (0x11d wit
 
 
 class _Scratch:
-    """Per-call output and scratch arrays with the int8/bool views the doubling needs, made once."""
+    """P, Q and scratch arrays with the int8/bool views the doubling needs. Kept per thread and reused: fresh
+    arrays of 256 KiB and more come from mmap, and their page faults cost up to a third of a 4 x 256 KiB
+    encode (an interleaved A/B)."""
 
-    __slots__ = ("p", "q", "qi", "t", "tb")
+    __slots__ = ("length", "p", "q", "qi", "t", "tb")
 
     def __init__(self, length: int, scratch: int) -> None:
+        self.length = length
         self.p = np.empty(length, dtype=np.uint8)
         self.q = np.empty(length, dtype=np.uint8)
         self.qi = self.q.view(np.int8)
@@ -121,6 +126,13 @@ class NumpyParity(ArrayParity):
 
     def __init__(self, tile: int = TILE) -> None:
         self.tile = tile
+        self._local = threading.local()
+
+    def _scratch(self, length: int) -> _Scratch:
+        s: _Scratch | None = getattr(self._local, "scratch", None)
+        if s is None or s.length != length:
+            s = self._local.scratch = _Scratch(length, min(self.tile, length))
+        return s
 
     def _load(self, buf: Buffer) -> Array:
         return np.frombuffer(buf, dtype=np.uint8)
@@ -142,8 +154,9 @@ class NumpyParity(ArrayParity):
         return out
 
     def _pq(self, arrs: Sequence[Array | None], length: int) -> tuple[Array, Array]:
+        # P and Q are this thread's scratch, valid until its next _pq: ArrayParity stores or consumes them first
         tile = self.tile
-        s = _Scratch(length, min(tile, length))
+        s = self._scratch(length)
         if length <= tile:
             _pq_tile(arrs, s.p, s.q, s.qi, s.t, s.tb)
             return s.p, s.q
