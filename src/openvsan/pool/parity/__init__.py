@@ -102,8 +102,8 @@ def available() -> dict[str, str | None]:
 
 def backend(name: str | None = None) -> Parity:
     """name: "isal" | "numpy" | "cupy" | "auto" (or None). Auto is CuPy when a CUDA GPU is present and cupy
-    imports, else the fastest CPU backend: ISA-L where the library is installed, else numpy. ValueError for an unknown or unavailable name, saying why. One object per backend:
-    they hold no state."""
+    imports, else the fastest CPU backend: ISA-L where the library is installed, else numpy. ValueError for an
+    unknown or unavailable name, saying why. One object per backend, shared by all threads."""
     return _backend(name or "auto")
 
 

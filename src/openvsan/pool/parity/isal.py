@@ -91,7 +91,8 @@ class IsalParity:
         if length > _MAX_LEN:
             raise ValueError(f"chunks of {length} bytes: the isal backend takes at most {_MAX_LEN}")
         keep: list[object] = []
-        src = _pointers(len(sources))(*[s if type(s) is bytes else _pointer(s, keep) for s in sources])  # type: ignore[misc]
+        pointers = [s if type(s) is bytes else _pointer(s, keep) for s in sources]
+        src = _pointers(len(sources))(*pointers)  # type: ignore[misc]  # c_char_p slots take bytes or addresses
         chunk = ctypes.c_char * length
         outs = [chunk() for _ in rows]
         dst = _addresses(len(rows))(*[ctypes.addressof(o) for o in outs])
