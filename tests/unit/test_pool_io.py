@@ -19,7 +19,7 @@ HEADER = 64 * 1024
 ROWS = 24
 
 # level -> member counts tried
-LEVELS = {0: (2, 3), 1: (2, 3), 10: (4, 6), 5: (3, 4, 5), 6: (4, 5, 6)}
+LEVELS = {0: (2, 3), 1: (2, 3), 10: (4, 6), 5: (3, 4, 5), 6: (4, 5, 7)}  # RAID 5 of 5, RAID 6 of 7: read-modify-write pays
 
 
 class Disk(FaultDevice):

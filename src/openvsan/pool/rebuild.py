@@ -45,7 +45,6 @@ class Maintenance:
         self.task: asyncio.Task[None] | None = None
         self.error: str | None = None
         self.resync_total = 0
-        self.resync_done = 0
         self.resync_fixed = 0  # stripes whose parity or copies the resync had to rewrite
         self.bitmap_copy_needed = False
         self._bytes = 0
@@ -76,9 +75,13 @@ class Maintenance:
             await asyncio.shield(self.task)
 
     def resync_progress(self) -> float | None:
-        if not self.resync_total:
+        """Percent of the dirty regions resynced; None when none is pending."""
+        bitmap = self.pool.bitmap
+        pending = len(bitmap.pending_resync) if bitmap is not None else 0
+        if not pending:
             return None
-        return 100.0 * self.resync_done / self.resync_total
+        self.resync_total = max(self.resync_total, pending)
+        return 100.0 * (self.resync_total - pending) / self.resync_total
 
     # --- the task ---------------------------------------------------------------------------------------------
 
@@ -126,8 +129,7 @@ class Maintenance:
     async def _resync_one(self, region: int) -> None:
         pool = self.pool
         assert pool.bitmap is not None
-        if not self.resync_total:
-            self.resync_total, self.resync_done = len(pool.bitmap.pending_resync), 0
+        self.resync_progress()  # counts the regions pending now, the 0 % mark
         first = region * pool.bitmap.region_rows
         last = min(pool.geo.rows, first + pool.bitmap.region_rows)
         step = self._step_rows()
@@ -138,10 +140,9 @@ class Maintenance:
             await self._throttle((end - start) * pool.chunk_size)
         await pool.flush_members()
         pool.bitmap.pending_resync.discard(region)
-        self.resync_done += 1
         if not pool.bitmap.pending_resync:
             log.info("pool %s: resync done, %d stripes rewritten", pool.name, self.resync_fixed)
-            self.resync_total = self.resync_done = 0
+            self.resync_total = 0
 
     async def _rebuild_batch(self) -> None:
         pool = self.pool
