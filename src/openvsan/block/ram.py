@@ -9,6 +9,15 @@ from typing import Any
 from openvsan.block.device import Buffer, check_range
 
 LEND_AT = 64 * 1024   # read_now lends a view of the memory from this size up
+_ZEROS = memoryview(b"")
+
+
+def _zeros(n: int) -> memoryview:
+    """n zero bytes to send, from one buffer shared by every RAM disk (untouched pages: no memory)."""
+    global _ZEROS
+    if len(_ZEROS) < n:
+        _ZEROS = memoryview(bytes(max(n, 1 << 20)))
+    return _ZEROS[:n]
 
 
 class RamDevice:
@@ -21,29 +30,40 @@ class RamDevice:
         self.num_blocks = num_blocks
         self.backing = backing
         size = num_blocks * block_size
-        self._fd: int | None = None
         if backing:
             self._fd = os.open(backing, os.O_RDWR | os.O_CREAT, 0o600)
             if os.fstat(self._fd).st_size != size:
                 os.ftruncate(self._fd, size)
-            self._mem: mmap.mmap = mmap.mmap(self._fd, size)
         else:
-            # anonymous mmap: zero pages cost nothing until written, like a sparse file
-            self._mem = mmap.mmap(-1, size)
+            # a sparse memory file: blocks cost nothing until written, and read back as zeros
+            self._fd = os.memfd_create(f"openvsan-{name}", os.MFD_CLOEXEC)
+            os.ftruncate(self._fd, size)
+        self._mem: mmap.mmap = mmap.mmap(self._fd, size)
         self._view = memoryview(self._mem)
 
+    # Reads go through pread, not the mapping: reading a never-written page through a shared mapping
+    # faults in a fresh zeroed page (memory the disk then holds for nothing), pread copies zeros and
+    # allocates nothing. Writes go through the mapping.
     async def read(self, lba: int, blocks: int) -> Buffer:
         check_range(self, lba, blocks)
         bs = self.block_size
-        return bytes(self._view[lba * bs:(lba + blocks) * bs])
+        return os.pread(self._fd, blocks * bs, lba * bs)
 
     # The synchronous fast path (see block/device.py, SyncIO): the caller has checked the range.
     def read_now(self, lba: int, blocks: int) -> Buffer:
         bs = self.block_size
-        view = self._view[lba * bs:(lba + blocks) * bs]
+        start, n = lba * bs, blocks * bs
+        if n < LEND_AT:
+            return os.pread(self._fd, n, start)
         # Large reads are lent, not copied: a fresh 1 MiB bytes object costs more in page faults (malloc
-        # maps and unmaps it) than the send itself. Small ones are copied: that is cheaper than a view.
-        return view if blocks * bs >= LEND_AT else bytes(view)
+        # maps and unmaps it) than the send itself. A range never written is lent from a zero buffer.
+        try:
+            data_at = os.lseek(self._fd, start, os.SEEK_DATA)
+        except OSError:
+            data_at = start + n     # ENXIO: no data from here to the end
+        if data_at >= start + n:
+            return _zeros(n)
+        return self._view[start:start + n]
 
     def write_now(self, lba: int, data: Buffer) -> None:
         bs = self.block_size
@@ -89,9 +109,9 @@ class RamDevice:
             self._mem.close()
         except BufferError:
             pass  # a view lent by read_now is still being sent: the mapping goes when the last one does
-        if self._fd is not None:
+        if self._fd >= 0:
             os.close(self._fd)
-            self._fd = None
+            self._fd = -1
 
     def to_config(self) -> dict[str, Any]:
         cfg: dict[str, Any] = {"type": "ram", "name": self.name, "size": self.num_blocks * self.block_size,

@@ -41,6 +41,10 @@ _ITT_EDTL_CMDSN = struct.Struct(">III")                  # BHS bytes 16-27 of a 
 _DATA_IN_STATUS = struct.Struct(">BBBBI8sIIIIIIII")      # §11.7.1, the phase-collapsed Data-In
 _SCSI_RSP_GOOD = struct.Struct(">BBBBI8xIIIIIIII")      # §11.4
 _READ_FLAGS, _WRITE_FLAGS = P.F_FINAL | P.F_READ, P.F_FINAL | P.F_WRITE
+# plain ints for the fast path (an IntEnum member costs a lookup and a slower compare on every use)
+_OP_SCSI_CMD, _OP_DATA_IN, _OP_SCSI_RSP = int(P.Op.SCSI_CMD), int(P.Op.DATA_IN), int(P.Op.SCSI_RSP)
+_TAG = P.RESERVED_TAG
+_FINAL_STATUS = P.F_FINAL | P.F_STATUS
 
 
 class IscsiServer(PortalServer):
@@ -153,6 +157,7 @@ class Connection(BatchedConnection):
         self._ping_sent = 0.0
         self._last_rx = 0.0
         self._rx = self._rx_seen = 0    # receives so far, and as _idle_check last saw them
+        self._lane = False              # data_received's lane is open: full feature phase, no digests
         self._connected = 0.0
         self._timer: asyncio.TimerHandle | None = None
         self._text_pending: dict[int, bytes] = {}
@@ -183,6 +188,29 @@ class Connection(BatchedConnection):
     def resume_writing(self) -> None:
         if self.transport and not self._closed:
             self.transport.resume_reading()
+
+    def data_received(self, data: bytes) -> None:
+        # The lane for what initiators send most: a receive that holds exactly one SCSI Command PDU (a READ,
+        # or a WRITE with its data), no AHS, no digests, nothing buffered from before. It skips the reader
+        # and the Pdu; a command the fast path declines goes the general way with the same bytes.
+        n = len(data)
+        if self._lane and n >= 48 and data[0] == _OP_SCSI_CMD and not self.reader.buffered:
+            dsl = n - 48
+            s = self.session
+            if (_U32.unpack_from(data, 4)[0] == dsl and not dsl & 3 and dsl <= self.reader.max_dsl
+                    and s is not None):
+                self._rx += 1
+                batch = self._batch
+                batch.holding = True
+                try:
+                    done = self._fast_scsi_cmd(data, memoryview(data)[48:] if dsl else b"", s)
+                finally:
+                    batch.holding = False
+                    batch.flush()
+                if done:
+                    return
+                self._rx -= 1
+        super().data_received(data)
 
     def received(self, data: bytes) -> None:
         try:
@@ -250,6 +278,7 @@ class Connection(BatchedConnection):
             self.reader.max_dsl = params.target_mrdsl
             s = self.session
             assert s is not None
+            self._lane = not (self.hd or self.dd or s.discovery)
             log.info("%s: %s session tsih=%d for %s%s", self.peer, "discovery" if s.discovery else "normal",
                      s.tsih, s.initiator_name, "" if s.discovery else f" on {s.target.iqn}")  # type: ignore[union-attr]
 
@@ -282,7 +311,7 @@ class Connection(BatchedConnection):
             s.order(pdu, pdu.u32(24), self._nop_out)
             return
         if op == P.Op.SCSI_CMD:
-            if not self._fast_scsi_cmd(pdu, s):
+            if len(pdu.ahs) or not self._fast_scsi_cmd(pdu.bhs, pdu.data, s):
                 s.order(pdu, pdu.u32(24), self._scsi_cmd)
         elif op == P.Op.TASK_MGMT_REQ:
             s.order(pdu, pdu.u32(24), self._task_mgmt)
@@ -332,24 +361,27 @@ class Connection(BatchedConnection):
         self._timer = loop.call_later(min(self.server.nop_interval, 5.0), self._idle_check)
 
     # --- SCSI commands ----------------------------------------------------------------------------
-    def _fast_scsi_cmd(self, pdu: P.Pdu, s: Session) -> bool:
-        """A plain READ or WRITE, next in CmdSN order, on a LUN whose device answers at once (Lun.read_now /
-        write_now): done here, with no Task, and answered in one PDU. False: the command was not touched
-        and takes the normal path, which does the same with every check and every corner of the RFC."""
-        b = pdu.bhs
-        if b[0] != P.Op.SCSI_CMD or s.pending or s.target is None or s.nexus is None or len(pdu.ahs):
+    def _fast_scsi_cmd(self, b: bytes | memoryview, payload: bytes | memoryview, s: Session) -> bool:
+        """A plain READ or WRITE (BHS b, no AHS, its immediate data), next in CmdSN order, on a LUN whose
+        device answers at once (Lun.read_now / write_now): done here, with no Task, and answered at once.
+        False: the command was not touched and takes the normal path, which does the same with every check
+        and every corner of the RFC."""
+        if b[0] != _OP_SCSI_CMD or s.pending or s.target is None or s.nexus is None:
             return False  # b[0] with the I bit clear: not immediate; queued commands go first
         itt, edtl, cmdsn = _ITT_EDTL_CMDSN.unpack_from(b, 16)
         if cmdsn != s.exp_cmdsn or itt in s.tasks:
             return False
         flags = b[1] & 0xE0
         lun_raw = bytes(b[8:16])
-        unit = s.target.scsi.luns.get(P.decode_lun(lun_raw))
+        unit = s.fast_luns.get(lun_raw)
         if unit is None:
-            return False
+            unit = s.target.scsi.luns.get(P.decode_lun(lun_raw))
+            if unit is None:
+                return False
+            s.fast_luns[lun_raw] = unit
         params = s.params
         if flags == _READ_FLAGS:
-            if len(pdu.data):
+            if len(payload):
                 return False
             data = unit.read_now(b[32:48], s.nexus)
             if data is None or len(data) != edtl:
@@ -362,8 +394,8 @@ class Connection(BatchedConnection):
                 data = bytes(data)  # a view of the device: the digest must cover exactly what is sent
             if edtl <= params.initiator_mrdsl and edtl <= params.max_burst_length:
                 # §11.7: data and GOOD status in one Data-In (phase collapse)
-                self._send_pdu(_DATA_IN_STATUS.pack(P.Op.DATA_IN, P.F_FINAL | P.F_STATUS, 0, GOOD, edtl, lun_raw,
-                                                    itt, P.RESERVED_TAG, statsn, exp, maxsn, 0, 0, 0), data)
+                self._send_pdu(_DATA_IN_STATUS.pack(_OP_DATA_IN, _FINAL_STATUS, 0, GOOD, edtl, lun_raw,
+                                                    itt, _TAG, statsn, exp, maxsn, 0, 0, 0), data)
             else:
                 view = memoryview(data)
                 segs = data_in_segments(edtl, params)
@@ -371,11 +403,11 @@ class Connection(BatchedConnection):
                 for datasn, (off, size, final) in enumerate(segs):
                     # §11.7.4: within MaxRecvDataSegmentLength and MaxBurstLength; status in the last one
                     if datasn == last:
-                        hdr = _DATA_IN_STATUS.pack(P.Op.DATA_IN, P.F_FINAL | P.F_STATUS, 0, GOOD, size, lun_raw,
-                                                   itt, P.RESERVED_TAG, statsn, exp, maxsn, datasn, off, 0)
+                        hdr = _DATA_IN_STATUS.pack(_OP_DATA_IN, _FINAL_STATUS, 0, GOOD, size, lun_raw,
+                                                   itt, _TAG, statsn, exp, maxsn, datasn, off, 0)
                     else:
-                        hdr = _DATA_IN_STATUS.pack(P.Op.DATA_IN, P.F_FINAL if final else 0, 0, 0, size, lun_raw,
-                                                   itt, P.RESERVED_TAG, 0, exp, maxsn, datasn, off, 0)
+                        hdr = _DATA_IN_STATUS.pack(_OP_DATA_IN, P.F_FINAL if final else 0, 0, 0, size, lun_raw,
+                                                   itt, _TAG, 0, exp, maxsn, datasn, off, 0)
                     self._send_pdu(hdr, view[off:off + size])
             if not isinstance(data, bytes):
                 # a lent view (SyncIO.read_now) goes to the transport now, before a later command of this
@@ -383,14 +415,14 @@ class Connection(BatchedConnection):
                 self._batch.flush()
             return True
         if flags == _WRITE_FLAGS:
-            data = pdu.data
+            data = payload
             if (len(data) != edtl or not params.immediate_data or edtl > params.first_burst_length
                     or not unit.write_now(b[32:48], data, s.nexus)):
                 return False
             s.exp_cmdsn = exp = (cmdsn + 1) & 0xFFFFFFFF
             statsn = self.statsn
             self.statsn = (statsn + 1) & 0xFFFFFFFF
-            self._send_pdu(_SCSI_RSP_GOOD.pack(P.Op.SCSI_RSP, 0x80, 0, GOOD, 0, itt, 0, statsn, exp,
+            self._send_pdu(_SCSI_RSP_GOOD.pack(_OP_SCSI_RSP, 0x80, 0, GOOD, 0, itt, 0, statsn, exp,
                                                (exp + CMD_WINDOW - 1) & 0xFFFFFFFF, 0, 0, 0))
             return True
         return False

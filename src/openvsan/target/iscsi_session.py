@@ -14,6 +14,7 @@ from openvsan.protocol.iscsi.sequencing import WriteTransfer, sn_in_window, sn_l
 from openvsan.protocol.scsi import Nexus
 
 if TYPE_CHECKING:
+    from openvsan.protocol.scsi import Lun
     from openvsan.target.config import IscsiTargetConfig
     from openvsan.target.iscsi import Connection
 
@@ -59,6 +60,8 @@ class Session:
     nexus: Nexus | None = None
     closed: bool = False
     write_buffered: int = 0     # bytes of Data-Out buffers held by this session's tasks
+    # LUN field as sent -> the Lun, for the fast path (a target's LUN map does not change while it runs)
+    fast_luns: dict[bytes, Lun] = field(default_factory=dict)
 
     @property
     def discovery(self) -> bool:

@@ -41,6 +41,11 @@ class PduReader:
         self._have = 0
         self._need = BHS_LEN
 
+    @property
+    def buffered(self) -> int:
+        """Bytes of an unfinished PDU held from earlier reads."""
+        return self._have
+
     def receive_data(self, data: bytes) -> list[Pdu]:
         if not data:
             return []

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True, slots=True)
@@ -11,6 +11,14 @@ class Nexus:
     isid: int             # 48-bit session identifier
     target_name: str
     tpgt: int = 1         # target portal group tag: the target port
+    # every command looks its nexus up in a set: the hash is worked out once
+    _hash: int = field(init=False, repr=False, compare=False, default=0)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_hash", hash((self.initiator_name, self.isid, self.target_name, self.tpgt)))
+
+    def __hash__(self) -> int:
+        return self._hash
 
     @property
     def initiator_port(self) -> str:
