@@ -48,9 +48,9 @@ def block(lba, gen):
     return struct.pack("<QQ", lba, gen) * 32
 
 async def main():
-    devs = [FileDevice(p, size=%(size)d, name=f"m{i}") for i, p in enumerate(paths)]
+    devs = [FileDevice(p, size=SIZE, name=f"m{i}") for i, p in enumerate(paths)]
     if create:
-        pool = await Pool.create(devs, level, %(chunk)d, data_offset=%(header)d, bitmap_region=1,
+        pool = await Pool.create(devs, level, CHUNK, data_offset=HEADER, bitmap_region=1,
                                  bitmap_idle_s=0.02, init="none")
     else:
         pool = await Pool.assemble(devs, bitmap_idle_s=0.02)
@@ -79,7 +79,7 @@ async def main():
     await asyncio.gather(*(writer() for _ in range(6)))
 
 asyncio.run(main())
-""" % {"size": SIZE, "chunk": CHUNK, "header": HEADER}
+""".replace("SIZE", str(SIZE)).replace("CHUNK", str(CHUNK)).replace("HEADER", str(HEADER))
 
 
 def parse(lines: list[str]) -> tuple[dict[int, int], dict[int, int]]:

@@ -17,7 +17,7 @@ def ram(mib: float, name: str = "ram", block_size: int = 512) -> RamDevice:
     return RamDevice(int(mib * MiB) // block_size, block_size, name=name)
 
 
-def run(coro):  # noqa: ANN001, ANN201
+def run(coro):
     return asyncio.run(coro)
 
 

@@ -53,7 +53,7 @@ async def same(pool: Pool, model: bytearray) -> bool:
     return bytes(await pool.read(0, pool.num_blocks)) == bytes(model)
 
 
-def run(coro):  # noqa: ANN001, ANN201
+def run(coro):
     return asyncio.run(coro)
 
 
@@ -147,7 +147,7 @@ def test_writes_during_a_slow_rebuild(level: int) -> None:
 
 def test_rate_limit_holds() -> None:
     async def go() -> None:
-        pool, ds, model = await filled(5)
+        pool, _, _ = await filled(5)
         await pool.fail_member(2)
         pool.rebuild_rate = ROWS * CHUNK * 4  # four rebuilds a second: 0.25 s
         started = time.monotonic()

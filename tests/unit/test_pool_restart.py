@@ -44,7 +44,7 @@ async def same(pool: Pool, model: bytearray) -> bool:
     return bytes(await pool.read(0, pool.num_blocks)) == bytes(model)
 
 
-def run(coro):  # noqa: ANN001, ANN201
+def run(coro):
     return asyncio.run(coro)
 
 

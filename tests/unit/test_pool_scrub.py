@@ -39,7 +39,7 @@ async def same(pool: Pool, model: bytearray) -> bool:
     return bytes(await pool.read(0, pool.num_blocks)) == bytes(model)
 
 
-def run(coro):  # noqa: ANN001, ANN201
+def run(coro):
     return asyncio.run(coro)
 
 
@@ -121,10 +121,10 @@ def test_raid6_locates_and_repairs_a_corrupt_data_chunk() -> None:
 
 def test_raid6_p_or_q_alone_and_two_bad_chunks() -> None:
     async def go() -> None:
-        pool, ds, model = await filled(6, 5)
-        p, q = pool.geo.parity_members(1)
+        pool, ds, _ = await filled(6, 5)
+        p, _ = pool.geo.parity_members(1)
         await corrupt(ds[p], 1)
-        p4, q4 = pool.geo.parity_members(4)
+        _, q4 = pool.geo.parity_members(4)
         await corrupt(ds[q4], 4)
         dm = pool.geo.data_members(7)
         await corrupt(ds[dm[0]], 7)
@@ -143,11 +143,11 @@ def test_raid6_p_or_q_alone_and_two_bad_chunks() -> None:
 
 def test_raid0_scrub_reads_every_stripe_and_degraded_rows_are_skipped() -> None:
     async def go() -> None:
-        pool, ds, _ = await filled(0, 2)
+        pool, _, _ = await filled(0, 2)
         report = await pool.scrub()
         assert report.clean and report.checked == ROWS and report.skipped == 0  # read, nothing to compare
         await pool.close()
-        pool, ds, _ = await filled(5, 3)
+        pool, _, _ = await filled(5, 3)
         await pool.fail_member(0)
         report = await pool.scrub()
         assert pool.level is Level.RAID5 and report.clean

@@ -225,7 +225,9 @@ class ParityIO:
                     raise DeviceFailed(f"pool: cannot rebuild stripe {row}: {e}") from e
             parity = self._parity(data) if any(t in pm for t in targets) else []  # type: ignore[arg-type]
             for t in targets:
-                out[t][span] = data[dm.index(t)] if t in dm else parity[pm.index(t)]  # type: ignore[index]
+                piece = data[dm.index(t)] if t in dm else parity[pm.index(t)]
+                assert piece is not None
+                out[t][span] = piece
         await ms.write_all([ms.write(t, start, 0, out[t]) for t in targets])
 
     # --- scrub and resync -------------------------------------------------------------------------------------

@@ -38,6 +38,7 @@ import time
 import uuid as uuidlib
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from typing import Any
 
 from openvsan.block.device import BlockDevice, Buffer, check_range
@@ -105,6 +106,10 @@ class PoolStatus:
 
 def _dev_name(dev: BlockDevice, fallback: str) -> str:
     return str(getattr(dev, "name", fallback))
+
+
+async def _zero_member(dev: BlockDevice, *, lba: int, blocks: int, unmap: bool) -> None:
+    await (dev.unmap(lba, blocks) if unmap else dev.write_zeroes(lba, blocks))
 
 
 def _fmt(nbytes: int) -> str:
@@ -684,10 +689,9 @@ class Pool:
             for m in self.members:
                 upto = min(end, m.valid_until(self.geo.rows))
                 if m.present and upto > start:
-                    lba = self.data_offset + start * cb
-                    count = (upto - start) * cb
-                    ops.append(self._ms.raw(m.index, (lambda d, a=lba, c=count: d.unmap(a, c)) if unmap
-                                            else (lambda d, a=lba, c=count: d.write_zeroes(a, c))))
+                    op = partial(_zero_member, lba=self.data_offset + start * cb, blocks=(upto - start) * cb,
+                                 unmap=unmap)
+                    ops.append(self._ms.raw(m.index, op))
             await self._ms.write_all(ops)
 
     async def close(self) -> None:
