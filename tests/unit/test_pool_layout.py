@@ -54,7 +54,7 @@ def test_raid10_near2_and_raid1() -> None:
     g = Geometry(Level.RAID10, 6, 8, 16)
     assert g.data_chunks == 3
     segs = g.segments(0, 8 * 4)
-    assert [(s.row, s.index) for s in segs] == [(0, 0), (0, 1), (0, 2), (1, 0)]
+    assert [(s.row, s.column) for s in segs] == [(0, 0), (0, 1), (0, 2), (1, 0)]
     assert g.copies(0, 1) == (2, 3)
     assert g.available({0, 2, 5})  # one of each pair
     assert not g.available({2, 3})  # a whole pair
@@ -84,8 +84,8 @@ def test_segments_cover_the_range_once(level: Level, n: int, lba: int, blocks: i
     pos = 0
     for s in segs:
         assert s.start == pos and 0 <= s.offset and s.offset + s.blocks <= 8
-        assert (s.row * g.data_chunks + s.index) * 8 + s.offset == lba + pos  # logical address round trip
+        assert (s.row * g.data_chunks + s.column) * 8 + s.offset == lba + pos  # logical address round trip
         pos += s.blocks
         if level.parity:
-            m = g.data_member(s.row, s.index)
-            assert g.data_index(s.row, m) == s.index and m not in g.parity_members(s.row)
+            m = g.data_member(s.row, s.column)
+            assert g.data_index(s.row, m) == s.column and m not in g.parity_members(s.row)

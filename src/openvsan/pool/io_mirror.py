@@ -23,7 +23,7 @@ def extents(segments: list[Segment]) -> dict[int, list[Segment]]:
     """Segments grouped by data index; each group is contiguous on its members."""
     groups: dict[int, list[Segment]] = {}
     for s in segments:
-        groups.setdefault(s.index, []).append(s)
+        groups.setdefault(s.column, []).append(s)
     return groups
 
 
@@ -63,7 +63,7 @@ class MirrorIO:
         blocks = sum(s.blocks for s in segs)
         tried: set[int] = set()
         while True:
-            copies = [m for m in self.geo.copies(first.row, first.index)
+            copies = [m for m in self.geo.copies(first.row, first.column)
                       if m not in tried and self.ms.members[m].valid_rows(first.row, last.row + 1)]
             if not copies:
                 raise DeviceFailed(f"pool: no readable copy of rows {first.row}..{last.row} left")
@@ -92,10 +92,10 @@ class MirrorIO:
                     payload: Buffer = view[first.start * bs:(first.start + first.blocks) * bs]
                 else:
                     payload = b"".join(view[s.start * bs:(s.start + s.blocks) * bs] for s in group)
-                copies = [m for m in self.geo.copies(first.row, first.index)
+                copies = [m for m in self.geo.copies(first.row, first.column)
                           if self.ms.members[m].valid_rows(first.row, last.row + 1)]
                 # a rebuilding copy in sync for only some of these rows gets its in-sync part
-                partial = [m for m in self.geo.copies(first.row, first.index)
+                partial = [m for m in self.geo.copies(first.row, first.column)
                            if m not in copies and self.ms.members[m].valid(first.row)]
                 if not copies and not partial:
                     raise DeviceFailed(f"pool: no writable copy of rows {first.row}..{last.row} left")

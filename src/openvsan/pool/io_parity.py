@@ -54,18 +54,18 @@ class ParityIO:
         ms, geo, bs = self.ms, self.geo, self.bs
         if len(segs) == 1:
             s = segs[0]
-            m = geo.data_member(s.row, s.index)
+            m = geo.data_member(s.row, s.column)
             if ms.valid(m, s.row):
                 return await ms.read(m, s.row, s.offset, s.blocks)
             return (await self._read_degraded(s.row, segs))[0]
         direct = []
         degraded: dict[int, list[Segment]] = {}
         for s in segs:
-            if ms.valid(geo.data_member(s.row, s.index), s.row):
+            if ms.valid(geo.data_member(s.row, s.column), s.row):
                 direct.append(s)
             else:
                 degraded.setdefault(s.row, []).append(s)
-        ops = [ms.read(geo.data_member(s.row, s.index), s.row, s.offset, s.blocks) for s in direct]
+        ops = [ms.read(geo.data_member(s.row, s.column), s.row, s.offset, s.blocks) for s in direct]
         ops += [self._read_degraded(row, rsegs) for row, rsegs in degraded.items()]  # type: ignore[misc]
         results = await ms.gather(ops)
         out = bytearray(blocks * bs)
@@ -83,7 +83,7 @@ class ParityIO:
             lo = min(s.offset for s in segs)
             hi = max(s.offset + s.blocks for s in segs)
             chunks = await self._stripe_data(row, lo, hi)
-        return [memoryview(chunks[s.index])[(s.offset - lo) * bs:(s.offset - lo + s.blocks) * bs] for s in segs]
+        return [memoryview(chunks[s.column])[(s.offset - lo) * bs:(s.offset - lo + s.blocks) * bs] for s in segs]
 
     async def _stripe_data(self, row: int, lo: int, hi: int) -> list[Buffer]:
         """Every data chunk of `row` over blocks [lo, hi) of the chunk, the out-of-sync ones rebuilt."""
@@ -124,13 +124,16 @@ class ParityIO:
         ms, bs, cb, k = self.ms, self.bs, self.cb, self.k
         dm = self.geo.data_members(row)
         pm = self.geo.parity_members(row)
-        new = {s.index: (s.offset, s.blocks, view[s.start * bs:(s.start + s.blocks) * bs]) for s in segs}
+        new = {s.column: (s.offset, s.blocks, view[s.start * bs:(s.start + s.blocks) * bs]) for s in segs}
         lo = min(s.offset for s in segs)
         hi = max(s.offset + s.blocks for s in segs)
         width = hi - lo
         async with self.locks.hold(row):
-            data_ok = all(ms.valid(m, row) for m in dm)
-            parity_ok = [ms.valid(m, row) for m in pm]
+            if ms.optimal:
+                data_ok, parity_ok = True, [True] * len(pm)
+            else:
+                data_ok = all(ms.valid(m, row) for m in dm)
+                parity_ok = [ms.valid(m, row) for m in pm]
             parity: list[Buffer]
             if data_ok and all(parity_ok):
                 if len(new) == k and width == cb and all(n == cb for _, n, _ in new.values()):

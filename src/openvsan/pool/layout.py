@@ -18,6 +18,8 @@ from __future__ import annotations
 import enum
 from collections.abc import Iterable
 from dataclasses import dataclass
+from functools import cached_property
+from typing import NamedTuple
 
 
 class Level(enum.IntEnum):
@@ -53,13 +55,12 @@ class Level(enum.IntEnum):
         return {Level.RAID0: 1, Level.RAID1: 2, Level.RAID5: 3, Level.RAID6: 4, Level.RAID10: 4}[self]
 
 
-@dataclass(frozen=True)
-class Segment:
-    """A run of logical blocks that lies inside one data chunk: row, data index in the row, block offset inside
-    the chunk, length in blocks, and where it starts in the request (in blocks)."""
+class Segment(NamedTuple):  # a tuple: made for every chunk of every request
+    """A run of logical blocks that lies inside one data chunk: row, column (the chunk's data index in the row),
+    block offset inside the chunk, length in blocks, and where it starts in the request (in blocks)."""
 
     row: int
-    index: int
+    column: int
     offset: int
     blocks: int
     start: int
@@ -78,13 +79,13 @@ class Geometry:
         if self.level is Level.RAID10 and self.members % 2:
             raise ValueError("RAID 10 needs an even number of members (mirrored pairs)")
 
-    @property
+    @cached_property
     def data_chunks(self) -> int:
         """Data chunks per stripe (row)."""
         n = self.members
         return {Level.RAID0: n, Level.RAID1: 1, Level.RAID10: n // 2}.get(self.level, n - self.level.parity)
 
-    @property
+    @cached_property
     def tolerance(self) -> int:
         """How many members can be lost, whichever they are, with no data lost (RAID 10: one per pair, but
         only one is guaranteed)."""

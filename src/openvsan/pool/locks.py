@@ -9,8 +9,7 @@ a cycle.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from types import TracebackType
 
 
 class StripeLocks:
@@ -32,33 +31,45 @@ class StripeLocks:
             # nobody holds or waits: forget it, so the map stays as small as the I/O in flight
             del self._users[row], self._locks[row]
 
-    @asynccontextmanager
-    async def hold(self, row: int) -> AsyncIterator[None]:
-        lock = self._get(row)
-        try:
-            async with lock:
-                yield
-        finally:
-            self._put(row)
+    def hold(self, row: int) -> _Held:
+        """`async with locks.hold(row):` the one row."""
+        return _Held(self, row, row + 1)
 
-    @asynccontextmanager
-    async def hold_rows(self, start: int, end: int) -> AsyncIterator[None]:
-        """Rows [start, end), taken in ascending order."""
-        held: list[int] = []
-        try:
-            for row in range(start, end):
-                lock = self._get(row)
-                try:
-                    await lock.acquire()
-                except BaseException:
-                    self._put(row)
-                    raise
-                held.append(row)
-            yield
-        finally:
-            for row in reversed(held):
-                self._locks[row].release()
+    def hold_rows(self, start: int, end: int) -> _Held:
+        """`async with locks.hold_rows(start, end):` rows [start, end), taken in ascending order."""
+        return _Held(self, start, end)
+
+    async def _acquire(self, start: int, end: int) -> None:
+        for row in range(start, end):
+            lock = self._get(row)
+            try:
+                await lock.acquire()
+            except BaseException:
                 self._put(row)
+                self._release(start, row)
+                raise
+
+    def _release(self, start: int, end: int) -> None:
+        for row in range(end - 1, start - 1, -1):
+            self._locks[row].release()
+            self._put(row)
 
     def __len__(self) -> int:
         return len(self._locks)
+
+
+class _Held:
+    """The context manager of a hold: a plain class, since an async generator (asynccontextmanager) costs a
+    registration with the loop's async-generator hooks on every request."""
+
+    __slots__ = ("end", "locks", "start")
+
+    def __init__(self, locks: StripeLocks, start: int, end: int) -> None:
+        self.locks, self.start, self.end = locks, start, end
+
+    async def __aenter__(self) -> None:
+        await self.locks._acquire(self.start, self.end)
+
+    async def __aexit__(self, et: type[BaseException] | None, e: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        self.locks._release(self.start, self.end)

@@ -146,6 +146,7 @@ class Pool:
         self._sb_lock = asyncio.Lock()
         self._closed = False
         self._ms = MemberSet(members, base.data_offset, geo.chunk_blocks, base.block_size, self.fail)
+        self._ms.optimal = all(m.state is MemberState.ACTIVE for m in members)
         self.bitmap: WriteIntentBitmap | None = None
         if self.level.redundant:
             regions = -(-geo.rows // base.bitmap_region)
@@ -354,6 +355,12 @@ class Pool:
 
     # --- superblocks ------------------------------------------------------------------------------------------
 
+    def _changed(self) -> None:
+        """A member's state changed: the superblocks must learn it (persist), and the I/O paths' shortcut for
+        a pool with every member in sync is recomputed."""
+        self._state_gen += 1
+        self._ms.optimal = all(m.state is MemberState.ACTIVE for m in self.members)
+
     def _roles(self) -> tuple[Role, ...]:
         cb = self.geo.chunk_blocks
         return tuple(Role(m.uuid, m.state, m.checkpoint * cb if m.state is MemberState.REBUILDING else 0)
@@ -371,7 +378,7 @@ class Pool:
         """Write the member states to every present member's superblock (event + 1), unless already written;
         `changed`: there is something new to write. Returns once it is durable."""
         if changed:
-            self._state_gen += 1
+            self._changed()
         async with self._sb_lock:
             while self._durable_gen < self._state_gen and not self.failed:
                 gen = self._state_gen
@@ -421,7 +428,7 @@ class Pool:
                 m.state = MemberState.FAILED
                 changed = True
         if changed:
-            self._state_gen += 1
+            self._changed()
             if not self.geo.available(self._lost()):
                 self.failed = True
                 log.error("pool %s: %s", self.name, self._failure_text())
@@ -460,7 +467,7 @@ class Pool:
 
     def _install(self, m: Member, dev: BlockDevice, member_uuid: uuidlib.UUID) -> None:
         m.dev, m.uuid, m.state, m.checkpoint = dev, member_uuid, MemberState.REBUILDING, 0
-        self._state_gen += 1
+        self._changed()
         self.maintenance.bitmap_copy_needed = True
         if not self._closed:
             self.maintenance.kick()
