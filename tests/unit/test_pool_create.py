@@ -92,3 +92,22 @@ def test_member_of_another_pool_needs_force() -> None:
         await second.close()
 
     run(go())
+
+
+def test_destroy_frees_the_members() -> None:
+    async def go() -> None:
+        class Keep(RamDevice):
+            async def close(self) -> None:
+                pass
+
+        devs: list[BlockDevice] = [Keep(4 * MiB // 512, name=f"d{i}") for i in range(4)]
+        pool = await Pool.create(devs[:3], "raid5", name="old")
+        await pool.add_spare(devs[3])
+        await pool.destroy()
+        assert [await read_superblock(d) for d in devs] == [None] * 4
+        with pytest.raises(PoolError, match="carries no openvsan pool superblock"):
+            await Pool.assemble(devs)
+        pool = await Pool.create(devs, "raid6", name="new")  # no force needed
+        await pool.close()
+
+    run(go())

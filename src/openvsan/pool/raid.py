@@ -59,6 +59,7 @@ from openvsan.pool.superblock import (
     MemberState,
     Role,
     Superblock,
+    erase_superblock,
     read_superblock,
     write_superblock,
 )
@@ -705,13 +706,7 @@ class Pool:
         """Stop background work, flush, clear the bitmap, mark the superblocks clean, close the members."""
         if self._closed:
             return
-        await self.maintenance.stop()
-        if self._cleaner is not None:
-            self._cleaner.cancel()
-            try:
-                await self._cleaner
-            except asyncio.CancelledError:
-                pass
+        await self._stop_background()
         if not self.failed:
             try:
                 if self.bitmap is not None:
@@ -720,9 +715,38 @@ class Pool:
                 await self.persist(changed=True, clean=True)
             except DeviceFailed as e:
                 log.error("pool %s: not closed cleanly: %s", self.name, e)
+        await self._close_devices()
+
+    async def destroy(self) -> None:
+        """Stop the pool and erase the superblocks of its members and spares (the devices can then join
+        another pool without force), then close them. The data is not erased."""
+        if self._closed:
+            raise DeviceFailed(f"pool {self.name} is closed")
+        await self._stop_background()
+        for dev in self._devices():
+            try:
+                await erase_superblock(dev)
+            except MEMBER_FAULTS as e:
+                log.warning("pool %s: %s: superblock not erased: %s", self.name, _dev_name(dev, "member"), e)
+        log.info("pool %s: destroyed", self.name)
+        await self._close_devices()
+
+    async def _stop_background(self) -> None:
+        await self.maintenance.stop()
+        if self._cleaner is not None:
+            self._cleaner.cancel()
+            try:
+                await self._cleaner
+            except asyncio.CancelledError:
+                pass
+            self._cleaner = None
+
+    def _devices(self) -> list[BlockDevice]:
+        return [m.dev for m in self.members if m.dev is not None] + [d for d, _ in self.spares]
+
+    async def _close_devices(self) -> None:
         self._closed = True
-        devices = [m.dev for m in self.members if m.dev is not None] + [d for d, _ in self.spares]
-        for d in devices:
+        for d in self._devices():
             try:
                 await d.close()
             except Exception as e:  # noqa: BLE001  (one member's close must not keep the others open)
