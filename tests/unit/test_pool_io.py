@@ -200,3 +200,33 @@ def test_write_paths_read_as_little_as_they_can() -> None:
         await pool.close()
 
     asyncio.run(go())
+
+
+def test_eager_gather_runs_what_it_can_at_once() -> None:
+    from openvsan.pool.members import eager_gather
+
+    async def go() -> None:
+        order: list[str] = []
+
+        async def now(x: int) -> int:
+            order.append(f"now{x}")
+            return x
+
+        async def later(x: int) -> int:
+            order.append(f"later{x}-start")
+            await asyncio.sleep(0.001)
+            order.append(f"later{x}-end")
+            return x
+
+        async def bad() -> int:
+            raise ValueError("boom")
+
+        before = len(asyncio.all_tasks())
+        results = await eager_gather([now(1), later(2), bad(), now(3)])
+        assert results[:2] == [1, 2] and isinstance(results[2], ValueError) and results[3] == 3
+        assert order == ["now1", "later2-start", "now3", "later2-end"]  # started in order, in this turn
+        assert len(asyncio.all_tasks()) == before
+        with pytest.raises(asyncio.TimeoutError):  # cancellation reaches a suspended one
+            await asyncio.wait_for(eager_gather([later(4), asyncio.sleep(10)]), 0.01)
+
+    asyncio.run(go())

@@ -162,6 +162,13 @@ async def eager_gather(coros: Sequence[Coroutine[Any, Any, T]]) -> list[T | Base
             results[i] = stop.value
         except Exception as e:  # noqa: BLE001 - reported like gather(return_exceptions=True) does
             results[i] = e
+        except BaseException:
+            # cancelled (or worse) while starting them: the rest never start, the started ones are cancelled
+            for later in coros[i + 1:]:
+                later.close()
+            for _, t in tasks:
+                t.cancel()
+            raise
         else:
             tasks.append((i, loop.create_task(_resume(coro, first))))
     if tasks:
