@@ -124,10 +124,19 @@ class ParityIO:
         ms, bs, cb, k = self.ms, self.bs, self.cb, self.k
         dm = self.geo.data_members(row)
         pm = self.geo.parity_members(row)
-        new = {s.column: (s.offset, s.blocks, view[s.start * bs:(s.start + s.blocks) * bs]) for s in segs}
-        lo = min(s.offset for s in segs)
-        hi = max(s.offset + s.blocks for s in segs)
+        # plain loops, not comprehensions: this runs for every small write
+        new: dict[int, tuple[int, int, memoryview]] = {}
+        lo, hi, total = cb, 0, 0
+        for s in segs:
+            off, n = s.offset, s.blocks
+            new[s.column] = (off, n, view[s.start * bs:(s.start + n) * bs])
+            lo = min(lo, off)
+            hi = max(hi, off + n)
+            total += n
         width = hi - lo
+        full = 0  # chunks the new data covers over all of [lo, hi)
+        for _, n, _ in new.values():
+            full += n == width
         async with self.locks.hold(row):
             if ms.optimal:
                 data_ok, parity_ok = True, [True] * len(pm)
@@ -136,20 +145,16 @@ class ParityIO:
                 parity_ok = [ms.valid(m, row) for m in pm]
             parity: list[Buffer]
             if data_ok and all(parity_ok):
-                if len(new) == k and width == cb and all(n == cb for _, n, _ in new.values()):
+                if full == k and width == cb:
                     parity = self._parity([new[i][2] for i in range(k)])
+                elif total + len(pm) * width < (k - full) * width:  # blocks read: RMW against RCW
+                    parity = await self._read_modify(row, dm, pm, new, lo, hi)
                 else:
-                    rmw = sum(n for _, n, _ in new.values()) + len(pm) * width
-                    rcw = sum(width for i in range(k) if i not in new or new[i][1] < width)
-                    if rmw < rcw:
-                        parity = await self._read_modify(row, dm, pm, new, lo, hi)
-                    else:
-                        parity = self._parity(await self._overlay(row, lo, hi, new, await self._read_rest(
-                            row, dm, new, lo, hi)))
+                    parity = self._parity(self._overlay(lo, hi, new, await self._read_rest(row, dm, new, lo, hi)))
             elif data_ok and not any(parity_ok):
                 parity = []  # nothing to keep in step: write the data alone
             else:
-                parity = self._parity(await self._overlay(row, lo, hi, new, await self._stripe_data(row, lo, hi)))
+                parity = self._parity(self._overlay(lo, hi, new, await self._stripe_data(row, lo, hi)))
             ops = [ms.write(dm[i], row, off, buf, fua) for i, (off, _, buf) in new.items() if ms.valid(dm[i], row)]
             ops += [ms.write(pm[j], row, lo, p, fua) for j, p in enumerate(parity) if parity_ok[j]]
             await ms.write_all(ops)
@@ -182,8 +187,8 @@ class ParityIO:
             out[i] = d
         return out
 
-    async def _overlay(self, row: int, lo: int, hi: int, new: dict[int, tuple[int, int, memoryview]],
-                       chunks: Sequence[Buffer | None]) -> list[Buffer]:
+    def _overlay(self, lo: int, hi: int, new: dict[int, tuple[int, int, memoryview]],
+                 chunks: Sequence[Buffer | None]) -> list[Buffer]:
         """The row's data over [lo, hi) after the write: `chunks` (old data) with the new data laid over it."""
         bs = self.bs
         out: list[Buffer] = []

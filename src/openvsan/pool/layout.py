@@ -41,11 +41,11 @@ class Level(enum.IntEnum):
     @property
     def parity(self) -> int:
         """Parity chunks per stripe: 1 for RAID 5, 2 for RAID 6, else 0."""
-        return {Level.RAID5: 1, Level.RAID6: 2}.get(self, 0)
+        return _PARITY[self]
 
     @property
     def mirrored(self) -> bool:
-        return self in (Level.RAID1, Level.RAID10)
+        return self is Level.RAID1 or self is Level.RAID10
 
     @property
     def redundant(self) -> bool:
@@ -53,6 +53,9 @@ class Level(enum.IntEnum):
 
     def min_members(self) -> int:
         return {Level.RAID0: 1, Level.RAID1: 2, Level.RAID5: 3, Level.RAID6: 4, Level.RAID10: 4}[self]
+
+
+_PARITY = {Level.RAID0: 0, Level.RAID1: 0, Level.RAID5: 1, Level.RAID6: 2, Level.RAID10: 0}
 
 
 class Segment(NamedTuple):  # a tuple: made for every chunk of every request
@@ -102,15 +105,20 @@ class Geometry:
 
     # --- placement --------------------------------------------------------------------------------------------
 
+    @cached_property
+    def _nparity(self) -> int:
+        return self.level.parity
+
     def _p_member(self, row: int) -> int:
         return self.members - 1 - row % self.members
 
     def parity_members(self, row: int) -> tuple[int, ...]:
         """(P,) for RAID 5, (P, Q) for RAID 6, () otherwise."""
-        if not self.level.parity:
+        npar = self._nparity
+        if not npar:
             return ()
         p = self._p_member(row)
-        return (p,) if self.level is Level.RAID5 else (p, (p + 1) % self.members)
+        return (p,) if npar == 1 else (p, (p + 1) % self.members)
 
     def copies(self, row: int, index: int) -> tuple[int, ...]:
         """The members holding data chunk `index` of `row`: one for RAID 0/5/6, the mirrors for RAID 1/10."""
@@ -130,8 +138,9 @@ class Geometry:
 
     def data_members(self, row: int) -> list[int]:
         """Member of each data index of a parity row (RAID 5/6), in data index order."""
-        start = self._p_member(row) + self.level.parity
-        return [(start + i) % self.members for i in range(self.data_chunks)]
+        n = self.members
+        start = n - 1 - row % n + self._nparity
+        return [(start + i) % n for i in range(self.data_chunks)]
 
     def data_index(self, row: int, member: int) -> int | None:
         """Which data chunk `member` holds in `row` (the pair's index for RAID 10), None for a parity chunk."""
