@@ -220,3 +220,27 @@ def test_power_loss_mid_writes_then_member_loss(level: int, n: int, seed: int) -
         await pool.close()
 
     asyncio.run(after())
+
+
+@pytest.mark.parametrize(("level", "n"), [(1, 3), (5, 4), (6, 5)])
+def test_create_with_init_resync_over_garbage(level: int, n: int) -> None:
+    """init="resync": the members keep whatever they held; every region is dirty and the background resync
+    makes parity (or the copies) agree with the data before the scrub looks."""
+
+    async def go() -> None:
+        rng = random.Random(level)
+        ds = [Disk(f"d{i}") for i in range(n)]
+        for d in ds:
+            await d.inner.write(0, rng.randbytes(d.num_blocks * BS))
+        pool = await Pool.create(ds, level, CHUNK, data_offset=HEADER, init="resync", bitmap_region=4)
+        st = pool.status()
+        assert st.resync_progress == 0.0 and st.dirty_regions == ROWS // 4
+        await pool.wait_idle()
+        assert pool.status().resync_progress is None
+        assert (await pool.scrub(repair=False)).clean
+        data = bytes(await pool.read(0, pool.num_blocks))
+        ds[0].fail_device()
+        assert bytes(await pool.read(0, pool.num_blocks)) == data
+        await pool.close()
+
+    asyncio.run(go())

@@ -162,6 +162,7 @@ class Pool:
             self.io = MirrorIO(self._ms, geo, self.locks)
         self.maintenance = Maintenance(self, rate=rebuild_rate)
         self._cleaner: asyncio.Task[None] | None = None
+        self._retired: list[BlockDevice] = []  # members replaced by another device
 
     # --- creation ---------------------------------------------------------------------------------------------
 
@@ -467,6 +468,8 @@ class Pool:
                 self._install(m, dev, u)
 
     def _install(self, m: Member, dev: BlockDevice, member_uuid: uuidlib.UUID) -> None:
+        if m.dev is not None and m.dev is not dev:
+            self._retired.append(m.dev)  # closed with the pool: a request may still be in flight on it
         m.dev, m.uuid, m.state, m.checkpoint = dev, member_uuid, MemberState.REBUILDING, 0
         self._changed()
         self.maintenance.bitmap_copy_needed = True
@@ -746,7 +749,7 @@ class Pool:
 
     async def _close_devices(self) -> None:
         self._closed = True
-        for d in self._devices():
+        for d in self._devices() + self._retired:
             try:
                 await d.close()
             except Exception as e:  # noqa: BLE001  (one member's close must not keep the others open)
