@@ -288,3 +288,26 @@ def test_member_fails_under_sustained_concurrent_writes(level: int) -> None:
         await pool.close()
 
     asyncio.run(go())
+
+
+@pytest.mark.parametrize("level", [1, 10, 5, 6])
+def test_members_with_4k_blocks(level: int) -> None:
+    async def go() -> None:
+        n = {1: 2, 10: 4, 5: 3, 6: 4}[level]
+        disks = [FaultDevice(RamDevice((HEADER + 32 * 16384) // 4096, 4096), name=f"d{i}") for i in range(n)]
+        pool = await Pool.create(disks, level, 16384, data_offset=HEADER)
+        assert pool.block_size == 4096
+        rng = random.Random(level)
+        model = bytearray(rng.randbytes(pool.num_blocks * 4096))
+        await pool.write(0, model)
+        for _ in range(30):
+            lba = rng.randrange(pool.num_blocks - 5)
+            buf = rng.randbytes(rng.randint(1, 5) * 4096)
+            await pool.write(lba, buf)
+            model[lba * 4096:lba * 4096 + len(buf)] = buf
+        disks[1].fail_device()
+        assert bytes(await pool.read(0, pool.num_blocks)) == bytes(model)
+        assert (await pool.scrub(repair=False)).clean
+        await pool.close()
+
+    asyncio.run(go())
