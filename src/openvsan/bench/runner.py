@@ -122,6 +122,15 @@ async def _serve_worker(plan: Plan, emit: Callable[[str, dict[str, Any]], None],
             await dev.close()
 
 
+def _loop_runner() -> Any:
+    """uvloop.run where installed (the client must not be the slower side of a benchmark), else asyncio.run."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run
+    return uvloop.run
+
+
 def _process_main(plan: Plan, q: Any, go: Any) -> None:
     """A worker process: its own event loop (uvloop where installed) and its own connection(s)."""
     def emit(kind: str, payload: dict[str, Any]) -> None:
@@ -131,12 +140,7 @@ def _process_main(plan: Plan, q: Any, go: Any) -> None:
         await asyncio.get_running_loop().run_in_executor(None, go.wait)
 
     try:
-        try:
-            import uvloop
-            runner: Any = uvloop.run
-        except ImportError:
-            runner = asyncio.run
-        res = runner(_serve_worker(plan, emit, start))
+        res = _loop_runner()(_serve_worker(plan, emit, start))
         emit("done", {"result": res.to_dict()})
     except (OSError, BlockError, ValueError) as e:  # a target that cannot be reached or used: one line
         emit("error", {"message": f"worker {plan.index}: {e}"})
@@ -148,7 +152,7 @@ def run_in_process(dev: BlockDevice | None, plan: Plan, *, target_pid: int | Non
                    on_progress: ProgressFn | None = None) -> RunResult:
     """One worker in this process (threads = 1), on `dev` if given (tests pass a FaultDevice) else the target."""
     col = Collector(1, target_pid, on_progress)
-    res = asyncio.run(_serve_worker(plan, lambda k, p: col.handle(0, k, p), None, dev))
+    res = _loop_runner()(_serve_worker(plan, lambda k, p: col.handle(0, k, p), None, dev))
     return _finish(plan, col, [res])
 
 

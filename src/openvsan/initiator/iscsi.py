@@ -84,7 +84,8 @@ class IscsiSession:
     async def connect(self) -> IscsiConnection:
         loop = asyncio.get_running_loop()
         _, conn = await asyncio.wait_for(
-            loop.create_connection(lambda: IscsiConnection(self.name), self.host, self.port),
+            loop.create_connection(lambda: IscsiConnection(self.name, self.opts.command_timeout), self.host,
+                                   self.port),
             self.opts.connect_timeout)
         cfg = LoginConfig(initiator_name=self.opts.initiator_name or default_initiator_name(),
                           target_name=self.target, isid=self.isid, chap=self.opts.chap,
@@ -141,15 +142,8 @@ class IscsiSession:
                     try:
                         await conn.wait_window()
                         await conn.drain()
-                        fut = conn.command(cdb, lun, read_len=read_len, data=data)
-                        try:
-                            done = await asyncio.wait_for(asyncio.shield(fut), self.opts.command_timeout)
-                        except TimeoutError:
-                            log.warning("%s: command %#04x timed out after %.0fs; reconnecting", self.name,
-                                        cdb[0], self.opts.command_timeout)
-                            conn.forget(fut)
-                            conn.abort()
-                            continue
+                        # the connection's watchdog drops it when a command goes unanswered too long
+                        done = await conn.command(cdb, lun, read_len=read_len, data=data)
                     except ConnectionLost as e:
                         log.info("%s: %s; sending the command again", self.name, e)
                         continue

@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from openvsan.initiator.watchdog import CommandWatchdog
 from openvsan.netio import WriteBatcher
 from openvsan.protocol.iscsi import initiator_pdus as Q
 from openvsan.protocol.iscsi.framing import FramingError, PduReader, frame
@@ -38,9 +39,10 @@ class Completion:
 
 
 class _Task:
-    __slots__ = ("buf", "data", "future", "itt", "lun", "read_len", "received")
+    __slots__ = ("buf", "data", "future", "itt", "lun", "read_len", "received", "sent")
 
     def __init__(self, lun: bytes, read_len: int, data: memoryview | None, future: asyncio.Future[Any]) -> None:
+        self.sent = future.get_loop().time()
         self.itt = 0
         self.lun = lun
         self.read_len = read_len
@@ -51,9 +53,12 @@ class _Task:
 
 
 class IscsiConnection(asyncio.Protocol):
-    def __init__(self, name: str = "") -> None:
+    def __init__(self, name: str = "", command_timeout: float = 30.0) -> None:
         self.name = name
         self.loop = asyncio.get_running_loop()
+        # a command unanswered this long drops the connection; the session sends it again after login
+        self.watchdog = CommandWatchdog(name, command_timeout, lambda: (t.sent for t in self.tasks.values()),
+                                        self.abort)
         self.transport: asyncio.Transport | None = None
         self.reader = PduReader()
         self.params = SessionParams()
@@ -80,9 +85,11 @@ class IscsiConnection(asyncio.Protocol):
         self.transport = transport  # type: ignore[assignment]
         self._batch.transport = self.transport
         self.alive = True
+        self.watchdog.start()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.alive = False
+        self.watchdog.stop()
         self._batch.transport = None
         err = ConnectionLost(f"{self.name}: connection lost" + (f": {exc}" if exc else ""))
         for t in self.tasks.values():

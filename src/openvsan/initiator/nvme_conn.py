@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from openvsan.initiator.iscsi_conn import ConnectionLost
+from openvsan.initiator.watchdog import CommandWatchdog
 from openvsan.netio import WriteBatcher
 from openvsan.protocol.nvme_tcp import host_pdus as H
 from openvsan.protocol.nvme_tcp.framing import Pdu
@@ -32,9 +33,10 @@ class Result:
 
 
 class _Cmd:
-    __slots__ = ("buf", "cid", "data", "future", "received")
+    __slots__ = ("buf", "cid", "data", "future", "received", "sent")
 
     def __init__(self, cid: int, read_len: int, data: memoryview | None, future: asyncio.Future[Result]) -> None:
+        self.sent = future.get_loop().time()
         self.cid = cid
         self.buf = bytearray(read_len) if read_len else None
         self.data = data
@@ -43,10 +45,13 @@ class _Cmd:
 
 
 class NvmeQueue(asyncio.Protocol):
-    def __init__(self, name: str, qid: int) -> None:
+    def __init__(self, name: str, qid: int, command_timeout: float = 30.0) -> None:
         self.name = name
         self.qid = qid
         self.loop = asyncio.get_running_loop()
+        # a command unanswered this long drops the queue; the initiator reconnects and sends it again
+        self.watchdog = CommandWatchdog(name, command_timeout, lambda: (c.sent for c in self.cmds.values()),
+                                        self.abort)
         self.transport: asyncio.Transport | None = None
         self.reader = H.HostPduReader()
         self.alive = False
@@ -65,9 +70,11 @@ class NvmeQueue(asyncio.Protocol):
         self.transport = transport  # type: ignore[assignment]
         self._batch.transport = self.transport
         self.alive = True
+        self.watchdog.start()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.alive = False
+        self.watchdog.stop()
         self._batch.transport = None
         err = ConnectionLost(f"{self.name}: connection lost" + (f": {exc}" if exc else ""))
         for c in self.cmds.values():

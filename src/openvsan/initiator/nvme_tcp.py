@@ -82,13 +82,17 @@ class NvmeOptions:
     command_timeout: float = 30.0
     reconnect_timeout: float = 60.0
     connect_timeout: float = 10.0
+    # ask for I/O queues without SQ flow control (a read is then one C2HData PDU, no CapsuleResp); a
+    # controller that refuses gets the queue connected again with it on
+    sq_flow_off: bool = True
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def from_url(cls, u: TargetUrl) -> NvmeOptions:
         return cls(hostnqn=u.options.get("hostnqn", ""), hdgst=u.opt_bool("hdgst"), ddgst=u.opt_bool("ddgst"),
                    queues=u.opt_int("queues", 1, 1, 64), queue_depth=u.opt_int("queue_depth", 64, 1, 1023),
-                   kato_ms=u.opt_int("kato", 10, 0, 3600) * 1000)
+                   kato_ms=u.opt_int("kato", 10, 0, 3600) * 1000,
+                   sq_flow_off=not u.opt_bool("sqflow"))
 
 
 class Association:
@@ -119,15 +123,22 @@ class Association:
     async def _queue(self, qid: int, sqsize: int) -> NvmeQueue:
         loop = asyncio.get_running_loop()
         name = f"{self.host}:{self.port} {self.subnqn} q{qid}"
-        _, q = await asyncio.wait_for(loop.create_connection(lambda: NvmeQueue(name, qid), self.host, self.port),
-                                      self.opts.connect_timeout)
+        timeout = self.opts.command_timeout
+        _, q = await asyncio.wait_for(loop.create_connection(lambda: NvmeQueue(name, qid, timeout), self.host,
+                                                             self.port), self.opts.connect_timeout)
         q.on_lost = self._lost
         try:
             await asyncio.wait_for(q.initialize(hdgst=self.opts.hdgst, ddgst=self.opts.ddgst),
                                    self.opts.connect_timeout)
             data = C.connect_data(self.hostid, 0xFFFF if qid == 0 else self.cntlid, self.subnqn, self.hostnqn)
-            r = await self._wait(q.submit(lambda cid: C.connect(cid, qid, sqsize, self.opts.kato_ms), data=data,
-                                          in_capsule=True))
+            flow_off = qid > 0 and self.opts.sq_flow_off
+            r = await self._wait(q.submit(lambda cid: C.connect(cid, qid, sqsize, self.opts.kato_ms,
+                                                                sq_flow_off=flow_off), data=data, in_capsule=True))
+            if r.status and flow_off:
+                log.info("%s: SQ flow control cannot be disabled (status %#x); connecting with it on", name,
+                         r.status)
+                r = await self._wait(q.submit(lambda cid: C.connect(cid, qid, sqsize, self.opts.kato_ms),
+                                              data=data, in_capsule=True))
             if r.status:
                 raise DeviceFailed(f"{name}: Connect failed: {status_error(r.status, 'Connect')}")
             if qid == 0:
@@ -327,14 +338,8 @@ class NvmeTcpInitiator:
             async with a.slots[i]:
                 a.inflight[i] += 1
                 try:
-                    fut = q.submit(build, data=data, read_len=read_len, in_capsule=in_capsule)
-                    try:
-                        r = await asyncio.wait_for(asyncio.shield(fut), self.opts.command_timeout)
-                    except TimeoutError:
-                        log.warning("%s: %s timed out; reconnecting", self.url, what)
-                        q.forget(fut)
-                        a.close_now()
-                        continue
+                    # the queue's watchdog drops it when a command goes unanswered too long
+                    r = await q.submit(build, data=data, read_len=read_len, in_capsule=in_capsule)
                 except ConnectionLost:
                     continue
                 finally:

@@ -18,7 +18,7 @@ from openvsan.protocol.nvme.command import FABRICS_OPCODE, Sqe, data_plan
 from openvsan.protocol.nvme.controller import FCTYPE_CONNECT, FCTYPE_DISCONNECT, Controller
 from openvsan.protocol.nvme.fabrics import Fabric
 from openvsan.protocol.nvme.identify import MAX_TRANSFER
-from openvsan.protocol.nvme.io import execute_io
+from openvsan.protocol.nvme.io import OP_READ, OP_WRITE, execute_io, read_now, write_now
 from openvsan.protocol.nvme.status import Completion, cqe
 from openvsan.protocol.nvme.subsystem import Namespace, Port, Subsystem
 from openvsan.protocol.nvme_tcp.framing import FatalError
@@ -160,6 +160,7 @@ class Connection(BatchedConnection):
         self.pending: dict[int, Sqe] = {}      # CID -> command waiting for data, running, or held (AER)
         self.tasks: set[asyncio.Task[None]] = set()
         self._timer: asyncio.TimerHandle | None = None
+        self._answered_in_read = 0             # completions made while handling the current socket read
 
     # --- asyncio.Protocol -------------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -190,6 +191,7 @@ class Connection(BatchedConnection):
             self.transport.resume_reading()
 
     def received(self, data: bytes) -> None:
+        self._answered_in_read = 0
         for ev in self.queue.receive_data(data):
             if self._closed:
                 return
@@ -225,7 +227,9 @@ class Connection(BatchedConnection):
         sqe = Sqe(ev.sqe)
         if self.ctrl is not None:
             self.sqhd = self.sqhd + 1 if self.sqhd + 1 < self.sqsize else 0
-            if len(self.pending) >= self.sqsize:
+            # the host knows a slot is free only from a completion it has received: those made during this
+            # read of the socket have not left yet, so they still count
+            if len(self.pending) + self._answered_in_read >= self.sqsize:
                 # the host submitted more commands than its submission queue holds (Connect SQSIZE)
                 self._fatal(Fes.PDU_SEQUENCE_ERROR, ev.sqe, f"more than {self.sqsize} commands outstanding")
                 return
@@ -241,11 +245,36 @@ class Connection(BatchedConnection):
         if not ev.data_ok:
             self._complete(sqe, Completion(S.TRANSIENT_TRANSPORT_ERROR), 0)   # NVMe/TCP 1.0 §3.5.3 data digest
             return
+        if self.qid and not r2t and self.ctrl is not None and self._fast_io(sqe, ev.data, length):
+            return
         self.pending[cid] = sqe
         if r2t:
             self._send(self.queue.request_data(cid, length))
             return
         self._run(sqe, ev.data if length else b"", length)
+
+    def _fast_io(self, sqe: Sqe, data: bytes | memoryview, length: int) -> bool:
+        """A plain Read, or a Write with its data in the capsule, on a namespace whose device answers at
+        once (protocol/nvme/io.py read_now / write_now): done and answered here, with no Task. False: the
+        command was not touched and takes the normal path."""
+        ctrl = self.ctrl
+        assert ctrl is not None
+        op = sqe.opcode
+        if op == OP_READ:
+            buf = read_now(ctrl, sqe)
+            if buf is None or len(buf) != length:
+                return False
+            lent = not isinstance(buf, bytes)
+            if lent and self.queue.ddgst:
+                buf = bytes(buf)  # a view of the device: the digest must cover exactly what is sent
+            self._complete(sqe, Completion(data=buf), length)
+            if lent:
+                self._batch.flush()  # a lent view leaves before a later command of this read can write there
+            return True
+        if op == OP_WRITE and len(data) == length and write_now(ctrl, sqe, data):
+            self._complete(sqe, S.OK, 0)
+            return True
+        return False
 
     def _data(self, ev: DataReceived) -> None:
         sqe = self.pending.get(ev.cccid)
@@ -294,6 +323,7 @@ class Connection(BatchedConnection):
     def _complete(self, sqe: Sqe, comp: Completion, c2h_len: int) -> None:
         if self._closed:
             return
+        self._answered_in_read += 1
         cid = sqe.cid
         if comp.status and log.isEnabledFor(logging.DEBUG):
             log.debug("%s: qid %d cid %d opcode %#04x cdw10 %#x: status %#x", self.peer, self.qid, cid, sqe.opcode,

@@ -65,10 +65,16 @@ def fabrics(fctype: int, cid: int, *, cdw10: int = 0, cdw11: int = 0, cdw12: int
                in_capsule=in_capsule)
 
 
-def connect(cid: int, qid: int, sqsize: int, kato_ms: int, *, in_capsule: bool = True) -> bytes:
-    """NVMe-oF 1.1 §3.3 Connect: RECFMT 0, QID, SQSIZE (0-based), CATTR 0, KATO (admin queue only)."""
-    return fabrics(FCTYPE_CONNECT, cid, cdw10=qid << 16, cdw11=sqsize - 1, cdw12=kato_ms if qid == 0 else 0,
-                   data_len=CONNECT_DATA_LEN, in_capsule=in_capsule)
+CATTR_SQ_FLOW_DISABLE = 0x04   # NVMe-oF 1.1 §3.3 Figure 19: CATTR bit 2, SQ flow control disable
+
+
+def connect(cid: int, qid: int, sqsize: int, kato_ms: int, *, in_capsule: bool = True,
+            sq_flow_off: bool = False) -> bytes:
+    """NVMe-oF 1.1 §3.3 Connect: RECFMT 0, QID, SQSIZE (0-based), CATTR, KATO (admin queue only). With SQ
+    flow control off, a read ends with its last C2HData (SUCCESS flag, NVMe/TCP 1.0 §3.6.2.9): one PDU."""
+    cattr = CATTR_SQ_FLOW_DISABLE if sq_flow_off else 0
+    return fabrics(FCTYPE_CONNECT, cid, cdw10=qid << 16, cdw11=(sqsize - 1) | cattr << 16,
+                   cdw12=kato_ms if qid == 0 else 0, data_len=CONNECT_DATA_LEN, in_capsule=in_capsule)
 
 
 def connect_data(hostid: bytes, cntlid: int, subnqn: str, hostnqn: str) -> bytes:

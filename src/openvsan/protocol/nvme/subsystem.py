@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from openvsan.block.device import BlockDevice
+from openvsan.block.device import BlockDevice, SyncIO
 from openvsan.protocol.nvme.reservations import Reservations
 
 if TYPE_CHECKING:
@@ -34,6 +34,10 @@ class Namespace:
     read_only: bool = False
     ana_group: int = 1
     reservations: Reservations = field(default_factory=Reservations)
+    sync: SyncIO | None = field(init=False, default=None)   # the device, where it answers at once
+
+    def __post_init__(self) -> None:
+        self.sync = self.device if isinstance(self.device, SyncIO) else None
 
     @property
     def nguid(self) -> bytes:
