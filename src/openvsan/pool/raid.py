@@ -12,10 +12,11 @@ await pool.close()                              # clean shutdown (closes the mem
 ```
 
 The pieces, one concept per module: `layout.py` (where blocks live), `superblock.py` (the member header),
-`bitmap.py` (write-intent bitmap: the write-hole choice), `locks.py` (stripe locks), `members.py` (member
-state and I/O), `io_mirror.py` / `io_parity.py` (each level's read, write, rebuild and check of rows),
-`rebuild.py` (background resync and rebuild), `scrub.py` (the scrub report). This module is the lifecycle:
-create, assemble, member failure, replace and spares, status, close.
+`assembly.py` (create's checks, and which members assembly trusts), `bitmap.py` (write-intent bitmap: the
+write-hole choice), `locks.py` (stripe locks), `members.py` (member state and I/O), `io_mirror.py` /
+`io_parity.py` (each level's read, write, rebuild and check of rows), `rebuild.py` (background resync and
+rebuild), `scrub.py` (the scrub report), `status.py` (what status() says). This module is the Pool itself:
+member failure, replace and spares, superblock updates, background work, status, the BlockDevice calls, close.
 
 Member failure: a member request that raises MediumError or DeviceFailed marks the member FAILED; the
 superblocks of the others record it (event + 1) before the request that saw it (or any write that skipped the
@@ -23,11 +24,6 @@ member) is acknowledged, so a restart never trusts a member that missed writes. 
 the other copies or by reconstruction. A failure beyond what the level tolerates stops the pool: every request
 raises DeviceFailed and the superblocks are left as they were, so the pool can be assembled again once the
 members are back.
-
-Assembly: the superblock with the highest event is the truth. Its role table says which slot each member holds
-and which were in sync. A member the truth lists as in sync is trusted (its own event may be one behind: a
-superblock update torn by a crash); one it lists as failed or missing, or one more than one event behind, is
-stale: it is rebuilt from the others, never read. Members of another pool are refused.
 """
 
 from __future__ import annotations
@@ -37,12 +33,13 @@ import logging
 import time
 import uuid as uuidlib
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
 from functools import partial
 from typing import Any
 
 from openvsan.block.device import BlockDevice, Buffer, check_range
 from openvsan.block.errors import DeviceFailed
+from openvsan.pool import assembly
+from openvsan.pool.assembly import DEFAULT_CHUNK, PoolError, dev_name, fmt
 from openvsan.pool.bitmap import WriteIntentBitmap
 from openvsan.pool.io_mirror import MirrorIO
 from openvsan.pool.layout import Geometry, Level
@@ -50,11 +47,10 @@ from openvsan.pool.locks import StripeLocks
 from openvsan.pool.members import MEMBER_FAULTS, Member, MemberFaults, MemberSet
 from openvsan.pool.rebuild import Maintenance
 from openvsan.pool.scrub import RowCheck, ScrubReport, scrub_rows
+from openvsan.pool.status import MemberStatus, PoolStatus
 from openvsan.pool.superblock import (
     BITMAP_OFFSET,
     DEFAULT_DATA_OFFSET,
-    MAX_MEMBERS,
-    SLOT_SIZE,
     SPARE_INDEX,
     MemberState,
     Role,
@@ -66,58 +62,11 @@ from openvsan.pool.superblock import (
 
 log = logging.getLogger("openvsan.pool")
 
-DEFAULT_CHUNK = 64 * 1024
-MAX_CHUNK = 16 << 20
-REGION_BYTES = 4 << 20  # member data per write-intent bit, at least (more when the bitmap would not fit)
 BATCH_BYTES = 1 << 20  # member data per rebuild / resync / scrub step
-
-
-class PoolError(ValueError):
-    """An impossible request (create, assemble, replace, add_spare); the message says what and how to mend it."""
-
-
-@dataclass
-class MemberStatus:
-    index: int
-    name: str
-    state: str
-    rebuild_progress: float | None = None  # percent, REBUILDING only
-
-
-@dataclass
-class PoolStatus:
-    name: str
-    uuid: str
-    level: int
-    state: str  # optimal | degraded | rebuilding | failed
-    size: int  # bytes
-    block_size: int
-    chunk_size: int
-    members: list[MemberStatus]
-    spares: list[str] = field(default_factory=list)
-    rebuild_progress: float | None = None  # percent of the slowest rebuilding member
-    resync_progress: float | None = None  # percent of the dirty regions resynced
-    dirty_regions: int = 0
-    event: int = 0
-    error: str | None = None
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-def _dev_name(dev: BlockDevice, fallback: str) -> str:
-    return str(getattr(dev, "name", fallback))
 
 
 async def _zero_member(dev: BlockDevice, *, lba: int, blocks: int, unmap: bool) -> None:
     await (dev.unmap(lba, blocks) if unmap else dev.write_zeroes(lba, blocks))
-
-
-def _fmt(nbytes: int) -> str:
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if nbytes >= size and nbytes % (size // 1024 or 1) == 0:
-            return f"{nbytes / size:g} {unit}"
-    return f"{nbytes} bytes"
 
 
 class Pool:
@@ -164,7 +113,7 @@ class Pool:
         self._cleaner: asyncio.Task[None] | None = None
         self._retired: list[BlockDevice] = []  # members replaced by another device
 
-    # --- creation ---------------------------------------------------------------------------------------------
+    # --- creation and assembly (assembly.py) -------------------------------------------------------------------
 
     @classmethod
     async def create(
@@ -179,181 +128,19 @@ class Pool:
         would not fit in the header). `init`: "zero" writes zeroes over the members' data (parity and mirrors
         agree from the start; cheap on sparse files and RAM), "resync" marks every region dirty and computes
         parity in the background instead, "none" trusts the caller that the members hold zeroes.
-        `force` overwrites members that carry another pool's superblock."""
-        lvl = Level.parse(level)
-        if init not in ("zero", "resync", "none"):
-            raise PoolError(f"init must be zero, resync or none, not {init!r}")
-        n = len(members)
-        if n < lvl.min_members():
-            raise PoolError(f"RAID {int(lvl)} needs at least {lvl.min_members()} members, {n} given")
-        if lvl is Level.RAID10 and n % 2:
-            raise PoolError(f"RAID 10 needs an even number of members (mirrored pairs), {n} given")
-        if n > MAX_MEMBERS:
-            raise PoolError(f"at most {MAX_MEMBERS} members, {n} given")
-        devices = [*members, *spares]
-        names = [_dev_name(d, f"member{i}") for i, d in enumerate(devices)]
-        if len({id(d) for d in devices}) != len(devices):
-            raise PoolError("the same device is given twice")
-        bs = members[0].block_size
-        for d, nm in zip(devices, names, strict=True):
-            if d.block_size != bs:
-                raise PoolError(f"{nm} has {d.block_size}-byte blocks, {names[0]} {bs}: members must have one block size")
-        if chunk_size % bs or chunk_size & (chunk_size - 1) or not 4096 <= chunk_size <= MAX_CHUNK:
-            raise PoolError(f"chunk size {chunk_size} must be a power of two from 4 KiB to {_fmt(MAX_CHUNK)}"
-                            f" and a multiple of the {bs}-byte block")
-        if data_offset % bs or data_offset % SLOT_SIZE or data_offset <= BITMAP_OFFSET:
-            raise PoolError(f"data offset {data_offset} must be a multiple of 4 KiB above {BITMAP_OFFSET}")
-        for d, nm, sb in zip(devices, names, await asyncio.gather(*(read_superblock(d) for d in devices)), strict=True):
-            if sb is not None and not force:
-                raise PoolError(f"{nm} already belongs to pool {sb.name!r} ({sb.pool_uuid}); "
-                                "destroy that pool first or pass force=True to overwrite it")
-        cb = chunk_size // bs
-        off = data_offset // bs
-        usable = [d.num_blocks - off for d in members]
-        for d, nm in zip(members, names, strict=True):
-            if d.num_blocks - off < cb:
-                raise PoolError(f"{nm} holds {_fmt(d.num_blocks * bs)}: too small for a {_fmt(data_offset)} header"
-                                f" and one {_fmt(chunk_size)} chunk")
-        largest = max(range(n), key=lambda i: usable[i])
-        for i in range(n):
-            short = (usable[largest] - usable[i]) * bs
-            if short > chunk_size:
-                raise PoolError(f"{names[i]} is {_fmt(short)} smaller than {names[largest]}; members must be within"
-                                f" one chunk ({_fmt(chunk_size)}) of each other in size")
-        rows = min(usable) // cb
-        for d, nm in zip(spares, names[n:], strict=True):
-            if d.num_blocks < off + rows * cb:
-                raise PoolError(f"spare {nm} holds {_fmt(d.num_blocks * bs)}, fewer than the "
-                                f"{_fmt((off + rows * cb) * bs)} a member needs")
-        geo = Geometry(lvl, n, cb, rows)
-        capacity = (data_offset - BITMAP_OFFSET) * 8
-        region = bitmap_region or max(-(-REGION_BYTES // chunk_size), -(-rows // capacity))
-        if -(-rows // region) > capacity:
-            raise PoolError(f"a bitmap region of {region} rows needs {-(-rows // region)} bits; the header holds "
-                            f"{capacity}: use a larger bitmap_region or data_offset")
-        pool_uuid = uuidlib.UUID(str(uuid)) if uuid is not None else uuidlib.uuid4()
-        base = Superblock(
-            pool_uuid=pool_uuid, member_uuid=pool_uuid, level=int(lvl), chunk_size=chunk_size, block_size=bs,
-            member_count=n, member_index=0, event=0, data_offset=off, data_size=rows * cb, bitmap_region=region,
-            state=MemberState.ACTIVE, created=int(time.time()), name=name,
-        )
-        base.pack()  # a name too long fails here, before anything is written
-        mlist = [Member(i, d, uuidlib.uuid4(), MemberState.ACTIVE) for i, d in enumerate(members)]
-        pool = cls(base, geo, mlist, [], event=0, rebuild_rate=rebuild_rate, parity=parity,
-                   bitmap_idle_s=bitmap_idle_s)
-        # the header area first (an old bitmap must not survive), then the data
-        await asyncio.gather(*(d.write_zeroes(0, off) for d in members))
-        if init == "zero":
-            await asyncio.gather(*(d.write_zeroes(off, rows * cb) for d in members))
-        if pool.bitmap is not None and init == "resync":
-            pool.bitmap.mark_all()
-            await pool.bitmap.write_all(fua=True)
-        await asyncio.gather(*(d.flush() for d in members))
-        await pool.persist(changed=True)
-        for d in spares:
-            await pool._write_spare(d)
-        pool._start()
-        log.info("pool %s: created RAID %d over %d members, %s", name, int(lvl), n, _fmt(geo.num_blocks * bs))
-        return pool
-
-    # --- assembly ---------------------------------------------------------------------------------------------
+        `force` overwrites members that carry another pool's superblock. `parity`: the parity backend's name
+        (None: openvsan.pool.parity's automatic choice). `rebuild_rate`: bytes/s, None for no limit."""
+        return await assembly.create(
+            cls, members, level, chunk_size, uuid=uuid, name=name, force=force, spares=spares,
+            data_offset=data_offset, bitmap_region=bitmap_region, init=init, rebuild_rate=rebuild_rate,
+            parity=parity, bitmap_idle_s=bitmap_idle_s)
 
     @classmethod
     async def assemble(cls, devices: Sequence[BlockDevice], *, rebuild_rate: float | None = None,
                        parity: str | None = None, bitmap_idle_s: float = 5.0) -> Pool:
         """The pool these devices belong to, from their superblocks, in any order (see the module doc)."""
-        if not devices:
-            raise PoolError("no devices to assemble a pool from")
-        names = [_dev_name(d, f"device{i}") for i, d in enumerate(devices)]
-        sbs = await asyncio.gather(*(read_superblock(d) for d in devices), return_exceptions=True)
-        found: list[tuple[BlockDevice, str, Superblock]] = []
-        for d, nm, sb in zip(devices, names, sbs, strict=True):
-            if isinstance(sb, MEMBER_FAULTS):
-                # a device that cannot be read is as good as missing; the tolerance check below decides
-                log.error("pool: %s: cannot read its superblock (%s); leaving it out", nm, sb)
-            elif isinstance(sb, BaseException):
-                raise sb
-            elif sb is None:
-                raise PoolError(f"{nm} carries no openvsan pool superblock")
-            else:
-                found.append((d, nm, sb))
-        if not found:
-            raise PoolError("none of the devices could be read")
-        pools = {sb.pool_uuid for _, _, sb in found}
-        if len(pools) > 1:
-            which = "; ".join(f"{nm}: pool {sb.name!r} ({sb.pool_uuid})" for _, nm, sb in found)
-            raise PoolError(f"the devices belong to {len(pools)} different pools ({which}); give one pool's members")
-        in_slots = [(d, nm, sb) for d, nm, sb in found if not sb.is_spare]
-        if not in_slots:
-            raise PoolError("only spares given: no member of the pool")
-        # the highest event is the truth; on a tie the lowest slot, so the choice does not depend on the order
-        _, _, truth = max(in_slots, key=lambda f: (f[2].event, -f[2].member_index))
-        bs = truth.block_size
-        for _, nm, sb in found:
-            if (sb.level, sb.chunk_size, sb.block_size, sb.member_count, sb.data_offset, sb.data_size) != (
-                    truth.level, truth.chunk_size, truth.block_size, truth.member_count, truth.data_offset,
-                    truth.data_size):
-                raise PoolError(f"{nm}: its superblock disagrees with the newest one about the pool's geometry")
-        for d, nm, _ in found:
-            if d.block_size != bs or d.num_blocks < truth.data_offset + truth.data_size:
-                raise PoolError(f"{nm} is smaller than the pool's members or has another block size")
-        lvl = Level(truth.level)
-        geo = Geometry(lvl, truth.member_count, truth.chunk_size // bs, truth.data_size // (truth.chunk_size // bs))
-        members = [Member(i, None, r.uuid, MemberState.MISSING) for i, r in enumerate(truth.roles)]
-        chosen: dict[int, Superblock] = {}
-        ignored: list[str] = []
-        spares: list[tuple[BlockDevice, uuidlib.UUID]] = []
-        for d, nm, sb in found:
-            if sb.is_spare:
-                spares.append((d, sb.member_uuid))
-                continue
-            i = sb.member_index
-            if i >= len(members) or sb.member_uuid != truth.roles[i].uuid:
-                ignored.append(f"{nm} (a former member of slot {i})")
-                continue
-            if i in chosen:
-                raise PoolError(f"{nm} and {members[i].name} both claim slot {i} with the same member UUID")
-            chosen[i] = sb
-            role = truth.roles[i]
-            m = members[i]
-            m.dev = d
-            stale = sb.event < truth.event - 1
-            if role.state is MemberState.ACTIVE and not stale:
-                m.state = MemberState.ACTIVE
-            elif role.state is MemberState.REBUILDING and not stale:
-                m.state, m.checkpoint = MemberState.REBUILDING, role.checkpoint // geo.chunk_blocks
-            else:
-                # failed or missing at the last update, or it missed updates: its data is not trusted
-                log.warning("pool %s: %s (slot %d) is stale (event %d, newest %d): it will be rebuilt",
-                            truth.name, nm, i, sb.event, truth.event)
-                m.state, m.checkpoint = MemberState.REBUILDING, 0
-        for text in ignored:
-            log.warning("pool %s: ignoring %s", truth.name, text)
-        lost = [m.index for m in members if m.state is not MemberState.ACTIVE]
-        if not geo.available(lost):
-            missing = ", ".join(f"{m.index} ({'missing' if m.dev is None else 'stale'})" for m in members
-                                if m.state is not MemberState.ACTIVE)
-            raise PoolError(f"pool {truth.name!r}: members {missing} cannot be used; RAID {int(lvl)} of "
-                            f"{geo.members} members tolerates {geo.tolerance} lost (refusing to start)")
-        pool = cls(truth.evolve(clean=False), geo, members, spares, event=truth.event, rebuild_rate=rebuild_rate,
-                   parity=parity, bitmap_idle_s=bitmap_idle_s)
-        if pool.bitmap is not None:
-            nbytes = pool.bitmap.byte_size
-            trusted = [m for m in members if m.state is MemberState.ACTIVE and m.dev is not None]
-            raws = await asyncio.gather(*(
-                m.dev.read(BITMAP_OFFSET // bs, nbytes // bs) for m in trusted if m.dev is not None))
-            for raw in raws:
-                pool.bitmap.load(bytes(raw))
-            pool.bitmap.pending_resync = set(pool.bitmap.dirty())
-            if pool.bitmap.pending_resync:
-                log.warning("pool %s: %d dirty regions (not shut down cleanly): resyncing",
-                            pool.name, len(pool.bitmap.pending_resync))
-            if any(m.state is MemberState.REBUILDING for m in members):
-                pool.maintenance.bitmap_copy_needed = True
-        pool._use_spares()
-        await pool.persist(changed=True)
-        pool._start()
-        return pool
+        return await assembly.assemble(cls, devices, rebuild_rate=rebuild_rate, parity=parity,
+                                       bitmap_idle_s=bitmap_idle_s)
 
     # --- superblocks ------------------------------------------------------------------------------------------
 
@@ -464,7 +251,7 @@ class Pool:
                 return
             if m.state in (MemberState.FAILED, MemberState.MISSING):
                 dev, u = self.spares.pop(0)
-                log.warning("pool %s: spare %s takes over member %d", self.name, _dev_name(dev, "spare"), m.index)
+                log.warning("pool %s: spare %s takes over member %d", self.name, dev_name(dev, "spare"), m.index)
                 self._install(m, dev, u)
 
     def _install(self, m: Member, dev: BlockDevice, member_uuid: uuidlib.UUID) -> None:
@@ -481,12 +268,12 @@ class Pool:
             raise PoolError(f"no member {index}: the pool has members 0..{len(self.members) - 1}")
 
     async def _check_new_device(self, dev: BlockDevice, what: str, force: bool) -> None:
-        nm = _dev_name(dev, what)
+        nm = dev_name(dev, what)
         if dev.block_size != self.block_size:
             raise PoolError(f"{nm} has {dev.block_size}-byte blocks, the pool {self.block_size}")
         need = (self.data_offset + self.geo.member_blocks) * self.block_size
         if dev.num_blocks * dev.block_size < need:
-            raise PoolError(f"{nm} holds {_fmt(dev.num_blocks * dev.block_size)}, fewer than the {_fmt(need)} "
+            raise PoolError(f"{nm} holds {fmt(dev.num_blocks * dev.block_size)}, fewer than the {fmt(need)} "
                             f"a member of this pool needs")
         if any(m.dev is dev for m in self.members) or any(s is dev for s, _ in self.spares):
             raise PoolError(f"{nm} is already in this pool")
@@ -590,7 +377,7 @@ class Pool:
         return PoolStatus(
             name=self.name, uuid=str(self.uuid), level=int(self.level), state=state,
             size=self.num_blocks * self.block_size, block_size=self.block_size, chunk_size=self.chunk_size,
-            members=members, spares=[_dev_name(d, "spare") for d, _ in self.spares],
+            members=members, spares=[dev_name(d, "spare") for d, _ in self.spares],
             rebuild_progress=round(100.0 * min(m.checkpoint for m in rebuilding) / rows, 2) if rebuilding else None,
             resync_progress=self.maintenance.resync_progress(),
             dirty_regions=len(self.bitmap.dirty()) if self.bitmap is not None else 0,
@@ -730,7 +517,7 @@ class Pool:
             try:
                 await erase_superblock(dev)
             except MEMBER_FAULTS as e:
-                log.warning("pool %s: %s: superblock not erased: %s", self.name, _dev_name(dev, "member"), e)
+                log.warning("pool %s: %s: superblock not erased: %s", self.name, dev_name(dev, "member"), e)
         log.info("pool %s: destroyed", self.name)
         await self._close_devices()
 
@@ -753,7 +540,7 @@ class Pool:
             try:
                 await d.close()
             except Exception as e:  # noqa: BLE001  (one member's close must not keep the others open)
-                log.warning("pool %s: closing %s: %s", self.name, _dev_name(d, "member"), e)
+                log.warning("pool %s: closing %s: %s", self.name, dev_name(d, "member"), e)
 
     def to_config(self) -> dict[str, Any]:
         return {
