@@ -26,6 +26,8 @@ class Direction(IntEnum):
     BIDIRECTIONAL = 3
 
 
+_DIRECTIONS = tuple(Direction)
+
 class Sqe:
     """A decoded SQE; fields by their spec names."""
 
@@ -59,7 +61,7 @@ class Sqe:
     @property
     def direction(self) -> Direction:
         code = self.fctype if self.opcode == FABRICS_OPCODE else self.opcode
-        return Direction(code & 3)
+        return _DIRECTIONS[code & 3]   # indexing, not Direction(...): an enum call costs microseconds
 
 
 def data_plan(sqe: Sqe, in_capsule: int, max_transfer: int) -> tuple[int, int, bool]:

@@ -86,7 +86,7 @@ class PduReader:
         ptype, flags, hlen, pdo, plen = CH.unpack_from(ch)
         if ptype not in HOST_TO_CONTROLLER:
             raise FatalError(Fes.INVALID_PDU_HEADER_FIELD, 0, ch, f"PDU type {ptype:#x} not host-to-controller")
-        if hlen != HLEN[PduType(ptype)]:
+        if hlen != HLEN[ptype]:   # an int finds the IntEnum key; no PduType(...) call per PDU
             raise FatalError(Fes.INVALID_PDU_HEADER_FIELD, 2, ch, f"HLEN {hlen} for PDU type {ptype:#x}")
         digested = ptype in DIGESTED
         hd = DIGEST_LEN if digested and self.hdgst else 0
