@@ -1,5 +1,5 @@
 """What both comparison scripts share: tool checks, free ports, core pinning, targets started in their own
-process group and always stopped, the CPU a target's process group used, and the median table.
+process group and always stopped, the CPU and peak memory a target's process group used, and the median table.
 
 Standard library only, so anyone can run the scripts with the system python3 (the targets run from .venv).
 """
@@ -252,6 +252,60 @@ def print_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
     print("|" + "|".join("---" for _ in header) + "|")
     for row in rows:
         print("| " + " | ".join(row) + " |")
+
+
+def group_memory(pgid: int) -> tuple[int, int]:
+    """(bytes resident beyond shared memory, bytes of shared memory) of a process group, from /proc/PID/status:
+    RssAnon + RssFile is what the process itself holds; RssShmem is the RAM disks (memfd and /dev/shm)."""
+    own = shm = 0
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                stat = f.read()
+            if int(stat[stat.rindex(b")") + 2:].split()[2]) != pgid:
+                continue
+            with open(f"/proc/{entry}/status") as f:
+                fields = dict(line.split(":", 1) for line in f if ":" in line)
+        except (OSError, ValueError):
+            continue
+        kib = {k: int(v.split()[0]) for k, v in fields.items() if k in ("RssAnon", "RssFile", "RssShmem")}
+        own += (kib.get("RssAnon", 0) + kib.get("RssFile", 0)) * 1024
+        shm += kib.get("RssShmem", 0) * 1024
+    return own, shm
+
+
+class MemoryPeaks:
+    """Samples the resident memory of target process groups in a thread, every `period` seconds, and keeps the
+    peak of each (beyond shared memory: the RAM disks are not the process's own memory)."""
+
+    def __init__(self, pgids: dict[str, int], period: float = 0.25) -> None:
+        import threading
+
+        self.pgids = pgids
+        self.period = period
+        self.peak = {name: 0 for name in pgids}
+        self.peak_shm = {name: 0 for name in pgids}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> MemoryPeaks:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            for name, pgid in self.pgids.items():
+                own, shm = group_memory(pgid)
+                self.peak[name] = max(self.peak[name], own)
+                self.peak_shm[name] = max(self.peak_shm[name], shm)
+            if self._stop.wait(self.period):
+                return
 
 
 def host_info(pinned: bool) -> dict[str, Any]:

@@ -24,6 +24,7 @@ from _common import (
     PEERS,
     VSAN,
     BenchError,
+    MemoryPeaks,
     Target,
     fmt,
     free_port,
@@ -146,11 +147,14 @@ def measure(args: argparse.Namespace) -> int:
     print(f"work dir {work}; targets on core 0, clients on core 1: {pinned}", file=sys.stderr)
     results: dict[tuple[str, str], dict[str, list[float]]] = {}
     ok = False
+    memory: MemoryPeaks | None = None
     try:
         for t in targets.values():
             t.start()
         for name, t in targets.items():
             wait_iscsi_ready(t, urls[name])
+        memory = MemoryPeaks({name: t.pgid for name, t in targets.items()})
+        memory.__enter__()
         for rnd in range(args.rounds):
             for case, tool, qd, bs, rand, _ in CASES:
                 # alternate which target goes first, so neither always runs on a warmer machine
@@ -171,15 +175,18 @@ def measure(args: argparse.Namespace) -> int:
                           f"{r['mbps']:.0f} MB/s, target CPU {r['target_cpu_pct']:.0f} %", file=sys.stderr)
         ok = True
     finally:
+        if memory is not None:
+            memory.__exit__()
         stop_all(list(targets.values()), work, ok)
-    doc = report(args, urls, targets, results, pinned)
+    doc = report(args, urls, targets, results, pinned, memory)
     if args.out:
         args.out.write_text(json.dumps(doc, indent=2) + "\n")
     return 0
 
 
 def report(args: argparse.Namespace, urls: dict[str, str], targets: dict[str, Target],
-           results: dict[tuple[str, str], dict[str, list[float]]], pinned: bool) -> dict[str, Any]:
+           results: dict[tuple[str, str], dict[str, list[float]]], pinned: bool,
+           memory: MemoryPeaks | None) -> dict[str, Any]:
     cases = []
     rows = []
     for case, tool, qd, bs, rand, metric in CASES:
@@ -205,6 +212,12 @@ def report(args: argparse.Namespace, urls: dict[str, str], targets: dict[str, Ta
         cases.append(entry)
     print(f"\nmedians of {args.rounds} round(s), {args.seconds} s each, {args.size_mib} MiB RAM LUNs, "
           f"targets on core 0 and clients on core 1: {pinned}")
+    peaks = {name: {"rss_beyond_shm_bytes": memory.peak[name], "shm_bytes": memory.peak_shm[name]}
+             for name in targets} if memory is not None else {}
+    if peaks:
+        # issue 4: resident memory under these loads, beyond the RAM disks themselves
+        rows.append(["peak resident memory beyond the RAM disks",
+                     *(f"{peaks[n]['rss_beyond_shm_bytes'] / 2**20:.0f} MiB" for n in ("openvsan", "tgt")), "", ""])
     print_table(["", "openvsan", "tgt", "openvsan / tgt", "target CPU (openvsan / tgt)"], rows)
     return {
         "schema": "openvsan-bench-compare-tgt/1",
@@ -213,6 +226,7 @@ def report(args: argparse.Namespace, urls: dict[str, str], targets: dict[str, Ta
         "options": {"rounds": args.rounds, "seconds": args.seconds, "size_mib": args.size_mib, "smoke": args.smoke},
         "targets": {name: {"url": urls[name], "command": t.argv} for name, t in targets.items()},
         "cases": cases,
+        "memory": peaks,
     }
 
 

@@ -64,6 +64,9 @@ def test_compare_tgt_smoke(tmp_path: Path) -> None:
         if case["qd"] == 1:
             assert case["latency_ratio"] > 0
             assert all(t["latency_us"] > 0 for t in case["targets"].values())
+    # memory was sampled; issue 4's bound (300 MB beyond the RAM disks) holds under the smoke's loads too
+    mem = doc["memory"]["openvsan"]
+    assert 0 < mem["rss_beyond_shm_bytes"] < 300e6, mem
 
 
 def test_compare_local_smoke(tmp_path: Path) -> None:
