@@ -30,6 +30,10 @@ from openvsan.node.values import (
 T = TypeVar("T")
 
 DEVICE_TYPES = ("ram", "file", "null")
+# the pool levels a config names, and the fewest members each needs (RAID 10: mirrored pairs, so also even)
+POOL_LEVELS = {"raid0": 1, "raid1": 2, "raid10": 4, "raid5": 3, "raid6": 4}
+DEFAULT_CHUNK = 64 * 1024
+MAX_CHUNK = 16 << 20
 BLOCK_SIZES = (512, 4096)
 MAX_LUN = 16383  # SAM-5 flat/peripheral addressing as Linux and Windows use it: 14 bits
 MAX_NSID = 0xFFFFFFFE  # NVMe Base 2.0 §3.2.1.2: 0 and FFFFFFFFh are not valid namespace IDs
@@ -58,10 +62,23 @@ class DeviceSpec:
 
 
 @dataclass(frozen=True)
+class PoolSpec:
+    """A RAID pool over devices (openvsan.pool); serve creates it on blank members, else assembles it."""
+
+    name: str
+    level: str                      # raid0 | raid1 | raid10 | raid5 | raid6
+    members: tuple[str, ...]        # device names, slot order at creation
+    spares: tuple[str, ...] = ()
+    chunk: int = DEFAULT_CHUNK      # bytes
+    rebuild_rate: int | None = None  # bytes/s of member data; None: as fast as the members go
+
+
+@dataclass(frozen=True)
 class VolumeSpec:
     name: str
-    device: str
+    device: str | None              # None: the volume lives on `pool`
     read_only: bool = False
+    pool: str | None = None
 
 
 @dataclass(frozen=True)
@@ -132,6 +149,7 @@ class NodeConfig:
     source: Path | None = field(default=None, compare=False)
     nvme: NvmeSpec | None = None                  # None: no [nvme] section, no NVMe/TCP server
     nbd_exports: tuple[NbdExportSpec, ...] = ()
+    pools: tuple[PoolSpec, ...] = ()
 
     @property
     def subsystems(self) -> tuple[SubsystemSpec, ...]:
@@ -145,6 +163,19 @@ class NodeConfig:
 
     def volume(self, name: str) -> VolumeSpec:
         return next(v for v in self.volumes if v.name == name)
+
+    def pool(self, name: str) -> PoolSpec:
+        return next(p for p in self.pools if p.name == name)
+
+    def device_user(self, name: str) -> str | None:
+        """Who uses device `name`: 'volume X', 'pool X' (a member or spare), or None."""
+        for v in self.volumes:
+            if v.device == name:
+                return f"volume {v.name}"
+        for p in self.pools:
+            if name in p.members or name in p.spares:
+                return f"pool {p.name}"
+        return None
 
 
 def load_config(path: str | Path) -> NodeConfig:
@@ -228,12 +259,13 @@ def parse_config(data: dict[str, Any], *, base_dir: Path | None = None) -> NodeC
     top = _Table(data, "")
     node = _parse_node(top, base_dir)
     devices = _parse_devices(top, base_dir)
-    volumes = _parse_volumes(top, devices)
+    pools = _parse_pools(top, devices)
+    volumes = _parse_volumes(top, devices, pools)
     targets = _parse_iscsi(top, volumes)
     nvme = _parse_nvme(top, volumes)
     nbd = _parse_nbd(top, volumes)
-    top.done(("node", "devices", "volumes", "iscsi", "nvme", "nbd"))
-    cfg = NodeConfig(node, devices, volumes, targets, nvme=nvme, nbd_exports=nbd)
+    top.done(("node", "devices", "pools", "volumes", "iscsi", "nvme", "nbd"))
+    cfg = NodeConfig(node, devices, volumes, targets, nvme=nvme, nbd_exports=nbd, pools=pools)
     _check_portal_clashes(cfg)
     return cfg
 
@@ -304,10 +336,87 @@ def _parse_devices(top: _Table, base_dir: Path | None) -> tuple[DeviceSpec, ...]
     return tuple(out)
 
 
-def _parse_volumes(top: _Table, devices: tuple[DeviceSpec, ...]) -> tuple[VolumeSpec, ...]:
+def _parse_pools(top: _Table, devices: tuple[DeviceSpec, ...]) -> tuple[PoolSpec, ...]:
+    out: list[PoolSpec] = []
+    owner: dict[str, str] = {}  # device -> the pool it is a member or spare of
+    by_name = {d.name: d for d in devices}
+    for path, raw in _items(top, "pools", hint="add [[pools]] tables"):
+        t = _Table(raw, path, what="a [[pools]] table")
+        name = t.check("name", check_object_name, t.get("name", str, required=True,
+                                                         hint='give the pool a name, e.g. name = "pool0"'))
+        if any(p.name == name for p in out):
+            raise ConfigError(f"{t.key('name')}: a pool named {_fmt(name)} is already defined; "
+                              "give each pool its own name")
+        levels = ", ".join(POOL_LEVELS)
+        level = t.get("level", str, required=True, hint=f'add level = "raid5" (one of: {levels})').lower()
+        if level not in POOL_LEVELS:
+            raise ConfigError(f"{t.key('level')}: unknown level {_fmt(level)}; use one of: {levels}")
+        members = _pool_devices(t, "members", name, by_name, owner)
+        spares = _pool_devices(t, "spares", name, by_name, owner)
+        need = POOL_LEVELS[level]
+        if len(members) < need:
+            raise ConfigError(f"{t.key('members')}: {level} needs at least {need} members, {len(members)} given; "
+                              f"add {need - len(members)} more")
+        if level == "raid10" and len(members) % 2:
+            raise ConfigError(f"{t.key('members')}: raid10 needs an even number of members (mirrored pairs), "
+                              f"{len(members)} given; add or remove one")
+        if spares and level == "raid0":
+            raise ConfigError(f"{t.key('spares')}: raid0 has no redundancy to rebuild a spare from; remove spares "
+                              "or use a redundant level")
+        first = by_name[members[0]]
+        for i, d in enumerate(members + spares):
+            if by_name[d].block_size != first.block_size:
+                key = f"members[{i}]" if i < len(members) else f"spares[{i - len(members)}]"
+                raise ConfigError(f"{t.key(key)}: device {_fmt(d)} has {by_name[d].block_size}-byte blocks, "
+                                  f"{_fmt(first.name)} {first.block_size}; a pool's devices have one block size")
+        chunk = DEFAULT_CHUNK
+        if t.has("chunk"):
+            chunk = t.check("chunk", parse_size, t.get("chunk", (int, str)))
+            if chunk & (chunk - 1) or not 4096 <= chunk <= MAX_CHUNK or chunk % first.block_size:
+                raise ConfigError(f"{t.key('chunk')}: {chunk} bytes; use a power of two from 4KiB to 16MiB, "
+                                  'e.g. chunk = "64KiB"')
+        rate = None
+        if t.has("rebuild_rate"):
+            value = t.get("rebuild_rate", (int, str))
+            # "200MiB/s" reads as well as "200MiB": the unit is per second either way
+            rate = t.check("rebuild_rate", parse_size, value.removesuffix("/s") if isinstance(value, str) else value)
+        t.done(("name", "level", "members", "spares", "chunk", "rebuild_rate"))
+        out.append(PoolSpec(name, level, members, spares, chunk, rate))
+    return tuple(out)
+
+
+def _pool_devices(t: _Table, key: str, pool: str, by_name: dict[str, DeviceSpec],
+                  owner: dict[str, str]) -> tuple[str, ...]:
+    values = t.get(key, list, None if key == "members" else [], required=key == "members",
+                   hint='list its devices, e.g. members = ["d0", "d1", "d2"]')
+    out: list[str] = []
+    for i, d in enumerate(values):
+        k = f"{t.key(key)}[{i}]"
+        if not isinstance(d, str):
+            raise ConfigError(f"{k}: expected a device name, found {_fmt(d)}")
+        if d not in by_name:
+            known = f"use one of: {', '.join(by_name)}" if by_name else "none is defined"
+            raise ConfigError(f"{k}: unknown device {_fmt(d)}; define it under [[devices]] or {known}")
+        if by_name[d].type == "null":
+            raise ConfigError(f"{k}: device {_fmt(d)} is a null device, which keeps nothing (not even the pool's "
+                              "superblock); use a file or ram device")
+        if d in out:
+            raise ConfigError(f"{k}: device {_fmt(d)} is listed twice in this pool; list it once")
+        if d in owner:
+            where = "this pool" if owner[d] == pool else f"pool {_fmt(owner[d])}"
+            raise ConfigError(f"{k}: device {_fmt(d)} is already in {where}; a device belongs to one pool, once")
+        owner[d] = pool
+        out.append(d)
+    return tuple(out)
+
+
+def _parse_volumes(top: _Table, devices: tuple[DeviceSpec, ...],
+                   pools: tuple[PoolSpec, ...] = ()) -> tuple[VolumeSpec, ...]:
     out: list[VolumeSpec] = []
     owner: dict[str, str] = {}
+    pool_owner: dict[str, str] = {}
     names = [d.name for d in devices]
+    pool_names = [p.name for p in pools]
     for path, raw in _items(top, "volumes", hint="add [[volumes]] tables"):
         t = _Table(raw, path, what="a [[volumes]] table")
         name = t.check("name", check_object_name, t.get("name", str, required=True,
@@ -315,7 +424,24 @@ def _parse_volumes(top: _Table, devices: tuple[DeviceSpec, ...]) -> tuple[Volume
         if any(v.name == name for v in out):
             raise ConfigError(f"{t.key('name')}: a volume named {_fmt(name)} is already defined; "
                               "give each volume its own name")
-        device = t.get("device", str, required=True, hint='name the device it lives on, e.g. device = "ram0"')
+        read_only = t.get("read_only", bool, False)
+        if t.has("pool"):
+            pool = t.get("pool", str)
+            if t.has("device"):
+                raise ConfigError(f"{path}: names both device {_fmt(t.get('device', str))} and pool {_fmt(pool)}; "
+                                  "a volume lives on one of them: remove one")
+            if pool not in pool_names:
+                known = f"use one of: {', '.join(pool_names)}" if pool_names else "none is defined"
+                raise ConfigError(f"{t.key('pool')}: unknown pool {_fmt(pool)}; define it under [[pools]] or {known}")
+            if pool in pool_owner:
+                raise ConfigError(f"{t.key('pool')}: pool {_fmt(pool)} is already used by volume "
+                                  f"{_fmt(pool_owner[pool])}; give each volume its own pool")
+            pool_owner[pool] = name
+            t.done(("name", "pool", "read_only"))
+            out.append(VolumeSpec(name, None, read_only, pool=pool))
+            continue
+        device = t.get("device", str, required=True,
+                       hint='name the device it lives on, e.g. device = "ram0" (or a pool: pool = "pool0")')
         if device not in names:
             known = f"use one of: {', '.join(names)}" if names else "none is defined"
             raise ConfigError(f"{t.key('device')}: unknown device {_fmt(device)}; define it under [[devices]] "
@@ -323,8 +449,11 @@ def _parse_volumes(top: _Table, devices: tuple[DeviceSpec, ...]) -> tuple[Volume
         if device in owner:
             raise ConfigError(f"{t.key('device')}: device {_fmt(device)} is already used by volume "
                               f"{_fmt(owner[device])}; give each volume its own device")
+        in_pool = next((p.name for p in pools if device in p.members or device in p.spares), None)
+        if in_pool is not None:
+            raise ConfigError(f"{t.key('device')}: device {_fmt(device)} is in pool {_fmt(in_pool)}; a volume on "
+                              f"the pool names it: pool = {_fmt(in_pool)}")
         owner[device] = name
-        read_only = t.get("read_only", bool, False)
         t.done(("name", "device", "read_only"))
         out.append(VolumeSpec(name, device, read_only))
     return tuple(out)

@@ -13,7 +13,7 @@ import sqlite3
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Self
@@ -27,13 +27,14 @@ from openvsan.node.config import (
     NodeConfig,
     NodeSettings,
     NvmeSpec,
+    PoolSpec,
     SubsystemSpec,
     TargetSpec,
     VolumeSpec,
 )
 from openvsan.node.values import Portal
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 STATE_DB = "state.db"
 
 # Each entry moves the schema from version i to i+1; a released migration is never edited.
@@ -92,6 +93,30 @@ _MIGRATIONS: list[str] = [
         name TEXT NOT NULL REFERENCES nbd_exports (name) ON DELETE CASCADE, position INTEGER NOT NULL,
         host TEXT NOT NULL, port INTEGER NOT NULL, PRIMARY KEY (name, host, port));
     """,
+    # 3: pools, and volumes that live on a pool instead of a device. The volumes table is rebuilt (SQLite's
+    # "making other kinds of table schema changes" procedure; _migrate turns foreign keys off around it).
+    """
+    CREATE TABLE pools (
+        name TEXT PRIMARY KEY, position INTEGER NOT NULL,
+        level TEXT NOT NULL CHECK (level IN ('raid0', 'raid1', 'raid10', 'raid5', 'raid6')),
+        chunk INTEGER NOT NULL, rebuild_rate INTEGER);
+    CREATE TABLE pool_members (
+        pool TEXT NOT NULL REFERENCES pools (name) ON DELETE CASCADE, spare INTEGER NOT NULL,
+        position INTEGER NOT NULL, device TEXT NOT NULL UNIQUE REFERENCES devices (name),
+        PRIMARY KEY (pool, spare, position));
+    -- devices a running pool took in by `vsan pool replace` or `add-spare`: a config device's name or
+    -- file:PATH:SIZE. Not from the config, so an import keeps them (like volume_identities).
+    CREATE TABLE pool_runtime_devices (
+        pool TEXT NOT NULL, position INTEGER NOT NULL, ref TEXT NOT NULL, PRIMARY KEY (pool, ref));
+    CREATE TABLE volumes_new (
+        name TEXT PRIMARY KEY, position INTEGER NOT NULL,
+        device TEXT UNIQUE REFERENCES devices (name), pool TEXT UNIQUE REFERENCES pools (name),
+        read_only INTEGER NOT NULL DEFAULT 0, CHECK ((device IS NULL) <> (pool IS NULL)));
+    INSERT INTO volumes_new (name, position, device, pool, read_only)
+        SELECT name, position, device, NULL, read_only FROM volumes;
+    DROP TABLE volumes;
+    ALTER TABLE volumes_new RENAME TO volumes;
+    """,
 ]
 
 
@@ -109,6 +134,8 @@ class VolumeIdentity:
 class StoredState:
     config: NodeConfig
     identities: dict[str, VolumeIdentity]
+    # pool name -> devices its members and spares include beyond the config's (Store.set_pool_runtime_devices)
+    pool_devices: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
 
 class Store:
@@ -120,7 +147,6 @@ class Store:
             self._db = sqlite3.connect(path, isolation_level=None)
             if fresh:
                 os.chmod(path, 0o600)  # CHAP secrets live here
-            self._db.execute("PRAGMA foreign_keys = ON")
             self._db.execute("PRAGMA synchronous = FULL")
             self._migrate()
         except sqlite3.DatabaseError as e:
@@ -151,21 +177,30 @@ class Store:
         self._db.execute("COMMIT")
 
     def _migrate(self) -> None:
-        with self._transaction() as db:
-            db.execute("CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL)")
-            row = db.execute("SELECT version FROM schema_version").fetchone()
-            version = row[0] if row else 0
-            if version > SCHEMA_VERSION:
-                raise StoreError(f"{self.path}: written by a newer openvsan (schema {version}, this one knows "
-                                 f"{SCHEMA_VERSION}); upgrade openvsan or use another --data-dir")
-            for script in _MIGRATIONS[version:]:
-                for statement in script.split(";\n"):
-                    if statement.strip():
-                        db.execute(statement)
-            if not row:
-                db.execute("INSERT INTO schema_version VALUES (?)", (SCHEMA_VERSION,))
-            elif version < SCHEMA_VERSION:
-                db.execute("UPDATE schema_version SET version = ?", (SCHEMA_VERSION,))
+        # a migration may rebuild a table others reference (3: volumes), which SQLite only allows with foreign
+        # keys off; they are checked before the migration commits, and on again after
+        self._db.execute("PRAGMA foreign_keys = OFF")
+        try:
+            with self._transaction() as db:
+                db.execute("CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL)")
+                row = db.execute("SELECT version FROM schema_version").fetchone()
+                version = row[0] if row else 0
+                if version > SCHEMA_VERSION:
+                    raise StoreError(f"{self.path}: written by a newer openvsan (schema {version}, this one knows "
+                                     f"{SCHEMA_VERSION}); upgrade openvsan or use another --data-dir")
+                for script in _MIGRATIONS[version:]:
+                    for statement in script.split(";\n"):
+                        if statement.strip():
+                            db.execute(statement)
+                if db.execute("PRAGMA foreign_key_check").fetchone() is not None:
+                    raise StoreError(f"{self.path}: the state database breaks its own references after migrating "
+                                     f"from schema {version}; use another --data-dir")
+                if not row:
+                    db.execute("INSERT INTO schema_version VALUES (?)", (SCHEMA_VERSION,))
+                elif version < SCHEMA_VERSION:
+                    db.execute("UPDATE schema_version SET version = ?", (SCHEMA_VERSION,))
+        finally:
+            self._db.execute("PRAGMA foreign_keys = ON")
 
     def schema_version(self) -> int:
         return int(self._db.execute("SELECT version FROM schema_version").fetchone()[0])
@@ -177,7 +212,7 @@ class Store:
         with self._transaction() as db:
             for table in ("nbd_portals", "nbd_exports", "host_acls", "namespaces", "subsystem_portals", "subsystems",
                           "nvme_portals", "chap_users", "acls", "luns", "target_portals", "targets", "volumes",
-                          "devices", "node"):
+                          "pool_members", "pools", "devices", "node"):
                 db.execute(f"DELETE FROM {table}")
             db.executemany("INSERT INTO node VALUES (?, ?)", [
                 ("name", cfg.node.name),
@@ -189,8 +224,13 @@ class Store:
             db.executemany("INSERT INTO devices VALUES (?, ?, ?, ?, ?, ?, ?, ?)", [
                 (d.name, i, d.type, d.size, d.block_size, _str(d.backing), _str(d.path), int(d.direct))
                 for i, d in enumerate(cfg.devices)])
-            db.executemany("INSERT INTO volumes VALUES (?, ?, ?, ?)", [
-                (v.name, i, v.device, int(v.read_only)) for i, v in enumerate(cfg.volumes)])
+            db.executemany("INSERT INTO pools VALUES (?, ?, ?, ?, ?)", [
+                (p.name, i, p.level, p.chunk, p.rebuild_rate) for i, p in enumerate(cfg.pools)])
+            db.executemany("INSERT INTO pool_members VALUES (?, ?, ?, ?)", [
+                (p.name, spare, j, d) for p in cfg.pools
+                for spare, names in ((0, p.members), (1, p.spares)) for j, d in enumerate(names)])
+            db.executemany("INSERT INTO volumes (name, position, device, pool, read_only) VALUES (?, ?, ?, ?, ?)", [
+                (v.name, i, v.device, v.pool, int(v.read_only)) for i, v in enumerate(cfg.volumes)])
             for v in cfg.volumes:
                 self._ensure_identity(db, v.name)
             for i, t in enumerate(cfg.targets):
@@ -247,8 +287,8 @@ class Store:
                        bool(direct))
             for name, kind, size, bs, backing, path, direct in db.execute(
                 "SELECT name, type, size, block_size, backing, path, direct FROM devices ORDER BY position"))
-        volumes = tuple(VolumeSpec(name, dev, bool(ro)) for name, dev, ro in db.execute(
-            "SELECT name, device, read_only FROM volumes ORDER BY position"))
+        volumes = tuple(VolumeSpec(name, dev, bool(ro), pool=pool) for name, dev, pool, ro in db.execute(
+            "SELECT name, device, pool, read_only FROM volumes ORDER BY position"))
         targets = []
         for iqn, alias, tpgt, any_initiator in db.execute(
                 "SELECT iqn, alias, portal_group_tag, any_initiator FROM targets ORDER BY position").fetchall():
@@ -268,8 +308,34 @@ class Store:
         settings = NodeSettings(node.get("name", ""), Path(node["data_dir"]) if node.get("data_dir") else None)
         cfg = NodeConfig(settings, devices, volumes, tuple(targets),
                          source=Path(node["source"]) if node.get("source") else None,
-                         nvme=self._load_nvme() if node.get("nvme") else None, nbd_exports=self._load_nbd())
-        return StoredState(cfg, self.identities())
+                         nvme=self._load_nvme() if node.get("nvme") else None, nbd_exports=self._load_nbd(),
+                         pools=self._load_pools())
+        runtime = {p.name: self.pool_runtime_devices(p.name) for p in cfg.pools}
+        return StoredState(cfg, self.identities(), {k: v for k, v in runtime.items() if v})
+
+    def _load_pools(self) -> tuple[PoolSpec, ...]:
+        db = self._db
+        out = []
+        for name, level, chunk, rate in db.execute(
+                "SELECT name, level, chunk, rebuild_rate FROM pools ORDER BY position").fetchall():
+            devs: dict[int, list[str]] = {0: [], 1: []}
+            for spare, device in db.execute("SELECT spare, device FROM pool_members WHERE pool = ? "
+                                            "ORDER BY spare, position", (name,)):
+                devs[spare].append(device)
+            out.append(PoolSpec(name, level, tuple(devs[0]), tuple(devs[1]), chunk, rate))
+        return tuple(out)
+
+    # --- what running pools took in (not desired state: kept across imports) -----------------------
+
+    def pool_runtime_devices(self, pool: str) -> tuple[str, ...]:
+        return tuple(r for (r,) in self._db.execute(
+            "SELECT ref FROM pool_runtime_devices WHERE pool = ? ORDER BY position", (pool,)))
+
+    def set_pool_runtime_devices(self, pool: str, refs: tuple[str, ...] | list[str]) -> None:
+        with self._transaction() as db:
+            db.execute("DELETE FROM pool_runtime_devices WHERE pool = ?", (pool,))
+            db.executemany("INSERT INTO pool_runtime_devices VALUES (?, ?, ?)",
+                           [(pool, i, r) for i, r in enumerate(dict.fromkeys(refs))])
 
     def _load_nvme(self) -> NvmeSpec:
         db = self._db
