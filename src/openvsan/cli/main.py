@@ -19,6 +19,7 @@ from rich.table import Table
 from openvsan import __version__
 from openvsan.cli.bench import bench
 from openvsan.cli.initiator import initiator_app
+from openvsan.cli.pool import pool_app
 from openvsan.node.config import ConfigError, NodeConfig, load_config, preflight
 from openvsan.node.values import format_size
 
@@ -31,6 +32,7 @@ app = typer.Typer(name="vsan", help="openvsan: a virtual SAN. Serve block volume
 config_app = typer.Typer(help="Work with config files.", no_args_is_help=True)
 app.add_typer(config_app, name="config")
 app.add_typer(initiator_app, name="initiator")  # cli/initiator.py: discover, inquiry/identify, read, write, attach
+app.add_typer(pool_app, name="pool")  # cli/pool.py: list, status, scrub, fail, replace, add-spare; create, inspect
 app.command("bench")(bench)  # cli/bench.py: IOPS, MB/s, latency of a target (docs/benchmarks.md)
 
 log = logging.getLogger("openvsan.cli")
