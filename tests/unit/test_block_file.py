@@ -238,3 +238,22 @@ def test_config_round_trip(tmp_path: Path) -> None:
     assert again.to_config() == dev.to_config()
     run(dev.close())
     run(again.close())
+
+
+def test_read_now_from_the_page_cache_matches_read(tmp_path: Path) -> None:
+    from openvsan.block.device import SyncRead, SyncWrite
+
+    async def go() -> None:
+        dev = FileDevice(tmp_path / "d.img", size=1 << 20)
+        assert isinstance(dev, SyncRead) and not isinstance(dev, SyncWrite)  # writes always take the pool
+        data = os.urandom(64 * 512)
+        await dev.write(8, data)
+        got = dev.read_now(8, 64)   # just written: in the page cache
+        assert got is not None and bytes(got) == data == bytes(await dev.read(8, 64))
+        hole = dev.read_now(1000, 8)  # never written: a hole reads as zeroes, no disk to wait for
+        assert hole is not None and bytes(hole) == bytes(8 * 512)
+        assert dev.read_now(0, 2048) is None   # past NOWAIT_MAX: declined, read() does it
+        await dev.close()
+        assert dev.read_now(8, 1) is None      # closed: declined, read() reports it
+
+    asyncio.run(go())

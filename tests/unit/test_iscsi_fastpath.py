@@ -1,4 +1,4 @@
-"""The iSCSI target's fast path (plain READ/WRITE on a device with SyncIO, answered without a Task) must say
+"""The iSCSI target's fast path (plain READ/WRITE on a device with SyncRead/SyncWrite, answered without a Task) must say
 exactly what the normal path says: the same bytes on the wire for the same command stream, whichever path
 each command takes, and every condition (unit attention, reservation, range, residual) still reported."""
 
@@ -10,7 +10,7 @@ import struct
 import uuid
 from typing import Any
 
-from openvsan.block.device import Buffer, SyncIO
+from openvsan.block.device import Buffer, SyncRead, SyncWrite
 from openvsan.block.ram import RamDevice
 from openvsan.protocol.iscsi.login import LoginState
 from openvsan.protocol.scsi import Lun, ScsiTarget
@@ -51,7 +51,7 @@ class Wire:
 
 
 class AsyncOnly:
-    """The same RAM, without SyncIO: every command takes the normal path."""
+    """The same RAM, without SyncRead/SyncWrite: every command takes the normal path."""
 
     def __init__(self, inner: RamDevice) -> None:
         self.inner = inner
@@ -72,9 +72,9 @@ class Counting(RamDevice):
         self.fast += 1
         return super().read_now(lba, blocks)
 
-    def write_now(self, lba: int, data: Buffer) -> None:
+    def write_now(self, lba: int, data: Buffer) -> bool:
         self.fast += 1
-        super().write_now(lba, data)
+        return super().write_now(lba, data)
 
 
 def cmd(itt: int, cmdsn: int, cdb: bytes, *, read: bool = False, write: bool = False, edtl: int = 0,
@@ -134,8 +134,9 @@ def both(stream: list[bytes], setup: Any = None) -> tuple[bytes, bytes, int]:
 
 
 def test_ram_offers_sync_io_and_the_wrapper_does_not() -> None:
-    assert isinstance(RamDevice(8, BS), SyncIO)
-    assert not isinstance(AsyncOnly(RamDevice(8, BS)), SyncIO)
+    assert isinstance(RamDevice(8, BS), SyncRead) and isinstance(RamDevice(8, BS), SyncWrite)
+    assert not isinstance(AsyncOnly(RamDevice(8, BS)), SyncRead)
+    assert not isinstance(AsyncOnly(RamDevice(8, BS)), SyncWrite)
 
 
 def test_a_random_command_stream_gets_the_same_bytes_on_either_path() -> None:

@@ -36,16 +36,21 @@ def check_range(dev: BlockDevice, lba: int, blocks: int) -> None:
 
 
 @runtime_checkable
-class SyncIO(Protocol):
-    """What a device that answers at memory speed may offer besides BlockDevice: reads and writes done in
-    the caller's turn of the event loop, with no coroutine. Frontends use it for plain commands (no Task,
-    no await); everything else takes the async path. The caller has checked the range, and a write is as
-    durable on return as `write(..., fua=True)` would make it.
+class SyncRead(Protocol):
+    """What a device may offer besides BlockDevice when it can often answer a read at once: read_now is done
+    in the caller's turn of the event loop, with no coroutine, or declines (None: use read()). Frontends use
+    it for plain reads (no Task, no await). The caller has checked the range.
 
     read_now may lend a view of the device's own memory rather than a copy: it is for sending at once, and
     a write to the same blocks before the send is done shows through, as it may for any read that overlaps
     a write in flight (SAM-5 gives such commands no order). Keep a copy (bytes()) to hold on to it."""
 
-    def read_now(self, lba: int, blocks: int) -> Buffer: ...
+    def read_now(self, lba: int, blocks: int) -> Buffer | None: ...
 
-    def write_now(self, lba: int, data: Buffer) -> None: ...
+
+@runtime_checkable
+class SyncWrite(Protocol):
+    """write_now: a write done in the caller's turn, as durable on return as `write(..., fua=True)` would make
+    it, or declined (False, nothing written: use write()). The caller has checked the range."""
+
+    def write_now(self, lba: int, data: Buffer) -> bool: ...

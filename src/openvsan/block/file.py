@@ -25,6 +25,8 @@ FALLOC_FL_PUNCH_HOLE = 0x02
 
 # Largest chunk of zeroes written at once when hole punching is not available.
 _ZERO_CHUNK = 1 << 20
+# Largest read_now: beyond it the thread pool's hop is small beside the copy, and a big fresh buffer faults
+NOWAIT_MAX = 128 * 1024
 
 
 def _load_fallocate() -> Callable[[int, int, int, int], int] | None:
@@ -106,6 +108,8 @@ class FileDevice:
         self._pool = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix=f"file-{name}")
         # RWF_DSYNC makes one pwritev durable on its own (Linux 4.7+); fall back to pwrite + fdatasync.
         self._rwf_dsync = getattr(os, "RWF_DSYNC", 0) if hasattr(os, "pwritev") else 0
+        # RWF_NOWAIT reads (Linux 4.14+) for read_now; not with O_DIRECT, where a read always goes to the disk
+        self._nowait = 0 if direct else getattr(os, "RWF_NOWAIT", 0)
         self._closed = False
 
     def _probe_direct(self) -> None:
@@ -139,6 +143,25 @@ class FileDevice:
         if e.errno in (errno.ENODEV, errno.ENXIO, errno.EBADF):
             return DeviceFailed(f"{self.name}: {e.strerror}")
         return e
+
+    # --- the fast path (block/device.py SyncRead) ------------------------------------------------
+
+    def read_now(self, lba: int, blocks: int) -> Buffer | None:
+        """The blocks, when the page cache holds them all: preadv2(RWF_NOWAIT) never waits for the disk and
+        says EAGAIN instead. None (declined): read() takes the thread pool. The caller checked the range."""
+        n = blocks * self.block_size
+        if not self._nowait or n > NOWAIT_MAX or self._closed:
+            return None
+        buf = bytearray(n)
+        try:
+            got = os.preadv(self._fd, [buf], lba * self.block_size, self._nowait)
+        except BlockingIOError:
+            return None
+        except OSError as e:
+            if e.errno in (errno.EOPNOTSUPP, errno.EINVAL):
+                self._nowait = 0   # this file system (or kernel) has no RWF_NOWAIT reads: stop asking
+            return None            # every other error is the async path's to report
+        return buf if got == n else None
 
     # --- blocking halves, run in the pool -------------------------------------------------------
 

@@ -49,7 +49,7 @@ class RamDevice:
         bs = self.block_size
         return os.pread(self._fd, blocks * bs, lba * bs)
 
-    # The synchronous fast path (see block/device.py, SyncIO): the caller has checked the range.
+    # The synchronous fast path (block/device.py, SyncRead and SyncWrite): the caller has checked the range.
     def read_now(self, lba: int, blocks: int) -> Buffer:
         bs = self.block_size
         start, n = lba * bs, blocks * bs
@@ -65,9 +65,10 @@ class RamDevice:
             return _zeros(n)
         return self._view[start:start + n]
 
-    def write_now(self, lba: int, data: Buffer) -> None:
+    def write_now(self, lba: int, data: Buffer) -> bool:
         bs = self.block_size
         self._view[lba * bs:lba * bs + len(data)] = data
+        return True
 
     async def write(self, lba: int, data: Buffer, *, fua: bool = False) -> None:
         bs = self.block_size

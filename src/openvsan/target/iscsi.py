@@ -410,7 +410,7 @@ class Connection(BatchedConnection):
                                                    itt, _TAG, 0, exp, maxsn, datasn, off, 0)
                     self._send_pdu(hdr, view[off:off + size])
             if not isinstance(data, bytes):
-                # a lent view (SyncIO.read_now) goes to the transport now, before a later command of this
+                # a lent view (SyncRead.read_now) goes to the transport now, before a later command of this
                 # read can write the same blocks
                 self._batch.flush()
             return True

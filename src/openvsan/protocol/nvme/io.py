@@ -63,24 +63,25 @@ _PLAIN_CDW12 = 0xFFFF | FUA
 def _fast_namespace(ctrl: Controller, sqe: Sqe) -> Namespace | None:
     sub = ctrl.subsystem
     ns = sub.namespaces.get(sqe.nsid)
-    if (ns is None or ns.sync is None or ns.reservations.registrants or sqe.cdw12 & ~_PLAIN_CDW12
+    if (ns is None or ns.reservations.registrants or sqe.cdw12 & ~_PLAIN_CDW12
             or sub.ana_states.get(ns.ana_group) != ANA_OPTIMIZED):
         return None
     return ns
 
 
 def read_now(ctrl: Controller, sqe: Sqe) -> Buffer | None:
-    """The data of a plain Read from a namespace whose device answers at once (SyncIO), or None: then
+    """The data of a plain Read from a namespace whose device can answer at once (SyncRead), or None: then
     execute_io must run it, with every check and every status. Side-effect free until it returns data."""
     ns = _fast_namespace(ctrl, sqe)
-    if ns is None:
+    if ns is None or ns.sync_read is None:
         return None
     slba, nlb = sqe.cdw10 | (sqe.cdw11 << 32), (sqe.cdw12 & 0xFFFF) + 1
     n = nlb * ns.device.block_size
     if slba + nlb > ns.device.num_blocks or n > MAX_TRANSFER or n != sqe.sgl_len:
         return None
-    assert ns.sync is not None
-    buf = ns.sync.read_now(slba, nlb)
+    buf = ns.sync_read.read_now(slba, nlb)
+    if buf is None:
+        return None
     ctrl.subsystem.read_commands += 1
     ctrl.subsystem.bytes_read += n
     return buf
@@ -90,13 +91,12 @@ def write_now(ctrl: Controller, sqe: Sqe, data: Buffer) -> bool:
     """Do a plain Write with exactly its data at once (durable on return: FUA needs nothing more), or
     return False with nothing written: execute_io must run it."""
     ns = _fast_namespace(ctrl, sqe)
-    if ns is None or ns.read_only:
+    if ns is None or ns.sync_write is None or ns.read_only:
         return False
     slba, nlb = sqe.cdw10 | (sqe.cdw11 << 32), (sqe.cdw12 & 0xFFFF) + 1
-    if slba + nlb > ns.device.num_blocks or len(data) != nlb * ns.device.block_size:
+    if (slba + nlb > ns.device.num_blocks or len(data) != nlb * ns.device.block_size
+            or not ns.sync_write.write_now(slba, data)):
         return False
-    assert ns.sync is not None
-    ns.sync.write_now(slba, data)
     ctrl.subsystem.write_commands += 1
     ctrl.subsystem.bytes_written += len(data)
     return True

@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from openvsan.block.device import BlockDevice, SyncIO
+from openvsan.block.device import BlockDevice, SyncRead, SyncWrite
 from openvsan.protocol.nvme.reservations import Reservations
 
 if TYPE_CHECKING:
@@ -34,10 +34,13 @@ class Namespace:
     read_only: bool = False
     ana_group: int = 1
     reservations: Reservations = field(default_factory=Reservations)
-    sync: SyncIO | None = field(init=False, default=None)   # the device, where it answers at once
+    # the device again, where it can answer reads / writes at once (block/device.py)
+    sync_read: SyncRead | None = field(init=False, default=None)
+    sync_write: SyncWrite | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
-        self.sync = self.device if isinstance(self.device, SyncIO) else None
+        self.sync_read = self.device if isinstance(self.device, SyncRead) else None
+        self.sync_write = self.device if isinstance(self.device, SyncWrite) else None
 
     @property
     def nguid(self) -> bytes:

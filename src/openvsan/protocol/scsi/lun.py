@@ -9,7 +9,7 @@ import struct
 import uuid as uuidlib
 from collections.abc import Awaitable, Callable, Iterable
 
-from openvsan.block.device import BlockDevice, Buffer, SyncIO
+from openvsan.block.device import BlockDevice, Buffer, SyncRead, SyncWrite
 from openvsan.block.errors import BlockError
 from openvsan.protocol.scsi import provisioning, sbc, spc, xcopy
 from openvsan.protocol.scsi.inquiry import BlockLimits
@@ -108,7 +108,8 @@ class Lun:
             max_atomic=(1 << 20) // bs, atomic_alignment=0, atomic_granularity=0)
         # unmapped blocks read back as zeros (LBPRZ), unless the device says otherwise
         self.lbprz: bool = getattr(device, "unmap_reads_zero", True)
-        self._sync: SyncIO | None = device if isinstance(device, SyncIO) else None
+        self._sync_read: SyncRead | None = device if isinstance(device, SyncRead) else None
+        self._sync_write: SyncWrite | None = device if isinstance(device, SyncWrite) else None
         self.mode = ModeState()
         self.pr = PersistentReservations(pr_state_path)
         self.pr.load()
@@ -130,9 +131,9 @@ class Lun:
 
     def _fast_ok(self, nexus: Nexus) -> bool:
         """Nothing stands between a plain READ/WRITE from this nexus and the device: no unit attention to
-        report, no reservation to weigh, a medium present, and a device that answers at once."""
-        return (self._sync is not None and not self.unit_attentions and self.spc2_holder is None
-                and not self.pr.type and self.medium_present and nexus in self.nexuses)
+        report, no reservation to weigh, a medium present."""
+        return (not self.unit_attentions and self.spc2_holder is None and not self.pr.type and self.medium_present
+                and nexus in self.nexuses)
 
     def _fast_range(self, table: dict[int, tuple[int, struct.Struct, int]], cdb: Buffer) -> tuple[int, int]:
         """(LBA, blocks) of a plain command in table whose CDB has nothing unusual, else (0, 0)."""
@@ -150,24 +151,22 @@ class Lun:
     def read_now(self, cdb: Buffer, nexus: Nexus) -> Buffer | None:
         """The data of a plain READ(10)/(16), read at once, or None: then the command must take execute(),
         which does every check and reports every condition. Side-effect free, so a caller may ask first."""
-        sync = self._sync
-        if (sync is None or self.unit_attentions or self.spc2_holder is not None or self.pr.type
-                or not self.medium_present or nexus not in self.nexuses):
+        sync = self._sync_read
+        if sync is None or not self._fast_ok(nexus):
             return None
         lba, blocks = self._fast_range(_FAST_READ, cdb)
         return sync.read_now(lba, blocks) if blocks else None
 
     def write_now(self, cdb: Buffer, data: Buffer, nexus: Nexus) -> bool:
         """Do a plain WRITE(10)/(16) at once, with exactly the data it asks for; False (nothing written):
-        the command must take execute(). FUA needs nothing more: a SyncIO write is durable on return."""
-        if not self._fast_ok(nexus) or self.write_protected or not self.locks.exclusive_idle:
+        the command must take execute(). FUA needs nothing more: a SyncWrite write is durable on return."""
+        sync = self._sync_write
+        if sync is None or not self._fast_ok(nexus) or self.write_protected or not self.locks.exclusive_idle:
             return False
         lba, blocks = self._fast_range(_FAST_WRITE, cdb)
-        if not blocks or len(data) != blocks * self.block_size:
+        if not blocks or len(data) != blocks * self.block_size or not sync.write_now(lba, data):
             return False
-        assert self._sync is not None
         self.all_deallocated = False
-        self._sync.write_now(lba, data)
         return True
 
     @property
