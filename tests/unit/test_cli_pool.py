@@ -323,7 +323,7 @@ def test_serve_refuses_a_pool_beyond_tolerance_and_mixed_sizes(tmp_path: Path) -
     for i in (1, 2):
         (tmp_path / f"d{i}.img").unlink()  # two of three members gone: created blank again, so left out
     node = NodeThread(tmp_path / "data", cfg)
-    with pytest.raises(NodeError, match=r"pool pool0: pool 'pool0': members .* cannot be used; RAID 5 of 3 members "
+    with pytest.raises(NodeError, match=r"pool pool0: members .* cannot be used; RAID 5 of 3 members "
                                         r"tolerates 1 lost \(refusing to start\)"):
         node.start()
     # a member smaller than the others is found when the pool is created

@@ -422,7 +422,8 @@ class Node:
             else:
                 pool = await Pool.assemble(ours, rebuild_rate=rate)
         except (PoolError, BlockError) as e:
-            raise NodeError(f"pool {spec.name}: {_pool_text(e)}") from None
+            text = _pool_text(e).removeprefix(f"pool {spec.name!r}: ")
+            raise NodeError(f"pool {spec.name}: {text}") from None
         sp = ServedPool(spec, pool, refs)
         self._pool_owned.update(id(d) for d in sp.held())
         for ref in spec.spares:
