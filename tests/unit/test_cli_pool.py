@@ -343,3 +343,27 @@ def test_long_data_dir_path(tmp_path: Path) -> None:
         assert status(data)["state"] == "optimal"
     finally:
         node.close()
+
+
+def test_rebuild_rate_limit_and_speed(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    cfg = pool_config(tmp_path, level="raid1", members=2, extra=1)
+    cfg["pools"][0]["rebuild_rate"] = "1MiB"  # 2 MiB of member data: a rebuild of about 2 s
+    node = NodeThread(data, cfg).start()
+    try:
+        assert node.node.pools["pool0"].pool.rebuild_rate == 1 << 20
+        assert vsan("pool", "fail", "pool0", "1", "--data-dir", data).exit_code == 0
+        assert vsan("pool", "replace", "pool0", "1", "d2", "--data-dir", data).exit_code == 0
+        import time
+
+        time.sleep(1.3)
+        st = status(data)
+        assert st["state"] == "rebuilding" and 20 < st["rebuild_progress"] < 95, st
+        assert st["members"][1]["state"] == "rebuilding" and st["rebuild_rate_limit"] == 1 << 20
+        assert 0.5 * MiB < st["rebuild_speed"] < 1.6 * MiB, st
+        text = vsan("pool", "status", "pool0", "--data-dir", data).stdout
+        assert "rebuilding" in text and "(limit 1.0 MiB/s)" in text and " at " in text
+        assert "rebuild" in vsan("pool", "list", "--data-dir", data).stdout
+        assert wait_optimal(data)["state"] == "optimal"
+    finally:
+        node.close()

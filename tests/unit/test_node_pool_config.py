@@ -153,3 +153,13 @@ def test_schema_2_database_migrates_with_its_volumes(tmp_path: Path) -> None:
         assert s._db.execute("PRAGMA foreign_keys").fetchone() == (1,)
         s.import_config(parse_config(cfg()))
         assert s.load().config.volumes[0].pool == "pool0"
+
+
+def test_example_raid5_config() -> None:
+    from openvsan.node.config import load_config
+
+    example = Path(__file__).resolve().parents[2] / "examples" / "raid5.toml"
+    c = load_config(example)
+    assert c.pools == (PoolSpec("pool0", "raid5", ("d0", "d1", "d2", "d3"), ("d4",), 64 * 1024, 200 << 20),)
+    assert c.device("d0").path == Path("/tmp/openvsan-raid5-d0.img")
+    assert c.volume("vol0").pool == "pool0" and c.targets[0].luns[0].volume == "vol0"

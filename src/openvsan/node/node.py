@@ -551,6 +551,7 @@ class Node:
 
     async def _pool_status(self, args: dict[str, Any]) -> dict[str, Any]:
         sp = self._served(args)
+        sp.meter.sample(sp.pool)
         st = sp.pool.status().as_dict()
         for m in st["members"]:
             dev = sp.pool.members[m["index"]].dev
@@ -610,6 +611,7 @@ class Node:
                 await dev.close()
             raise
         self._took(sp, dev)
+        sp.meter.sample(sp.pool)  # the rebuild's starting point
         log.warning("pool %s: member %d replaced by %s; rebuilding", sp.spec.name, index, sp.ref(dev))
         return await self._pool_status({"name": sp.spec.name})
 
