@@ -297,7 +297,7 @@ def inspect(files: FilesArg, as_json: JsonOpt = False) -> None:
     devs = _open_files(list(files))
 
     async def go() -> list[dict[str, Any]]:
-        out = []
+        out: list[dict[str, Any]] = []
         try:
             for p, d in zip(files, devs, strict=True):
                 sb = await read_superblock(d)

@@ -497,19 +497,19 @@ class Node:
         held = {id(d): (name, s.ref(d)) for name, s in self.pools.items() for d in s.held()}
         if ref.startswith(FILE_REF):
             path, size = parse_file_ref(ref)
-            for d in cfg.devices:
-                if d.path is not None and d.path.resolve() == path.resolve():
-                    raise RequestError(f"{path} is device {d.name} in the config; name it: {d.name}")
+            for spec in cfg.devices:
+                if spec.path is not None and spec.path.resolve() == path.resolve():
+                    raise RequestError(f"{path} is device {spec.name} in the config; name it: {spec.name}")
             for name, s in self.pools.items():
                 for d in s.held():
                     if isinstance(d, FileDevice) and d.path.resolve() == path.resolve():
                         raise RequestError(f"{path} is already in pool {name}")
             try:
-                dev = FileDevice(path, size=size, block_size=sp.pool.block_size, name=str(path))
+                fdev = FileDevice(path, size=size, block_size=sp.pool.block_size, name=str(path))
             except (OSError, ValueError) as e:
                 raise RequestError(f"{ref}: {_why(e)}") from None
-            sp.refs[id(dev)] = ref if size is not None else f"{FILE_REF}{path}"
-            return dev, True
+            sp.refs[id(fdev)] = ref if size is not None else f"{FILE_REF}{path}"
+            return fdev, True
         if not any(d.name == ref for d in cfg.devices):
             known = [d.name for d in cfg.devices if cfg.device_user(d.name) is None]
             raise RequestError(f"unknown device {ref!r}; name a config device in no use ({', '.join(known) or 'none'})"
