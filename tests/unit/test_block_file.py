@@ -245,7 +245,9 @@ def test_read_now_from_the_page_cache_matches_read(tmp_path: Path) -> None:
 
     async def go() -> None:
         dev = FileDevice(tmp_path / "d.img", size=1 << 20)
-        assert isinstance(dev, SyncRead) and not isinstance(dev, SyncWrite)  # writes always take the pool
+        assert isinstance(dev, SyncRead) and isinstance(dev, SyncWrite)
+        if not dev.memory_backed:
+            assert not dev.write_now(0, bytes(512))   # a disk file's writes take the pool (durability, blocking)
         data = os.urandom(64 * 512)
         await dev.write(8, data)
         got = dev.read_now(8, 64)   # just written: in the page cache
@@ -255,5 +257,25 @@ def test_read_now_from_the_page_cache_matches_read(tmp_path: Path) -> None:
         assert dev.read_now(0, 2048) is None   # past NOWAIT_MAX: declined, read() does it
         await dev.close()
         assert dev.read_now(8, 1) is None      # closed: declined, read() reports it
+
+    asyncio.run(go())
+
+
+def test_a_file_in_memory_is_read_and_written_at_once() -> None:
+    import tempfile
+
+    from openvsan.block.file import fs_type
+
+    if fs_type(os.stat("/dev/shm").st_dev) != "tmpfs":
+        pytest.fail("/dev/shm is not a tmpfs here: the test needs one (every Linux has it)")
+
+    async def go() -> None:
+        with tempfile.NamedTemporaryFile(dir="/dev/shm") as f:
+            dev = FileDevice(f.name, size=1 << 20)
+            assert dev.memory_backed
+            data = os.urandom(8 * 512)
+            assert dev.write_now(16, data)
+            assert bytes(dev.read_now(16, 8) or b"") == data == bytes(await dev.read(16, 8))
+            await dev.close()
 
     asyncio.run(go())

@@ -27,6 +27,22 @@ FALLOC_FL_PUNCH_HOLE = 0x02
 _ZERO_CHUNK = 1 << 20
 # Largest read_now: beyond it the thread pool's hop is small beside the copy, and a big fresh buffer faults
 NOWAIT_MAX = 128 * 1024
+# File systems whose reads and writes never wait for a disk (their fsync does nothing either)
+MEMORY_FS = frozenset({"tmpfs", "ramfs"})
+
+
+def fs_type(st_dev: int) -> str | None:
+    """The file system type of the mount with this device number (from /proc/self/mountinfo), or None."""
+    want = f"{os.major(st_dev)}:{os.minor(st_dev)}"
+    try:
+        with open("/proc/self/mountinfo") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) > 7 and parts[2] == want and "-" in parts[6:]:
+                    return parts[parts.index("-", 6) + 1]
+    except OSError:
+        pass
+    return None
 
 
 def _load_fallocate() -> Callable[[int, int, int, int], int] | None:
@@ -110,6 +126,9 @@ class FileDevice:
         self._rwf_dsync = getattr(os, "RWF_DSYNC", 0) if hasattr(os, "pwritev") else 0
         # RWF_NOWAIT reads (Linux 4.14+) for read_now; not with O_DIRECT, where a read always goes to the disk
         self._nowait = 0 if direct else getattr(os, "RWF_NOWAIT", 0)
+        # a file in memory (tmpfs, /dev/shm) is read and written at once, in the event loop's turn
+        self.memory_backed = (not direct and not self.is_block_device
+                              and fs_type(os.fstat(self._fd).st_dev) in MEMORY_FS)
         self._closed = False
 
     def _probe_direct(self) -> None:
@@ -150,7 +169,12 @@ class FileDevice:
         """The blocks, when the page cache holds them all: preadv2(RWF_NOWAIT) never waits for the disk and
         says EAGAIN instead. None (declined): read() takes the thread pool. The caller checked the range."""
         n = blocks * self.block_size
-        if not self._nowait or n > NOWAIT_MAX or self._closed:
+        if n > NOWAIT_MAX or self._closed:
+            return None
+        if self.memory_backed:
+            data = os.pread(self._fd, n, lba * self.block_size)
+            return data if len(data) == n else None
+        if not self._nowait:
             return None
         buf = bytearray(n)
         try:
@@ -162,6 +186,17 @@ class FileDevice:
                 self._nowait = 0   # this file system (or kernel) has no RWF_NOWAIT reads: stop asking
             return None            # every other error is the async path's to report
         return buf if got == n else None
+
+    def write_now(self, lba: int, data: Buffer) -> bool:
+        """A write to a file in memory, done at once (as durable as any: tmpfs has nothing to sync); False for
+        a file on a disk, where durability needs a sync and a buffered write may block: write() does it."""
+        if not self.memory_backed or self._closed:
+            return False
+        try:
+            n = os.pwrite(self._fd, data, lba * self.block_size)
+        except OSError:
+            return False  # ENOSPC and the like: the async path writes again and reports it
+        return n == len(data)
 
     # --- blocking halves, run in the pool -------------------------------------------------------
 
