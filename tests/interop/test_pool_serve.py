@@ -185,6 +185,10 @@ def test_restarts_order_missing_stale(pools: Any, tmp_path: Path, level: str) ->
     s.write(REF_A, ref_a, tmp_path)
     finish(s.bench(seconds=1, seed=4), "first run")
     s.stop()
+    # a clean stop leaves every member marked clean, at one event, for `vsan pool inspect` to see
+    rows = json.loads(run([VSAN, "pool", "inspect", "--json", *(s.member_path(i) for i in range(4))]).stdout)
+    assert [r["index"] for r in rows] == [0, 1, 2, 3] and all(r["clean"] for r in rows), rows
+    assert len({r["event"] for r in rows}) == 1 and len({r["pool_uuid"] for r in rows}) == 1
 
     # the members listed in another order: the superblocks say who is who
     s.order = [2, 0, 3, 1]
