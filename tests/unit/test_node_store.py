@@ -140,6 +140,6 @@ def test_version_1_database_is_migrated(tmp_path: Path) -> None:
     db.commit()
     db.close()
     with Store(tmp_path / "state.db") as s:
-        assert s.schema_version() == SCHEMA_VERSION == 2
+        assert s.schema_version() == SCHEMA_VERSION == 3
         s.import_config(config())
         assert s.load().config.nbd_exports == ()

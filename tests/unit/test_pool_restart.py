@@ -182,3 +182,21 @@ def test_replaced_member_and_spares_after_restart() -> None:
         await pool.close()
 
     run(go())
+
+
+def test_create_with_spares_and_a_spare_takes_over() -> None:
+    async def go() -> None:
+        ds = disks(3)
+        spare = Disk("s0")
+        pool = await Pool.create(ds, 5, CHUNK, data_offset=HEADER, spares=[spare])
+        assert pool.status().spares == ["s0"]
+        model = bytearray(pool.num_blocks * BS)
+        await fill(pool, model, random.Random(3))
+        await pool.fail_member(2)
+        assert pool.status().members[2].name == "s0"
+        await pool.wait_idle()
+        ds[0].fail_device()   # the rebuilt spare must now carry its share
+        assert await same(pool, model)
+        await pool.close()
+
+    run(go())

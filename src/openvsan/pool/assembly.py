@@ -99,7 +99,7 @@ async def create(
     cb = chunk_size // bs
     off = data_offset // bs
     usable = [d.num_blocks - off for d in members]
-    for d, nm in zip(members, names, strict=True):
+    for d, nm in zip(members, names[:n], strict=True):   # names holds the spares' too, after the members
         if d.num_blocks - off < cb:
             raise PoolError(f"{nm} holds {fmt(d.num_blocks * bs)}: too small for a {fmt(data_offset)} header"
                             f" and one {fmt(chunk_size)} chunk")
