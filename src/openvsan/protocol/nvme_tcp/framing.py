@@ -116,6 +116,11 @@ class PduReader:
                     raise FatalError(Fes.DATA_TRANSFER_LIMIT_EXCEEDED, 0, ch, f"{plen - dd - pdo} bytes of data")
         return int(plen)
 
+    @property
+    def buffered(self) -> int:
+        """Bytes of an unfinished PDU held from earlier reads."""
+        return self._have
+
     def receive_data(self, data: bytes) -> list[Pdu]:
         """Whole PDUs in `data` and what was buffered before. Parsing stops after an ICReq: the digests it
         negotiates apply to the bytes behind it, so call again (with b"") once it is handled."""
