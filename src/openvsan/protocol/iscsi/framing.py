@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from crc32c import crc32c
 
 from openvsan.protocol.iscsi.pdu import BHS_LEN, Pdu, data_segment_length, pad4, total_ahs_length
+from openvsan.protocol.recvbuf import RecvBuffer
 
 # The largest data segment we ever read before deciding what to do with it: the format allows 2^24-1.
 HARD_MAX_DSL = (1 << 24) - 1
@@ -29,37 +30,30 @@ def digest(*parts: bytes | memoryview) -> bytes:
 class PduReader:
     """Feeds on received bytes, yields whole PDUs.
 
-    Received chunks are kept as they came and joined once a whole PDU is there, so a large Data-Out costs
-    one copy and a PDU that arrives whole costs none (its views point into the received bytes object).
+    A PDU that arrives inside one read costs no copy (its views point into the received bytes); one that
+    straddles reads is joined once, copying only its own bytes (netio.RecvBuffer).
     """
 
     def __init__(self) -> None:
         self.header_digest = False
         self.data_digest = False
         self.max_dsl = HARD_MAX_DSL
-        self._chunks: list[bytes] = []
-        self._have = 0
-        self._need = BHS_LEN
+        self._buf = RecvBuffer()
 
     @property
     def buffered(self) -> int:
         """Bytes of an unfinished PDU held from earlier reads."""
-        return self._have
+        return self._buf.size
 
     def receive_data(self, data: bytes) -> list[Pdu]:
-        if not data:
-            return []
-        self._chunks.append(data)
-        self._have += len(data)
-        if self._have < self._need:
-            return []
-        src = self._chunks[0] if len(self._chunks) == 1 else b"".join(self._chunks)
-        view = memoryview(src)
+        buf = self._buf
+        buf.append(data)
         out: list[Pdu] = []
-        pos, end = 0, len(src)
         hd = 4 if self.header_digest else 0
-        while end - pos >= BHS_LEN:
-            bhs = view[pos:pos + BHS_LEN]
+        while True:
+            bhs = buf.peek(BHS_LEN)
+            if bhs is None:
+                break
             ahs_len = total_ahs_length(bhs)
             dsl = data_segment_length(bhs)
             if dsl > HARD_MAX_DSL:
@@ -67,23 +61,18 @@ class PduReader:
             dd = 4 if (self.data_digest and dsl) else 0
             hlen = BHS_LEN + ahs_len
             total = hlen + hd + dsl + pad4(dsl) + dd
-            if end - pos < total:
-                self._need = total
+            view = buf.peek(total)
+            if view is None:
                 break
-            if hd and digest(view[pos:pos + hlen]) != view[pos + hlen:pos + hlen + 4]:
+            if hd and digest(view[:hlen]) != view[hlen:hlen + 4]:
                 raise FramingError("header digest error")
-            dstart = pos + hlen + hd
-            pdu = Pdu(bhs, view[pos + BHS_LEN:pos + hlen], view[dstart:dstart + dsl])
+            dstart = hlen + hd
+            pdu = Pdu(view[:BHS_LEN], view[BHS_LEN:hlen], view[dstart:dstart + dsl])
             if dd:
                 padded = dsl + pad4(dsl)
                 pdu.digest_ok = digest(view[dstart:dstart + padded]) == view[dstart + padded:dstart + padded + 4]
             out.append(pdu)
-            pos += total
-        else:
-            self._need = BHS_LEN
-        rest = src[pos:] if pos < end else b""
-        self._chunks = [rest] if rest else []
-        self._have = len(rest)
+            buf.consume(total)
         return out
 
 

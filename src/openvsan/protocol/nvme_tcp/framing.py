@@ -20,6 +20,7 @@ from openvsan.protocol.nvme_tcp.pdu import (
     Fes,
     PduType,
 )
+from openvsan.protocol.recvbuf import RecvBuffer
 
 _ZEROS = bytes(128)
 DIGESTED = frozenset({PduType.CAPSULE_CMD, PduType.CAPSULE_RESP, PduType.H2C_DATA, PduType.C2H_DATA,
@@ -77,9 +78,7 @@ class PduReader:
         self.ddgst = False
         self.max_capsule_data = max_capsule_data
         self.max_h2c_data = max_h2c_data
-        self._chunks: list[bytes] = []
-        self._have = 0
-        self._need = CH_LEN
+        self._buf = RecvBuffer()
 
     def _check_ch(self, ch: memoryview) -> int:
         """Validate a common header (§3.6.1); returns PLEN."""
@@ -119,37 +118,26 @@ class PduReader:
     @property
     def buffered(self) -> int:
         """Bytes of an unfinished PDU held from earlier reads."""
-        return self._have
+        return self._buf.size
 
     def receive_data(self, data: bytes) -> list[Pdu]:
         """Whole PDUs in `data` and what was buffered before. Parsing stops after an ICReq: the digests it
         negotiates apply to the bytes behind it, so call again (with b"") once it is handled."""
-        if data:
-            self._chunks.append(data)
-            self._have += len(data)
-        elif not self._chunks:
-            return []
-        if self._have < self._need:
-            return []
-        src = self._chunks[0] if len(self._chunks) == 1 else b"".join(self._chunks)
-        view = memoryview(src)
+        buf = self._buf
+        buf.append(data)
         out: list[Pdu] = []
-        pos, end = 0, len(src)
-        self._need = CH_LEN
-        try:
-            while end - pos >= CH_LEN:
-                plen = self._check_ch(view[pos:pos + CH_LEN])
-                if end - pos < plen:
-                    self._need = plen
-                    break
-                out.append(self._parse(view[pos:pos + plen]))
-                pos += plen
-                if view[pos - plen] == PduType.IC_REQ:
-                    break
-        finally:
-            rest = src[pos:] if pos < end else b""
-            self._chunks = [rest] if rest else []
-            self._have = len(rest)
+        while True:
+            ch = buf.peek(CH_LEN)
+            if ch is None:
+                break
+            plen = self._check_ch(ch)
+            p = buf.peek(plen)
+            if p is None:
+                break
+            out.append(self._parse(p))
+            buf.consume(plen)
+            if p[0] == PduType.IC_REQ:
+                break
         return out
 
     def _parse(self, p: memoryview) -> Pdu:

@@ -24,6 +24,7 @@ from openvsan.protocol.nvme_tcp.pdu import (
     TERM_REQ,
     PduType,
 )
+from openvsan.protocol.recvbuf import RecvBuffer
 
 CONTROLLER_TO_HOST = frozenset({PduType.IC_RESP, PduType.C2H_TERM_REQ, PduType.CAPSULE_RESP, PduType.C2H_DATA,
                                 PduType.R2T})
@@ -157,38 +158,26 @@ class HostPduReader:
     def __init__(self) -> None:
         self.hdgst = False
         self.ddgst = False
-        self._chunks: list[bytes] = []
-        self._have = 0
-        self._need = CH_LEN
+        self._buf = RecvBuffer()
 
     def receive_data(self, data: bytes) -> list[Pdu]:
-        if not data:
-            return []
-        self._chunks.append(data)
-        self._have += len(data)
-        if self._have < self._need:
-            return []
-        src = self._chunks[0] if len(self._chunks) == 1 else b"".join(self._chunks)
-        view = memoryview(src)
+        buf = self._buf
+        buf.append(data)
         out: list[Pdu] = []
-        pos, end = 0, len(src)
-        self._need = CH_LEN
-        try:
-            while end - pos >= CH_LEN:
-                ptype, flags, hlen, pdo, plen = CH.unpack_from(view, pos)
-                if ptype not in CONTROLLER_TO_HOST or hlen != HLEN[PduType(ptype)]:
-                    raise HostFatalError(f"PDU type {ptype:#x} with HLEN {hlen} from a controller")
-                if plen < hlen or plen > MAX_PLEN:
-                    raise HostFatalError(f"PLEN {plen} for PDU type {ptype:#x}")
-                if end - pos < plen:
-                    self._need = plen
-                    break
-                out.append(self._parse(view[pos:pos + plen], ptype, flags, hlen, pdo, plen))
-                pos += plen
-        finally:
-            rest = src[pos:] if pos < end else b""
-            self._chunks = [rest] if rest else []
-            self._have = len(rest)
+        while True:
+            ch = buf.peek(CH_LEN)
+            if ch is None:
+                break
+            ptype, flags, hlen, pdo, plen = CH.unpack_from(ch)
+            if ptype not in CONTROLLER_TO_HOST or hlen != HLEN[ptype]:
+                raise HostFatalError(f"PDU type {ptype:#x} with HLEN {hlen} from a controller")
+            if plen < hlen or plen > MAX_PLEN:
+                raise HostFatalError(f"PLEN {plen} for PDU type {ptype:#x}")
+            p = buf.peek(plen)
+            if p is None:
+                break
+            out.append(self._parse(p, ptype, flags, hlen, pdo, plen))
+            buf.consume(plen)
         return out
 
     def _parse(self, p: memoryview, ptype: int, flags: int, hlen: int, pdo: int, plen: int) -> Pdu:
