@@ -80,3 +80,19 @@ def test_compare_local_smoke(tmp_path: Path) -> None:
         for name in ("iscsi", "nvme", "nbd"):
             assert case["percent_of_local"][name] > 0
             assert case["targets"][name]["target_cpu_pct"] > 0
+
+
+def test_compare_pool_smoke(tmp_path: Path) -> None:
+    """Issue 5's pool benchmark: a RAID 5 of four 64 MiB RAM members beside one RAM member (about 15 s)."""
+    require("iscsi-readcapacity16", "taskset")
+    doc = run_script("compare_pool.py", tmp_path / "pool.json", timeout=90)
+    assert doc["options"]["levels"] == ["raid5"]
+    assert [c["case"] for c in doc["cases"]] == ["4k-randwrite-qd32", "1m-seqwrite-qd8", "4k-randread-qd32"]
+    for case in doc["cases"]:
+        assert set(case["targets"]) == {"raid5", "ram"}
+        for name, t in case["targets"].items():
+            assert t[case["metric"]] > 0 and t["iops"] > 0, (case["case"], name, t)
+            assert t["target_cpu_pct"] > 0 and t["target_cpu_measured_pct"] > 0, (case["case"], name, t)
+        assert case["ratio"]["raid5"] > 0
+    # the one vsan serve was sampled while each volume was driven
+    assert all(m["rss_beyond_shm_bytes"] > 0 for m in doc["memory"].values()), doc["memory"]
