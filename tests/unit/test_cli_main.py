@@ -99,6 +99,98 @@ def test_config_check_ok(files: tuple[Path, Path, Path]) -> None:
     assert "valid config for node n1" in r.stdout and "disk0" in r.stdout and "127.0.0.1:3260" in r.stdout
 
 
+POOLS = """
+[node]
+name = "n1"
+""" + "".join(f"""
+[[devices]]
+name = "r{i}"
+type = "ram"
+size = "1MiB"
+""" for i in range(8)) + """
+[[pools]]
+name = "pool0"
+level = "raid5"
+members = ["r0", "r1", "r2", "r3"]
+spares = ["r4"]
+chunk = "64KiB"
+
+[[pools]]
+name = "mirror"
+level = "raid1"
+members = ["r5", "r6"]
+chunk = "128KiB"
+
+[[volumes]]
+name = "vol0"
+pool = "pool0"
+
+[[volumes]]
+name = "vol1"
+pool = "mirror"
+
+[[volumes]]
+name = "disk0"
+device = "r7"
+
+[iscsi]
+portals = ["127.0.0.1:3260"]
+
+[[iscsi.targets]]
+iqn = "iqn.2026-11.org.openvsan:t0"
+luns = [{ lun = 0, volume = "vol0" }, { lun = 1, volume = "disk0" }]
+
+[nvme]
+portals = ["127.0.0.1:4420"]
+
+[[nvme.subsystems]]
+nqn = "nqn.2026-11.org.openvsan:t0"
+namespaces = [{ nsid = 1, volume = "vol1" }]
+
+[nbd]
+portals = ["127.0.0.1:10809"]
+
+[[nbd.exports]]
+name = "vol0"
+volume = "vol0"
+"""
+
+
+def table_rows(text: str, title: str) -> list[list[str]]:
+    """The body rows of the rich table printed under `title`, as lists of cell texts."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.strip() == title)
+    rows = []
+    for line in lines[start + 1:]:
+        if line.startswith("│"):
+            rows.append([cell.strip() for cell in line.strip().strip("│").split("│")])
+        elif line.startswith("└"):
+            break
+    return rows
+
+
+def test_config_check_lists_pools_and_volumes_on_them(tmp_path: Path) -> None:
+    path = tmp_path / "pools.toml"
+    path.write_text(POOLS)
+    # wide enough that no cell folds onto a second line
+    r = runner.invoke(app, ["config", "check", str(path)], env={"COLUMNS": "200"})
+    assert r.exit_code == 0, r.output
+    assert table_rows(r.stdout, "pools") == [
+        ["pool0", "raid5", "r0, r1, r2, r3", "r4", "64.0 KiB"],
+        ["mirror", "raid1", "r5, r6", "none", "128.0 KiB"],
+    ]
+    assert [row[1:4] for row in table_rows(r.stdout, "iSCSI")] == [["0", "vol0", "pool:pool0"], ["1", "disk0", "r7"]]
+    assert [row[1:4] for row in table_rows(r.stdout, "NVMe/TCP")] == [["1", "vol1", "pool:mirror"]]
+    assert [row[:3] for row in table_rows(r.stdout, "NBD")] == [["vol0", "vol0", "pool:pool0"]]
+
+
+def test_config_check_without_pools_prints_no_pool_table(files: tuple[Path, Path, Path]) -> None:
+    r = runner.invoke(app, ["config", "check", str(files[0])], env={"COLUMNS": "200"})
+    assert r.exit_code == 0, r.output
+    assert "pools" not in [line.strip() for line in r.stdout.splitlines()]
+    assert [row[1:4] for row in table_rows(r.stdout, "iSCSI")] == [["0", "disk0", "ram0"]]
+
+
 def test_config_check_bad(files: tuple[Path, Path, Path]) -> None:
     r = runner.invoke(app, ["config", "check", str(files[1])])
     assert r.exit_code == 2

@@ -20,7 +20,7 @@ from openvsan import __version__
 from openvsan.cli.bench import bench
 from openvsan.cli.initiator import initiator_app
 from openvsan.cli.pool import pool_app
-from openvsan.node.config import ConfigError, NodeConfig, load_config, preflight
+from openvsan.node.config import ConfigError, NodeConfig, VolumeSpec, load_config, preflight
 from openvsan.node.values import format_size
 
 EXIT_FAILED = 1
@@ -125,6 +125,11 @@ def config_check(config: Annotated[Path, typer.Argument(help="The TOML config fi
                 where += " (O_DIRECT)"
             t.add_row(d.name, d.type, format_size(d.size) if d.size else "file's size", str(d.block_size), where)
         out.print(t)
+    if cfg.pools:
+        t = Table("pool", "level", "members", "spares", "chunk", title="pools", title_justify="left")
+        for p in cfg.pools:
+            t.add_row(p.name, p.level, ", ".join(p.members), ", ".join(p.spares) or "none", format_size(p.chunk))
+        out.print(t)
     if cfg.targets:
         t = Table(title="iSCSI", title_justify="left")
         t.add_column("target", overflow="fold")
@@ -135,7 +140,7 @@ def config_check(config: Annotated[Path, typer.Argument(help="The TOML config fi
             acl = "any initiator" if tgt.allowed_initiators is None else f"{len(tgt.allowed_initiators)} initiator(s)"
             for x in tgt.luns:
                 v = cfg.volume(x.volume)
-                t.add_row(tgt.iqn, str(x.lun), x.volume + (" (ro)" if v.read_only else ""), v.device,
+                t.add_row(tgt.iqn, str(x.lun), x.volume + (" (ro)" if v.read_only else ""), _backing(v),
                           ", ".join(str(p) for p in tgt.portals), f"{auth}, {acl}")
         out.print(t)
     if cfg.subsystems:
@@ -147,18 +152,23 @@ def config_check(config: Annotated[Path, typer.Argument(help="The TOML config fi
             acl = "any host" if sub.allowed_hosts is None else f"{len(sub.allowed_hosts)} host(s)"
             for ns in sub.namespaces:
                 v = cfg.volume(ns.volume)
-                t.add_row(sub.nqn, str(ns.nsid), ns.volume + (" (ro)" if v.read_only else ""), v.device,
+                t.add_row(sub.nqn, str(ns.nsid), ns.volume + (" (ro)" if v.read_only else ""), _backing(v),
                           ", ".join(str(p) for p in sub.portals), acl)
         out.print(t)
     if cfg.nbd_exports:
         t = Table("export", "volume", "device", "portals", title="NBD", title_justify="left")
         for e in cfg.nbd_exports:
             v = cfg.volume(e.volume)
-            t.add_row(e.name, e.volume + (" (ro)" if e.read_only or v.read_only else ""), v.device,
+            t.add_row(e.name, e.volume + (" (ro)" if e.read_only or v.read_only else ""), _backing(v),
                       ", ".join(str(p) for p in e.portals))
         out.print(t)
     if not cfg.exports_anything():
         out.print("no iSCSI targets, NVMe subsystems or NBD exports: nothing would be exported")
+
+
+def _backing(v: VolumeSpec) -> str:
+    # a volume lives on a device or on a pool; `pool:` keeps a pool apart from a device of the same name
+    return v.device if v.device is not None else f"pool:{v.pool}"
 
 
 def main() -> None:
