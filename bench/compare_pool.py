@@ -99,6 +99,25 @@ def vsan_bench(client: list[str], url: str, profile: str, qd: int, seconds: floa
                 "target_cpu_us_per_io": per_io}
 
 
+def sched_seconds(pid: int) -> tuple[float, float] | None:
+    """(seconds on a CPU, seconds runnable but waiting for one) of every thread of a process, from
+    /proc/PID/task/TID/schedstat (kernel scheduler statistics); None where the kernel does not keep them."""
+    run = wait = 0
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return None
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                fields = f.read().split()
+        except OSError:
+            continue  # a thread that ended, or no schedstat in this kernel
+        run += int(fields[0])
+        wait += int(fields[1])
+    return (run / 1e9, wait / 1e9) if run else None
+
+
 def parse_levels(text: str) -> list[str]:
     levels = [s.strip() for s in text.split(",") if s.strip()]
     bad = [s for s in levels if s not in LEVELS]
@@ -155,10 +174,15 @@ def measure(args: argparse.Namespace) -> int:
                 # alternate the order, so neither the pools nor the single member always run on a warmer machine
                 order = names if rnd % 2 == 0 else list(reversed(names))
                 for name in order:
-                    cpu0, t0 = group_cpu_seconds(serve.pgid), time.monotonic()
+                    cpu0, sched0, t0 = group_cpu_seconds(serve.pgid), sched_seconds(serve.pgid), time.monotonic()
                     with MemoryPeaks({name: serve.pgid}) as memory:
                         r = vsan_bench(client_pin, urls[name], profile, qd, args.seconds, serve.pgid)
                     r["target_cpu_pct"] = 100 * (group_cpu_seconds(serve.pgid) - cpu0) / (time.monotonic() - t0)
+                    sched1 = sched_seconds(serve.pgid)
+                    if sched0 is not None and sched1 is not None:
+                        # the machine may be shared: how much of the time serve wanted its core, others had it
+                        ran, waited = sched1[0] - sched0[0], sched1[1] - sched0[1]
+                        r["target_cpu_wait_pct"] = 100 * waited / (ran + waited) if ran + waited else 0.0
                     peaks[name] = max(peaks[name], memory.peak[name])
                     serve.check_alive()
                     slot = results.setdefault((case, name), {})
@@ -166,7 +190,8 @@ def measure(args: argparse.Namespace) -> int:
                         slot.setdefault(k, []).append(v)
                     print(f"round {rnd + 1}/{args.rounds} {case} {name}: {r['iops']:.0f} IOPS {r['mbps']:.0f} MB/s, "
                           f"CPU: target {r['target_cpu_measured_pct']:.0f} % ({r['target_cpu_pct']:.0f} % over the "
-                          f"whole run), vsan bench {r['client_cpu_pct']:.0f} %", file=sys.stderr)
+                          f"whole run; waiting for a CPU {r.get('target_cpu_wait_pct', -1):.0f} %), vsan bench "
+                          f"{r['client_cpu_pct']:.0f} %", file=sys.stderr)
         ok = True
     finally:
         stop_all([serve], work, ok)
@@ -182,6 +207,7 @@ def report(args: argparse.Namespace, urls: dict[str, str], serve: Target,
            peaks: dict[str, int], load: dict[str, list[float]]) -> dict[str, Any]:
     cases = []
     rows = []
+    label = {level: f"{level} pool" for level in args.levels} | {BASELINE: "single RAM member"}
     for case, profile, qd, metric in CASES:
         per: dict[str, Any] = {}
         for name in urls:
@@ -192,25 +218,23 @@ def report(args: argparse.Namespace, urls: dict[str, str], serve: Target,
         cases.append({"case": case, "profile": profile, "qd": qd, "metric": metric, "targets": per,
                       "ratio": ratios})
         unit = "IOPS" if metric == "iops" else "MB/s"
-        for level in args.levels:
-            p = per[level]
-            ratio = ratios[level]
-            rows.append([f"{profile} QD{qd}", level, fmt(p[metric], unit), fmt(base[metric], unit),
-                         "-" if ratio is None else f"{ratio:.2f}",
-                         f"{fmt(p['p99_us'], 'us')} / {fmt(base['p99_us'], 'us')}",
-                         f"{p['target_cpu_measured_pct']:.0f} % / {base['target_cpu_measured_pct']:.0f} %",
-                         f"{p['target_cpu_us_per_io']:.0f} µs / {base['target_cpu_us_per_io']:.0f} µs",
-                         f"{p['client_cpu_pct']:.0f} % / {base['client_cpu_pct']:.0f} %"])
-    for level in args.levels:
-        rows.append(["peak resident memory of vsan serve beyond the RAM disks", level,
-                     *(f"{peaks[n] / 2**20:.0f} MiB" for n in (level, BASELINE)), "", "", "", "", ""])
+        for name in [*args.levels, BASELINE]:
+            t = per[name]
+            ratio = ratios.get(name)
+            wait = t.get("target_cpu_wait_pct")
+            rows.append([f"{profile} QD{qd}", label[name], fmt(t[metric], unit), "" if ratio is None else f"{ratio:.2f}",
+                         fmt(t["p99_us"], "us"), f"{t['target_cpu_measured_pct']:.0f} %",
+                         f"{t['target_cpu_us_per_io']:.0f} µs", "-" if wait is None else f"{wait:.0f} %",
+                         f"{t['client_cpu_pct']:.0f} %"])
+    for name in [*args.levels, BASELINE]:
+        rows.append(["peak resident memory of vsan serve beyond the RAM disks", label[name],
+                     f"{peaks[name] / 2**20:.0f} MiB", "", "", "", "", "", ""])
     print(f"\nmedians of {args.rounds} round(s), {args.seconds:g} s each, pools of {MEMBERS} × {args.member_mib} MiB "
           f"RAM members (chunk {CHUNK}), the single RAM member {3 * args.member_mib} MiB; vsan serve on core 0 "
           f"and clients on core 1: {pinned}; load average (1, 5, 15 min) before "
           f"{', '.join(f'{x:.2f}' for x in load['before'])}, after {', '.join(f'{x:.2f}' for x in load['after'])}")
-    print_table(["vsan bench job", "level", "pool", "single RAM member", "pool / RAM", "p99 (pool / RAM)",
-                 "vsan serve CPU (pool / RAM)",
-                 "vsan serve CPU per request (pool / RAM)", "vsan bench CPU (pool / RAM)"], rows)
+    print_table(["vsan bench job", "volume", "result", "pool / RAM", "p99", "vsan serve CPU",
+                 "vsan serve CPU per request", "vsan serve waiting for a CPU", "vsan bench CPU"], rows)
     return {
         "schema": "openvsan-bench-compare-pool/1",
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
