@@ -13,6 +13,7 @@ import socket
 from collections import deque
 from collections.abc import Sequence
 
+from openvsan.block.device import SyncRead, SyncWrite
 from openvsan.block.errors import (
     BlockError,
     MediumError,
@@ -218,6 +219,8 @@ class Connection(BatchedConnection):
             # proto.md "Terminating the transmission phase": requests after shutdown began: NBD_ESHUTDOWN
             self.send(self.conn.reply_error(req, Errno.ESHUTDOWN, "the server is shutting down"))
             return
+        if self._done_now(req):
+            return
         size = req.length if req.cmd in (Cmd.READ, Cmd.WRITE) else 0
         self.inflight += 1
         self.inflight_bytes += size
@@ -227,6 +230,30 @@ class Connection(BatchedConnection):
             self.server.tasks.add(task)
             task.add_done_callback(self.server.tasks.discard)
         self._update_reading()
+
+    def _done_now(self, req: Request) -> bool:
+        """A read or write (checked already by the protocol layer) done at once by a device that can
+        (block/device.py SyncRead / SyncWrite) and answered here; False: nothing was done, the request runs
+        the normal way. A SyncWrite write is durable on return, so FUA needs nothing more."""
+        assert self.export is not None
+        dev = self.export.device
+        bs = dev.block_size
+        if not req.length or req.offset % bs or req.length % bs:
+            return False
+        if req.cmd == Cmd.READ and isinstance(dev, SyncRead):
+            data = dev.read_now(req.offset // bs, req.length // bs)
+            if data is None:
+                return False
+            self.send(self.conn.reply(req, data))
+            if not isinstance(data, bytes):
+                self._batch.flush()  # a lent view leaves before a later request of this read can write there
+            return True
+        if req.cmd == Cmd.WRITE and isinstance(dev, SyncWrite) and req.payload is not None:
+            if not dev.write_now(req.offset // bs, req.payload):
+                return False
+            self.send(self.conn.reply(req))
+            return True
+        return False
 
     async def _execute(self, req: Request, size: int) -> None:
         try:
