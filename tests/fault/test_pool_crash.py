@@ -133,6 +133,7 @@ async def verify(paths: list[Path], level: int, baseline: dict[int, bytes], acke
 
 @pytest.mark.parametrize(("level", "n"), [(5, 4), (6, 5)])
 def test_sigkill_mid_writes(tmp_path: Path, level: int, n: int) -> None:
+    print(f"to run again: VSAN_POOL_CRASH_SEED={SEED} VSAN_POOL_CRASH_ROUNDS={ROUNDS}")  # shown on failure
     rng = random.Random(SEED + level)
     paths = [tmp_path / f"m{i}.img" for i in range(n)]
     baseline: dict[int, bytes] = {}

@@ -244,3 +244,38 @@ def test_create_with_init_resync_over_garbage(level: int, n: int) -> None:
         await pool.close()
 
     asyncio.run(go())
+
+
+def test_a_writer_during_a_lazy_clear_sets_its_bit_again_after_it() -> None:
+    """The race CI's SIGKILL test found: a lazy clear has taken the bitmap block's content (bit clear) and is
+    writing it; a writer that comes now must not trust the bit as durable, or the clear lands on disk while
+    its stripe update is in flight, and a crash then leaves a torn stripe that no resync knows of."""
+
+    async def go() -> None:
+        on_disk: list[tuple[int, bool]] = []
+        gate = asyncio.Event()
+
+        async def store(block: int, content: bytes, fua: bool) -> None:
+            if not fua:
+                await gate.wait()   # the lazy clear's write is slow
+            on_disk.append((content[0], fua))
+
+        async def flush() -> None:
+            pass
+
+        bm = WriteIntentBitmap(8, 1, 512, store, idle_s=0)
+        await bm.begin([0])
+        bm.end([0])
+        assert on_disk == [(1, True)]
+        clearing = asyncio.create_task(bm.clear_idle(flush))
+        await asyncio.sleep(0.01)          # the clear now waits inside its store
+        writer = asyncio.create_task(bm.begin([0]))
+        await asyncio.sleep(0.01)
+        assert not writer.done()           # the writer's bit must reach the disk after the clear, FUA
+        gate.set()
+        await clearing
+        await writer
+        assert on_disk[-1] == (1, True), on_disk
+        bm.end([0])
+
+    asyncio.run(go())

@@ -140,11 +140,14 @@ class WriteIntentBitmap:
             if r in self._inflight or r in self.pending_resync or self._last.get(r, (0, 0.0))[0] > mark:
                 continue
             self.bits[r >> 3] &= ~(1 << (r & 7)) & 0xFF
+            # and no longer counted as on disk: a writer that comes while the clearing block is being written
+            # must write the bit again (FUA, after it), not trust a bit that the clear is about to remove
+            self.durable[r >> 3] &= ~(1 << (r & 7)) & 0xFF
             self._last.pop(r, None)
             blocks.add((r >> 3) // self.block_size)
             cleared += 1
         if blocks:
-            await asyncio.gather(*(self._write_block(b, fua=everything) for b in sorted(blocks)))
+            await asyncio.gather(*(self._write_block(b, fua=everything, force=True) for b in sorted(blocks)))
         return cleared
 
     async def write_all(self, *, fua: bool = True) -> None:
