@@ -18,7 +18,7 @@ import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 REPO = Path(__file__).resolve().parent.parent
 PEERS = REPO.parent / "shared" / "peers"
@@ -134,10 +134,9 @@ class Target:
         return rc
 
 
-def group_cpu_seconds(pgid: int) -> float:
-    """user+system seconds of every live process in a process group (all threads included), from /proc."""
-    tick = os.sysconf("SC_CLK_TCK")
-    total = 0
+def group_stats(pgid: int) -> list[tuple[str, list[bytes]]]:
+    """(pid, the fields of /proc/PID/stat after the command name) of every live process in a process group."""
+    out = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -149,8 +148,14 @@ def group_cpu_seconds(pgid: int) -> float:
         # the command name may hold spaces or parentheses: fields are counted after its last ')'
         fields = stat[stat.rindex(b")") + 2:].split()
         if int(fields[2]) == pgid:  # field 5, pgrp
-            total += int(fields[11]) + int(fields[12])  # fields 14, 15: utime, stime
-    return total / tick
+            out.append((entry, fields))
+    return out
+
+
+def group_cpu_seconds(pgid: int) -> float:
+    """user+system seconds of every live process in a process group (all threads included), from /proc."""
+    ticks = sum(int(f[11]) + int(f[12]) for _, f in group_stats(pgid))  # fields 14, 15: utime, stime
+    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 def wait_iscsi_ready(target: Target, url: str, timeout: float = 60) -> None:
@@ -258,19 +263,13 @@ def group_memory(pgid: int) -> tuple[int, int]:
     """(bytes resident beyond shared memory, bytes of shared memory) of a process group, from /proc/PID/status:
     RssAnon + RssFile is what the process itself holds; RssShmem is the RAM disks (memfd and /dev/shm)."""
     own = shm = 0
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
+    for pid, _ in group_stats(pgid):
         try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                stat = f.read()
-            if int(stat[stat.rindex(b")") + 2:].split()[2]) != pgid:
-                continue
-            with open(f"/proc/{entry}/status") as f:
-                fields = dict(line.split(":", 1) for line in f if ":" in line)
+            with open(f"/proc/{pid}/status") as f:
+                kib = {k: int(v.split()[0]) for k, v in (line.split(":", 1) for line in f if ":" in line)
+                       if k in ("RssAnon", "RssFile", "RssShmem")}
         except (OSError, ValueError):
             continue
-        kib = {k: int(v.split()[0]) for k, v in fields.items() if k in ("RssAnon", "RssFile", "RssShmem")}
         own += (kib.get("RssAnon", 0) + kib.get("RssFile", 0)) * 1024
         shm += kib.get("RssShmem", 0) * 1024
     return own, shm
@@ -290,7 +289,7 @@ class MemoryPeaks:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def __enter__(self) -> MemoryPeaks:
+    def __enter__(self) -> Self:
         self._thread.start()
         return self
 

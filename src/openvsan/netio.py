@@ -40,7 +40,7 @@ class WriteBatcher:
 
 
 @types.coroutine
-def _continue(coro: Coroutine[Any, Any, T], yielded: Any) -> Generator[Any, Any, T]:
+def resume(coro: Coroutine[Any, Any, T], yielded: Any) -> Generator[Any, Any, T]:
     """Drive the rest of a coroutine that has already run up to its first suspension, inside a Task: hand the
     Task what the coroutine yielded (the future it waits on), and pass results and exceptions back in."""
     while True:
@@ -68,4 +68,4 @@ def start_eagerly(coro: Coroutine[Any, Any, None]) -> asyncio.Task[None] | None:
         first = coro.send(None)
     except StopIteration:
         return None
-    return asyncio.get_running_loop().create_task(_continue(coro, first))
+    return asyncio.get_running_loop().create_task(resume(coro, first))

@@ -9,14 +9,14 @@ write phase), and reports the member to `fail`, which marks it failed durably be
 from __future__ import annotations
 
 import asyncio
-import types
 import uuid as uuidlib
-from collections.abc import Awaitable, Callable, Coroutine, Generator, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from openvsan.block.device import BlockDevice, Buffer
 from openvsan.block.errors import DeviceFailed, MediumError
+from openvsan.netio import resume
 from openvsan.pool.superblock import MemberState
 
 T = TypeVar("T")
@@ -170,28 +170,9 @@ async def eager_gather(coros: Sequence[Coroutine[Any, Any, T]]) -> list[T | Base
                 t.cancel()
             raise
         else:
-            tasks.append((i, loop.create_task(_resume(coro, first))))
+            tasks.append((i, loop.create_task(resume(coro, first))))
     if tasks:
         done = await asyncio.gather(*(t for _, t in tasks), return_exceptions=True)
         for (i, _), r in zip(tasks, done, strict=True):
             results[i] = r
     return results
-
-
-@types.coroutine
-def _resume(coro: Coroutine[Any, Any, T], yielded: Any) -> Generator[Any, Any, T]:
-    """The rest of a coroutine already run to its first suspension, for a Task to drive: what the coroutine
-    yields (the future it waits on) goes to the Task, and what the Task sends or throws goes back in."""
-    while True:
-        try:
-            value = yield yielded
-        except BaseException as e:  # noqa: BLE001 - cancellation too: the coroutine decides what to do with it
-            try:
-                yielded = coro.throw(e)
-            except StopIteration as stop:
-                return stop.value  # type: ignore[no-any-return]
-        else:
-            try:
-                yielded = coro.send(value)
-            except StopIteration as stop:
-                return stop.value  # type: ignore[no-any-return]
