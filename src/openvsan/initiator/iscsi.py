@@ -138,10 +138,14 @@ class IscsiSession:
             try:
                 attempt = 0
                 while True:
-                    conn = await self.ensure()
+                    conn = self.conn
+                    if conn is None or not conn.alive:
+                        conn = await self.ensure()
                     try:
-                        await conn.wait_window()
-                        await conn.drain()
+                        if not conn.window_open():
+                            await conn.wait_window()
+                        if conn.paused:
+                            await conn.drain()
                         # the connection's watchdog drops it when a command goes unanswered too long
                         done = await conn.command(cdb, lun, read_len=read_len, data=data)
                     except ConnectionLost as e:

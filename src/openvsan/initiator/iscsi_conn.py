@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -24,6 +25,9 @@ from openvsan.protocol.iscsi.sequencing import sn_lt
 
 log = logging.getLogger("openvsan.initiator.iscsi")
 M32 = 0xFFFFFFFF
+# Data-In (§11.7.1): flags, status, ITT, StatSN, Buffer Offset, Residual Count, in one unpack
+_DATA_IN = struct.Struct(">xBxB12xI4xI8x4xII")
+_EXP_MAX = struct.Struct(">II")
 Buf = bytes | bytearray | memoryview
 
 
@@ -48,7 +52,7 @@ class _Task:
         self.read_len = read_len
         self.data = data
         self.future = future
-        self.buf = bytearray(read_len) if read_len else None
+        self.buf: bytearray | None = None   # made at the first Data-In that does not carry the whole read
         self.received = 0
 
 
@@ -112,6 +116,11 @@ class IscsiConnection(asyncio.Protocol):
         if self._paused is not None and not self._paused.done():
             self._paused.set_result(None)
         self._paused = None
+
+    @property
+    def paused(self) -> bool:
+        """The transport asked us to stop writing (its buffer is full): drain() before sending more."""
+        return self._paused is not None
 
     async def drain(self) -> None:
         if self._paused is not None:
@@ -198,7 +207,7 @@ class IscsiConnection(asyncio.Protocol):
 
     def _window_update(self, pdu: Pdu) -> None:
         """§4.2.2.1: take ExpCmdSN/MaxCmdSN when they move forward and make sense together."""
-        exp, mx = Q.exp_max_cmdsn(pdu)
+        exp, mx = _EXP_MAX.unpack_from(pdu.bhs, 28)   # same place in every target PDU (§11.3-§11.19)
         if sn_lt((mx + 1) & M32, exp):
             return  # MaxCmdSN < ExpCmdSN - 1: ignore (§4.2.2.1)
         if sn_lt(self.expcmdsn, exp):
@@ -223,21 +232,33 @@ class IscsiConnection(asyncio.Protocol):
         self._complete(t, rsp.status, rsp.sense, rsp.residual if rsp.underflow else 0)
 
     def _data_in(self, pdu: Pdu) -> None:  # §11.7
-        d = Q.DataIn.parse(pdu)
-        t = self.tasks.get(d.itt)
-        if t is None or t.buf is None:
+        flags, status, itt, statsn, offset, residual = _DATA_IN.unpack_from(pdu.bhs)
+        t = self.tasks.get(itt)
+        if t is None or not t.read_len:
             return
-        n = len(pdu.data)
-        if d.offset + n > len(t.buf):
+        data = pdu.data
+        n = len(data)
+        if offset + n > t.read_len:
             log.warning("%s: Data-In past the expected length; dropping the connection", self.name)
             self.abort()
             return
-        t.buf[d.offset:d.offset + n] = pdu.data
+        done = flags & Q.F_STATUS
+        if done and offset == 0 and n == t.read_len and t.buf is None:
+            # the whole read in one PDU with its status (§11.7.4): its data is the result, no copy (a view of
+            # the received bytes, which nothing writes to)
+            self._status_sn(statsn)
+            del self.tasks[itt]
+            if not t.future.done():
+                t.future.set_result(Completion(status, data, b""))
+            return
+        if t.buf is None:
+            t.buf = bytearray(t.read_len)
+        t.buf[offset:offset + n] = data
         t.received += n
-        if d.has_status:  # phase collapse (§11.7.4): status rides in the last Data-In
-            self._status_sn(d.statsn)
-            del self.tasks[d.itt]
-            self._complete(t, d.status, b"", d.residual if d.underflow else 0)
+        if done:  # phase collapse (§11.7.4): status rides in the last Data-In
+            self._status_sn(statsn)
+            del self.tasks[itt]
+            self._complete(t, status, b"", residual if flags & Q.F_RSP_UNDERFLOW else 0)
 
     def _complete(self, t: _Task, status: int, sense: bytes, residual: int) -> None:
         data: Buf = b""
