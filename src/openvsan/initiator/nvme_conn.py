@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -20,6 +21,8 @@ from openvsan.protocol.nvme_tcp.pdu import F_LAST_PDU, F_SUCCESS, PduType
 
 log = logging.getLogger("openvsan.initiator.nvme")
 Buf = bytes | bytearray | memoryview
+_DATA_HEADER = struct.Struct("<HHII")     # C2HData/R2T after the common header: CCCID, TTAG, offset, length
+_LAST_SUCCESS = F_LAST_PDU | F_SUCCESS
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,12 +36,13 @@ class Result:
 
 
 class _Cmd:
-    __slots__ = ("buf", "cid", "data", "future", "received", "sent")
+    __slots__ = ("buf", "cid", "data", "future", "read_len", "received", "sent")
 
     def __init__(self, cid: int, read_len: int, data: memoryview | None, future: asyncio.Future[Result]) -> None:
         self.sent = future.get_loop().time()
         self.cid = cid
-        self.buf = bytearray(read_len) if read_len else None
+        self.read_len = read_len
+        self.buf: bytearray | None = None   # made at the first C2HData that does not carry the whole read
         self.data = data
         self.future = future
         self.received = 0
@@ -64,6 +68,8 @@ class NvmeQueue(asyncio.Protocol):
         self._cid = 0
         self._icresp: asyncio.Future[H.IcResp] | None = None
         self._batch = WriteBatcher()
+        # the completion a C2HData with SUCCESS stands for (§3.6.2.9): status 0; one for every such command
+        self._ok = H.Cqe(0, 0, 0, qid, 0, 0)
 
     # ---------------------------------------------------------------------------------- transport
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -153,20 +159,30 @@ class NvmeQueue(asyncio.Protocol):
         c.future.set_result(Result(cqe, c.buf if c.buf is not None else b""))
 
     def _c2h_data(self, pdu: Pdu) -> None:  # §3.6.2.9
-        h = H.DataHeader.parse(pdu)
-        c = self.cmds.get(h.cccid)
-        n = len(pdu.data)
-        if c is None or c.buf is None or h.offset + n > len(c.buf) or n != h.length:
+        cccid, _, offset, length = _DATA_HEADER.unpack_from(pdu.header, 8)
+        c = self.cmds.get(cccid)
+        data = pdu.data
+        n = len(data)
+        if c is None or not c.read_len or offset + n > c.read_len or n != length:
             log.warning("%s: C2HData for an unknown command or past its buffer; dropping the connection", self.name)
             self.abort()
             return
-        c.buf[h.offset:h.offset + n] = pdu.data
-        c.received += n
-        if pdu.flags & F_LAST_PDU and pdu.flags & F_SUCCESS:
-            # §3.6.2.9: SUCCESS means no CapsuleResp follows; the command completed without error
-            del self.cmds[h.cccid]
+        # §3.6.2.9: SUCCESS means no CapsuleResp follows; the command completed without error
+        success = pdu.flags & _LAST_SUCCESS == _LAST_SUCCESS
+        if success and offset == 0 and n == c.read_len and c.buf is None:
+            # the whole read in one PDU: its data is the result, no copy (a view of the received bytes)
+            del self.cmds[cccid]
             if not c.future.done():
-                c.future.set_result(Result(H.Cqe(0, 0, 0, self.qid, c.cid, 0), c.buf))
+                c.future.set_result(Result(self._ok, data))
+            return
+        if c.buf is None:
+            c.buf = bytearray(c.read_len)
+        c.buf[offset:offset + n] = data
+        c.received += n
+        if success:
+            del self.cmds[cccid]
+            if not c.future.done():
+                c.future.set_result(Result(self._ok, c.buf))
 
     def _r2t(self, pdu: Pdu) -> None:  # §3.6.2.10 → H2CData §3.6.2.8
         h = H.DataHeader.parse(pdu)

@@ -332,8 +332,10 @@ class NvmeTcpInitiator:
         """One I/O command to completion on the least busy queue, across reconnects."""
         attempt = 0
         while True:
-            a = await self._ensure()
-            i = min(range(len(a.queues)), key=a.inflight.__getitem__)
+            a = self.assoc
+            if a is None or a.dead:
+                a = await self._ensure()
+            i = 0 if len(a.queues) == 1 else min(range(len(a.queues)), key=a.inflight.__getitem__)
             q = a.queues[i]
             async with a.slots[i]:
                 a.inflight[i] += 1

@@ -23,9 +23,10 @@ from openvsan.protocol.nvme.io import OP_READ, OP_WRITE, execute_io, read_now, w
 from openvsan.protocol.nvme.status import Completion, cqe
 from openvsan.protocol.nvme.subsystem import Namespace, Port, Subsystem
 from openvsan.protocol.nvme_tcp.framing import FatalError
-from openvsan.protocol.nvme_tcp.pdu import Fes, PduType
+from openvsan.protocol.nvme_tcp.pdu import DATA_HDR, F_LAST_PDU, F_SUCCESS, Fes, PduType
 from openvsan.protocol.nvme_tcp.queue import (
     ADMIN_IN_CAPSULE,
+    C2H_CHUNK,
     CapsuleCommand,
     DataReceived,
     Established,
@@ -37,6 +38,8 @@ from openvsan.target.portals import BatchedConnection, PortalServer
 
 log = logging.getLogger("openvsan.nvme")
 _CAPSULE_CMD = int(PduType.CAPSULE_CMD)
+_C2H_DATA = int(PduType.C2H_DATA)
+_LAST_SUCCESS = F_LAST_PDU | F_SUCCESS
 _U32 = struct.Struct("<I")
 
 IN_CAPSULE = 8192            # in-capsule data we take on I/O queues (Identify Controller IOCCSZ)
@@ -165,6 +168,7 @@ class Connection(BatchedConnection):
         self._timer: asyncio.TimerHandle | None = None
         self._answered_in_read = 0             # completions made while handling the current socket read
         self._lane = False                     # data_received's lane: an I/O queue, connected, no digests
+        self._plain_c2h = False
 
     # --- asyncio.Protocol -------------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -289,9 +293,16 @@ class Connection(BatchedConnection):
             if buf is None or len(buf) != length:
                 return False
             lent = not isinstance(buf, bytes)
-            if lent and self.queue.ddgst:
-                buf = bytes(buf)  # a view of the device: the digest must cover exactly what is sent
-            self._complete(sqe, Completion(data=buf), length)
+            q = self.queue
+            if self._plain_c2h and length <= C2H_CHUNK:
+                # §3.6.2.9: one C2HData, LAST and SUCCESS (SQ flow control is off: no CapsuleResp follows)
+                self._answered_in_read += 1
+                self.send_buffers((DATA_HDR.pack(_C2H_DATA, _LAST_SUCCESS, 24, 24, 24 + length, sqe.cid, 0, 0,
+                                                 length), buf))
+            else:
+                if lent and q.ddgst:
+                    buf = bytes(buf)  # a view of the device: the digest must cover exactly what is sent
+                self._complete(sqe, Completion(data=buf), length)
             if lent:
                 self._batch.flush()  # a lent view leaves before a later command of this read can write there
             return True
@@ -384,6 +395,8 @@ class Connection(BatchedConnection):
         srv.bind(self, ctrl)
         self.queue.reader.max_capsule_data = srv.in_capsule if self.qid else ADMIN_IN_CAPSULE
         self._lane = bool(self.qid) and not (self.queue.hdgst or self.queue.ddgst)
+        # a read's data can leave as one bare C2HData: no digests, no alignment padding, no CapsuleResp
+        self._plain_c2h = self._lane and self.sq_flow_off and self.queue.hpda == 0
         if self.qid == 0:
             ctrl.on_async_event = self._async_event
             ctrl.on_reset = lambda: srv.drop_io_queues(ctrl)
