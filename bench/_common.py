@@ -16,7 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Self
 
@@ -63,6 +63,21 @@ def pinning() -> tuple[list[str], list[str], bool]:
     if (os.cpu_count() or 1) >= 2 and shutil.which("taskset"):
         return ["taskset", "-c", "0"], ["taskset", "-c", "1"], True
     return [], [], False
+
+
+def run_script(name: str, tools: Sequence[str], measure: Callable[[], int], stopped: str) -> int:
+    """A comparison script's main: SIGTERM as Ctrl-C, the tools checked, then `measure()`; a BenchError is
+    one line and exit 1, an interrupt exit 130 (what it started is stopped by then: `stopped` says so)."""
+    sigterm_as_interrupt()
+    try:
+        require_tools(*tools)
+        return measure()
+    except BenchError as e:
+        print(f"{name}: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"{name}: interrupted; {stopped}", file=sys.stderr)
+        return 130
 
 
 def sigterm_as_interrupt() -> None:

@@ -23,7 +23,6 @@ from typing import Any
 
 from _common import (
     VSAN,
-    BenchError,
     Target,
     fmt,
     free_port,
@@ -33,9 +32,8 @@ from _common import (
     median,
     pinning,
     print_table,
-    require_tools,
+    run_script,
     run_tool,
-    sigterm_as_interrupt,
     stop_all,
     vsan_bench_iops,
     wait_iscsi_ready,
@@ -130,16 +128,7 @@ def main() -> int:
     args = ap.parse_args()
     if args.smoke:
         args.rounds, args.seconds, args.size_mib = 1, 1, 64
-    sigterm_as_interrupt()
-    try:
-        require_tools("iscsi-readcapacity16")
-        return measure(args)
-    except BenchError as e:
-        print(f"compare_local: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("compare_local: interrupted; vsan serve stopped", file=sys.stderr)
-        return 130
+    return run_script("compare_local", ("iscsi-readcapacity16",), lambda: measure(args), "vsan serve stopped")
 
 
 def measure(args: argparse.Namespace) -> int:

@@ -33,9 +33,8 @@ from _common import (
     median,
     pinning,
     print_table,
-    require_tools,
+    run_script,
     run_tool,
-    sigterm_as_interrupt,
     stop_all,
     vsan_bench_iops,
     wait_iscsi_ready,
@@ -138,16 +137,7 @@ def main() -> int:
     args = ap.parse_args()
     if args.smoke:
         args.rounds, args.seconds, args.member_mib = 1, 1, 64
-    sigterm_as_interrupt()
-    try:
-        require_tools("iscsi-readcapacity16")
-        return measure(args)
-    except BenchError as e:
-        print(f"compare_pool: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("compare_pool: interrupted; vsan serve stopped", file=sys.stderr)
-        return 130
+    return run_script("compare_pool", ("iscsi-readcapacity16",), lambda: measure(args), "vsan serve stopped")
 
 
 def measure(args: argparse.Namespace) -> int:

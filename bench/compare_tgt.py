@@ -34,9 +34,8 @@ from _common import (
     median,
     pinning,
     print_table,
-    require_tools,
+    run_script,
     run_tool,
-    sigterm_as_interrupt,
     stop_all,
     vsan_bench_iops,
     wait_iscsi_ready,
@@ -117,16 +116,8 @@ def main() -> int:
     args = ap.parse_args()
     if args.smoke:
         args.rounds, args.seconds, args.size_mib = 1, 2, 64
-    sigterm_as_interrupt()
-    try:
-        require_tools("bash", "iscsi-perf", "iscsi-readcapacity16", "tgtd", "tgtadm")
-        return measure(args)
-    except BenchError as e:
-        print(f"compare_tgt: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("compare_tgt: interrupted; targets stopped", file=sys.stderr)
-        return 130
+    tools = ("bash", "iscsi-perf", "iscsi-readcapacity16", "tgtd", "tgtadm")
+    return run_script("compare_tgt", tools, lambda: measure(args), "targets stopped")
 
 
 def measure(args: argparse.Namespace) -> int:
