@@ -31,6 +31,12 @@ class WriteBatcher:
             self._pending = True
             asyncio.get_running_loop().call_soon(self.flush)
 
+    def take(self) -> list[Buffer]:
+        """What is queued, taken out to be sent by the caller (nothing is left pending)."""
+        self._pending = False
+        out, self._out = self._out, []
+        return out if self.transport is not None and not self.transport.is_closing() else []
+
     def flush(self) -> None:
         self._pending = False
         out, self._out = self._out, []

@@ -34,6 +34,10 @@ class Wire:
         for p in parts:
             self.out += p
 
+    def write(self, data: Buffer) -> None:
+        self.writes += 1
+        self.out += data
+
     def get_extra_info(self, key: str, default: Any = None) -> Any:
         return default
 
