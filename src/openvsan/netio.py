@@ -9,6 +9,7 @@ from typing import Any, TypeVar
 
 Buffer = bytes | bytearray | memoryview
 T = TypeVar("T")
+JOIN_MAX = 16384   # a send of two parts, the last up to this size, is joined into one buffer
 
 
 class WriteBatcher:
@@ -31,18 +32,16 @@ class WriteBatcher:
             self._pending = True
             asyncio.get_running_loop().call_soon(self.flush)
 
-    def take(self) -> list[Buffer]:
-        """What is queued, taken out to be sent by the caller (nothing is left pending)."""
-        self._pending = False
-        out, self._out = self._out, []
-        return out if self.transport is not None and not self.transport.is_closing() else []
-
     def flush(self) -> None:
         self._pending = False
         out, self._out = self._out, []
         t = self.transport
         if out and t is not None and not t.is_closing():
-            t.writelines(out)
+            if len(out) <= 2 and len(out[-1]) <= JOIN_MAX:
+                # one small PDU (a header, maybe a 4 KiB payload): one buffer takes uvloop's plain write()
+                t.write(out[0] if len(out) == 1 else b"".join(out))
+            else:
+                t.writelines(out)
 
 
 @types.coroutine

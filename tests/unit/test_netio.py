@@ -68,6 +68,9 @@ def test_write_batcher_sends_one_writelines_per_turn():
         def writelines(self, parts):
             self.calls.append(list(parts))
 
+        def write(self, data):
+            self.calls.append(["write", data])
+
         def is_closing(self):
             return False
 
@@ -80,6 +83,13 @@ def test_write_batcher_sends_one_writelines_per_turn():
         assert t.calls == []
         await asyncio.sleep(0)
         assert t.calls == [[b"a", b"b", b"c"]]
+        b.send([b"hdr", b"data"])     # one small PDU: joined, one plain write
+        await asyncio.sleep(0)
+        assert t.calls[-1] == ["write", b"hdrdata"]
+        b.send([b"h", bytes(20000)])  # a large payload is not copied: writelines
+        await asyncio.sleep(0)
+        assert t.calls[-1] == [b"h", bytes(20000)]
+        del t.calls[1:]
         b.transport = None
         b.send([b"d"])
         await asyncio.sleep(0)

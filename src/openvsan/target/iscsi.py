@@ -44,7 +44,6 @@ _READ_FLAGS, _WRITE_FLAGS = P.F_FINAL | P.F_READ, P.F_FINAL | P.F_WRITE
 # plain ints for the fast path (an IntEnum member costs a lookup and a slower compare on every use)
 _OP_SCSI_CMD, _OP_DATA_IN, _OP_SCSI_RSP = int(P.Op.SCSI_CMD), int(P.Op.DATA_IN), int(P.Op.SCSI_RSP)
 _TAG = P.RESERVED_TAG
-_JOIN_MAX = 16384   # a reply up to this size is joined into one buffer (a 4 KiB read: 4,144 bytes)
 _FINAL_STATUS = P.F_FINAL | P.F_STATUS
 
 
@@ -201,20 +200,7 @@ class Connection(BatchedConnection):
             if (_U32.unpack_from(data, 4)[0] == dsl and not dsl & 3 and dsl <= self.reader.max_dsl
                     and s is not None):
                 self._rx += 1
-                batch = self._batch
-                batch.holding = True
-                try:
-                    done = self._fast_scsi_cmd(data, memoryview(data)[48:] if dsl else b"", s)
-                finally:
-                    batch.holding = False
-                    out = batch.take()
-                    t = self.transport
-                    if out and t is not None:
-                        if len(out) <= 2 and len(out[-1]) <= _JOIN_MAX:
-                            t.write(b"".join(out))   # one small buffer: uvloop's plain write(), no writev
-                        else:
-                            t.writelines(out)
-                if done:
+                if self.answer_at_once(self._fast_scsi_cmd, data, memoryview(data)[48:] if dsl else b"", s):
                     return
                 self._rx -= 1
         super().data_received(data)

@@ -207,14 +207,8 @@ class Connection(BatchedConnection):
                 and _U32.unpack_from(data, 4)[0] == n and (n == 72 or data[3] == 72)
                 and n - 72 <= self.queue.reader.max_capsule_data and not self.queue.reader.buffered):
             view = memoryview(data)
-            batch = self._batch
-            batch.holding = True
-            try:
-                self._answered_in_read = 0
-                self._command(CapsuleCommand(view[8:72], view[72:], True))
-            finally:
-                batch.holding = False
-                batch.flush()
+            self._answered_in_read = 0
+            self.answer_at_once(self._command, CapsuleCommand(view[8:72], view[72:], True))
             return
         super().data_received(data)
 

@@ -6,11 +6,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 from openvsan.netio import Buffer, WriteBatcher
 
 log = logging.getLogger("openvsan.target")
+T = TypeVar("T")
 
 DRAIN_TIMEOUT = 30.0  # seconds stop() waits for commands in flight before closing connections anyway
 
@@ -34,14 +36,18 @@ class BatchedConnection(asyncio.Protocol):
         peer = transport.get_extra_info("peername")
         self.peer = f"{peer[0]}:{peer[1]}" if peer else "?"
 
-    def data_received(self, data: bytes) -> None:
+    def answer_at_once(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run fn(*args) with sends held: what it answers leaves in one send when it returns, in this turn."""
         batch = self._batch
         batch.holding = True
         try:
-            self.received(data)
+            return fn(*args)
         finally:
             batch.holding = False
             batch.flush()
+
+    def data_received(self, data: bytes) -> None:
+        self.answer_at_once(self.received, data)
 
     def received(self, data: bytes) -> None:
         raise NotImplementedError
