@@ -25,7 +25,7 @@ from typing import Any, Self
 from openvsan.block import BlockDevice, FileDevice, NullDevice, RamDevice
 from openvsan.node.config import DeviceSpec, NbdExportSpec, SubsystemSpec, TargetSpec, VolumeSpec
 from openvsan.node.control import ControlServer, RequestError, socket_path
-from openvsan.node.pools import PoolSetupError, ServedPools
+from openvsan.node.pools import PoolSetupError, ServedPools, flush_and_close, why
 from openvsan.node.store import StoredState, VolumeIdentity
 from openvsan.node.values import format_size
 
@@ -137,9 +137,9 @@ class Node:
                 except (OSError, ValueError) as e:
                     user = cfg.device_user(spec.name)
                     if user is None or not user.startswith("pool "):
-                        raise NodeError(f"device {spec.name}: {_why(e)}") from e
+                        raise NodeError(f"device {spec.name}: {why(e)}") from e
                     # a pool member that cannot be opened is a missing member: the pool decides if it can go on
-                    log.error("device %s (%s): cannot open it: %s", spec.name, user, _why(e))
+                    log.error("device %s (%s): cannot open it: %s", spec.name, user, why(e))
             try:
                 await self.pools.assemble()
             except PoolSetupError as e:
@@ -283,11 +283,7 @@ class Node:
         for name, dev in reversed(list(self.devices.items())):
             if id(dev) in closed:
                 continue
-            try:
-                await dev.flush()
-                await dev.close()
-            except Exception as e:  # noqa: BLE001 - one bad device must not keep the others unflushed
-                log.error("device %s: flush/close failed: %s", name, e)
+            await flush_and_close(dev, name)
         self.devices.clear()
         self.volumes.clear()
         self.luns.clear()
@@ -297,12 +293,6 @@ class Node:
         if cmd.startswith("pool."):
             return await self.pools.control(cmd, args)
         raise RequestError(f"unknown command {cmd!r}")
-
-
-def _why(e: BaseException) -> str:
-    if isinstance(e, OSError) and e.strerror:
-        return f"{e.filename}: {e.strerror}" if e.filename else e.strerror
-    return str(e)
 
 
 class DataDirLock:

@@ -152,11 +152,7 @@ class ServedPools(Mapping[str, ServedPool]):
         for dev in reversed(self._loose):
             if id(dev) in owned:
                 continue
-            try:
-                await dev.flush()
-                await dev.close()
-            except Exception as e:  # noqa: BLE001 - one bad device must not keep the others unflushed
-                log.error("device %s: flush/close failed: %s", str(getattr(dev, "name", "?")), e)
+            await flush_and_close(dev, str(getattr(dev, "name", "?")))
         self._loose.clear()
         self._owned.clear()
         return owned
@@ -254,7 +250,7 @@ class ServedPools(Mapping[str, ServedPool]):
             # never create it: a file that is gone is a missing member
             dev = FileDevice(path, name=str(path))
         except (OSError, ValueError) as e:
-            log.error("pool %s: %s: cannot open it: %s; leaving it out", spec.name, ref, _why(e))
+            log.error("pool %s: %s: cannot open it: %s; leaving it out", spec.name, ref, why(e))
             return None
         self._loose.append(dev)
         return dev
@@ -315,7 +311,7 @@ class ServedPools(Mapping[str, ServedPool]):
             try:
                 fdev = FileDevice(path, size=size, block_size=sp.pool.block_size, name=str(path))
             except (OSError, ValueError) as e:
-                raise RequestError(f"{ref}: {_why(e)}") from None
+                raise RequestError(f"{ref}: {why(e)}") from None
             sp.refs[id(fdev)] = ref if size is not None else f"{FILE_REF}{path}"
             return fdev, True
         if not any(d.name == ref for d in cfg.devices):
@@ -438,8 +434,18 @@ def _pool_text(e: BaseException) -> str:
     return text.replace("(fail_member)", "(vsan pool fail)")
 
 
-def _why(e: BaseException) -> str:
-    # the same one line as node.py's: an OSError's file and strerror, not Python's "[Errno 2] ..."
+def why(e: BaseException) -> str:
+    """One line for the user: an OSError's file and strerror, not Python's "[Errno 2] ..."."""
     if isinstance(e, OSError) and e.strerror:
         return f"{e.filename}: {e.strerror}" if e.filename else e.strerror
     return str(e)
+
+
+async def flush_and_close(dev: BlockDevice, name: str) -> None:
+    """Flush and close one device at stop; a failure is logged, so one bad device cannot keep the others
+    unflushed."""
+    try:
+        await dev.flush()
+        await dev.close()
+    except Exception as e:  # noqa: BLE001 - see above
+        log.error("device %s: flush/close failed: %s", name, e)
