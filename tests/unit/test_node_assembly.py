@@ -327,3 +327,28 @@ def test_nvme_section_without_nvme_server_is_one_line(tmp_path: Path, monkeypatc
         await node.stop()
 
     asyncio.run(go2())
+
+
+@pytest.mark.parametrize("poll_us", [0, 80])
+def test_one_busy_poller_for_every_server(tmp_path: Path, poll_us: int, caplog: pytest.LogCaptureFixture) -> None:
+    data = all_protocols(tmp_path)
+    data["node"]["poll_us"] = poll_us
+    node = node_for(tmp_path, data, nvme_server=FakeExportServer, nbd_server=FakeExportServer)
+
+    async def go() -> None:
+        with caplog.at_level(logging.INFO, "openvsan.node"):
+            await node.start()
+            poller = node.busy_poll
+            assert node.server.busy_poll is node.nvme_server.busy_poll is node.nbd_server.busy_poll is poller
+            if poll_us:
+                assert poller is not None and poller.window_ns == poll_us * 1000
+            else:
+                assert poller is None
+            await node.stop()
+
+    asyncio.run(go())
+    if poll_us:
+        assert "adaptive polling: 80 µs window after each command" in caplog.text
+        assert "adaptive polling: 0 windows of 80 µs opened, 0 wasted, 0.0 s spent polling" in caplog.text
+    else:
+        assert "adaptive polling: off (poll_us = 0)" in caplog.text

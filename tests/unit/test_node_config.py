@@ -137,6 +137,17 @@ def test_bad_config(data: dict[str, Any], expect: str) -> None:
     assert expect in error(data)
 
 
+def test_poll_window() -> None:
+    assert parse_config(cfg()).node.poll_us == 50          # adaptive polling is on unless turned off
+    assert parse_config(cfg(node={"name": "n", "poll_us": 0})).node.poll_us == 0
+    assert parse_config(cfg(node={"name": "n", "poll_us": 200})).node.poll_us == 200
+    assert error(cfg(node={"poll_us": -1})) == ("node.poll_us: -1 is out of range; use 0 (no polling) to 10000 "
+                                                "microseconds (default 50)")
+    assert "node.poll_us: 10001 is out of range" in error(cfg(node={"poll_us": 10001}))
+    assert error(cfg(node={"poll_us": "50us"})) == 'node.poll_us: expected an integer, found "50us"'
+    assert error(cfg(node={"poll_us": True})) == "node.poll_us: expected an integer, found True"
+
+
 def test_target_portals_override_global() -> None:
     d = cfg(iscsi={"targets": [{"iqn": "iqn.2026-11.org.x:a", "luns": [{"lun": 0, "volume": "disk0"}],
                                 "portals": ["[::1]:3261"]}]})

@@ -12,11 +12,11 @@ from openvsan.node.config import parse_config
 from openvsan.node.store import SCHEMA_VERSION, Store, StoreError
 
 
-def config(volumes: tuple[str, ...] = ("disk0", "disk1"), **target: object):
+def config(volumes: tuple[str, ...] = ("disk0", "disk1"), poll_us: int = 50, **target: object):
     t = {"iqn": "iqn.2026-11.org.openvsan:t0",
          "luns": [{"lun": i, "volume": v} for i, v in enumerate(volumes)], **target}
     return parse_config({
-        "node": {"name": "n1"},
+        "node": {"name": "n1", "poll_us": poll_us},
         "devices": [{"name": f"dev-{v}", "type": "ram", "size": "1MiB"} for v in volumes]
         + [{"name": "f0", "type": "file", "path": "/tmp/x.img", "size": "4MiB", "direct": True, "block_size": 4096}],
         "volumes": [{"name": v, "device": f"dev-{v}", "read_only": v.endswith("1")} for v in volumes],
@@ -41,6 +41,13 @@ def test_round_trip(tmp_path: Path) -> None:
     db = tmp_path / "data" / "state.db"
     assert stat.S_IMODE(db.stat().st_mode) == 0o600
     assert stat.S_IMODE(db.parent.stat().st_mode) == 0o700
+
+
+def test_poll_window_round_trip(tmp_path: Path) -> None:
+    with Store.open(tmp_path / "data") as s:
+        for window in (0, 7, 50):
+            s.import_config(config(poll_us=window))
+            assert s.load().config.node.poll_us == window
 
 
 def test_no_acl_differs_from_empty_acl(tmp_path: Path) -> None:

@@ -116,7 +116,8 @@ def config_check(config: Annotated[Path, typer.Argument(help="The TOML config fi
     cfg = read_config(config)
     out = Console()
     out.print(f"[bold]{config}[/]: valid config for node [bold]{cfg.node.name}[/]"
-              + (f", data dir {cfg.node.data_dir}" if cfg.node.data_dir else ""), soft_wrap=True)
+              + (f", data dir {cfg.node.data_dir}" if cfg.node.data_dir else "")
+              + (f", adaptive polling {cfg.node.poll_us} µs" if cfg.node.poll_us else ", no polling"), soft_wrap=True)
     if cfg.devices:
         t = Table("device", "type", "size", "block", "where", title="devices", title_justify="left")
         for d in cfg.devices:

@@ -38,6 +38,7 @@ BLOCK_SIZES = (512, 4096)
 MAX_LUN = 16383  # SAM-5 flat/peripheral addressing as Linux and Windows use it: 14 bits
 MAX_NSID = 0xFFFFFFFE  # NVMe Base 2.0 §3.2.1.2: 0 and FFFFFFFFh are not valid namespace IDs
 NVME_PORT, NBD_PORT = 4420, 10809  # IANA: NVMe/TCP I/O controllers; NBD
+DEFAULT_POLL_US, MAX_POLL_US = 50, 10_000
 
 
 class ConfigError(ValueError):
@@ -48,6 +49,7 @@ class ConfigError(ValueError):
 class NodeSettings:
     name: str
     data_dir: Path | None = None
+    poll_us: int = DEFAULT_POLL_US  # adaptive busy-poll window after each command (target/busypoll.py); 0: off
 
 
 @dataclass(frozen=True)
@@ -275,8 +277,12 @@ def _parse_node(top: _Table, base_dir: Path | None) -> NodeSettings:
     name = t.get("name", str, None)
     name = t.check("name", check_object_name, name) if name is not None else socket.gethostname().split(".")[0]
     data_dir = t.get("data_dir", str, None)
-    t.done(("name", "data_dir"))
-    return NodeSettings(name, _resolve(data_dir, base_dir) if data_dir else None)
+    poll_us = t.get("poll_us", int, DEFAULT_POLL_US)
+    if not 0 <= poll_us <= MAX_POLL_US:
+        raise ConfigError(f"{t.key('poll_us')}: {poll_us} is out of range; use 0 (no polling) to {MAX_POLL_US} "
+                          f"microseconds (default {DEFAULT_POLL_US})")
+    t.done(("name", "data_dir", "poll_us"))
+    return NodeSettings(name, _resolve(data_dir, base_dir) if data_dir else None, poll_us)
 
 
 _DEVICE_KEYS = {

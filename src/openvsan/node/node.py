@@ -28,6 +28,7 @@ from openvsan.node.control import ControlServer, RequestError, socket_path
 from openvsan.node.pools import PoolSetupError, ServedPools, flush_and_close, why
 from openvsan.node.store import StoredState, VolumeIdentity
 from openvsan.node.values import format_size
+from openvsan.target.busypoll import BusyPoll
 
 log = logging.getLogger("openvsan.node")
 
@@ -121,6 +122,7 @@ class Node:
     nbd_server: Any = None
     pools: ServedPools = field(init=False)                   # pool name -> ServedPool (node/pools.py)
     control_server: ControlServer | None = None
+    busy_poll: BusyPoll | None = None
 
     def __post_init__(self) -> None:
         self.pools = ServedPools(self.state, self.data_dir, self.devices)
@@ -151,17 +153,22 @@ class Node:
             pr_dir.mkdir(mode=0o700, exist_ok=True)
             for t in cfg.targets:
                 self.targets.append(self._build_target(t, f, pr_dir))
+            # one poller for the loop: a command on any connection keeps every connection's sockets watched
+            self.busy_poll = BusyPoll(cfg.node.poll_us) if cfg.node.poll_us else None
             self.server = f.server(self.targets)
+            self.server.busy_poll = self.busy_poll
             await self.server.start()
             if cfg.nvme is not None:
                 assert nvme_factory is not None
                 self.subsystems = [self._build_subsystem(sub) for sub in cfg.nvme.subsystems]
                 discovery = [(p.host, p.port) for p in cfg.nvme.portals] or None
                 self.nvme_server = nvme_factory(self.subsystems, discovery_portals=discovery)
+                self.nvme_server.busy_poll = self.busy_poll
                 await self.nvme_server.start()
             if cfg.nbd_exports:
                 self.nbd_exports = [self._build_nbd_export(e) for e in cfg.nbd_exports]
                 self.nbd_server = (f.nbd_server or _real_nbd_server())(self.nbd_exports)
+                self.nbd_server.busy_poll = self.busy_poll
                 await self.nbd_server.start()
             self.control_server = ControlServer(socket_path(self.data_dir), self.control)
             await self.control_server.start()
@@ -196,6 +203,8 @@ class Node:
                      format_size(dev.num_blocks * dev.block_size),
                      ", read-only" if x.read_only or cfg.volume(x.volume).read_only else "",
                      ", ".join(str(p) for p in x.portals))
+        log.info("adaptive polling: %s", f"{cfg.node.poll_us} µs window after each command" if cfg.node.poll_us
+                 else "off (poll_us = 0)")
         if not cfg.exports_anything():
             log.warning("no iSCSI targets, NVMe subsystems or NBD exports are configured; nothing is exported")
 
@@ -273,6 +282,10 @@ class Node:
         self.subsystems.clear()
         self.nbd_exports.clear()
         await self.close_devices()
+        if self.busy_poll is not None:
+            st = self.busy_poll.stats()
+            log.info("adaptive polling: %d windows of %d µs opened, %d wasted, %.1f s spent polling",
+                     st["windows"], st["window_us"], st["wasted"], st["polled_s"])
         log.info("stopped")
 
     async def close_devices(self) -> None:

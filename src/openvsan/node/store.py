@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Self
 
 from openvsan.node.config import (
+    DEFAULT_POLL_US,
     ChapSpec,
     DeviceSpec,
     LunSpec,
@@ -220,6 +221,7 @@ class Store:
                 ("source", str(cfg.source) if cfg.source else ""),
                 ("imported", datetime.now(UTC).isoformat(timespec="seconds")),
                 ("nvme", "1" if cfg.nvme is not None else ""),
+                ("poll_us", str(cfg.node.poll_us)),
             ])
             db.executemany("INSERT INTO devices VALUES (?, ?, ?, ?, ?, ?, ?, ?)", [
                 (d.name, i, d.type, d.size, d.block_size, _str(d.backing), _str(d.path), int(d.direct))
@@ -305,7 +307,8 @@ class Store:
             targets.append(TargetSpec(iqn, luns, tuple(portals[0]), tuple(portals[1]),
                                       None if any_initiator else acl, chap.get("initiator"), chap.get("target"),
                                       alias, tpgt))
-        settings = NodeSettings(node.get("name", ""), Path(node["data_dir"]) if node.get("data_dir") else None)
+        settings = NodeSettings(node.get("name", ""), Path(node["data_dir"]) if node.get("data_dir") else None,
+                                int(node.get("poll_us", DEFAULT_POLL_US)))
         cfg = NodeConfig(settings, devices, volumes, tuple(targets),
                          source=Path(node["source"]) if node.get("source") else None,
                          nvme=self._load_nvme() if node.get("nvme") else None, nbd_exports=self._load_nbd(),

@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from openvsan.netio import Buffer, WriteBatcher
+from openvsan.target.busypoll import BusyPoll
 
 log = logging.getLogger("openvsan.target")
 T = TypeVar("T")
@@ -26,6 +27,7 @@ class BatchedConnection(asyncio.Protocol):
         self.peer = "?"
         self._closed = False
         self._batch = WriteBatcher()
+        self.busy_poll: BusyPoll | None = None   # set by the server that accepted it
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]  # uvloop's transports do not subclass it
@@ -45,6 +47,8 @@ class BatchedConnection(asyncio.Protocol):
         finally:
             batch.holding = False
             batch.flush()
+            if self.busy_poll is not None:
+                self.busy_poll.arrived()
 
     def data_received(self, data: bytes) -> None:
         self.answer_at_once(self.received, data)
@@ -73,11 +77,12 @@ class PortalServer:
         self.closing = False
         self.connections: set[BatchedConnection] = set()
         self._servers: list[asyncio.base_events.Server] = []
+        self.busy_poll: BusyPoll | None = None   # handed to every connection accepted from now on
 
     def portals(self) -> list[tuple[str, int]]:
         raise NotImplementedError
 
-    def make_connection(self, portal: tuple[str, int]) -> asyncio.Protocol:
+    def make_connection(self, portal: tuple[str, int]) -> BatchedConnection:
         raise NotImplementedError
 
     def portal_note(self, portal: tuple[str, int]) -> str:
@@ -95,7 +100,7 @@ class PortalServer:
         loop = asyncio.get_running_loop()
         for host, port in self.portals():
             try:
-                srv = await loop.create_server(lambda p=(host, port): self.make_connection(p),  # type: ignore[misc]
+                srv = await loop.create_server(lambda p=(host, port): self._accepted(p),  # type: ignore[misc]
                                                host, port, reuse_address=True, backlog=128)
             except OSError as e:
                 await self.stop()
@@ -103,6 +108,11 @@ class PortalServer:
             self._servers.append(srv)
             note = self.portal_note((host, port))
             log.info("%s portal listening on %s:%d%s", self.kind, host, port, f" ({note})" if note else "")
+
+    def _accepted(self, portal: tuple[str, int]) -> BatchedConnection:
+        c = self.make_connection(portal)
+        c.busy_poll = self.busy_poll
+        return c
 
     async def serve_forever(self) -> None:
         await asyncio.gather(*(s.serve_forever() for s in self._servers))
