@@ -200,3 +200,29 @@ def test_create_with_spares_and_a_spare_takes_over() -> None:
         await pool.close()
 
     run(go())
+
+
+@pytest.mark.parametrize("level, bad", [(10, [3]), (5, [1]), (5, [1, 2])])
+def test_bad_sector_in_a_members_bitmap_fails_that_member_at_assembly(level: int, bad: list[int]) -> None:
+    """A member whose write-intent bitmap cannot be read at start-up is failed, like any member I/O error; the
+    pool comes up degraded when it tolerates that, and refuses with one line when it does not."""
+    from openvsan.pool.superblock import BITMAP_OFFSET
+
+    async def go() -> None:
+        ds = disks(4)
+        pool = await Pool.create(ds, level, CHUNK, data_offset=HEADER, name="tank")
+        model = bytearray(pool.num_blocks * BS)
+        await fill(pool, model, random.Random(3))
+        await pool.close()
+        for i in bad:
+            ds[i].fail(BITMAP_OFFSET // BS)
+        if len(bad) > 1:
+            with pytest.raises(PoolError, match="while reading the write-intent bitmaps"):
+                await Pool.assemble(ds)
+            return
+        pool = await Pool.assemble(ds)
+        assert [m.state for m in pool.status().members] == ["failed" if i in bad else "active" for i in range(4)]
+        assert await same(pool, model)
+        await pool.close()
+
+    run(go())

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 from openvsan.block.device import BlockDevice
 from openvsan.pool.layout import Geometry, Level
-from openvsan.pool.members import MEMBER_FAULTS, Member
+from openvsan.pool.members import MEMBER_FAULTS, Member, MemberFaults
 from openvsan.pool.superblock import (
     BITMAP_OFFSET,
     DEFAULT_DATA_OFFSET,
@@ -227,9 +227,20 @@ async def assemble(cls: type[Pool], devices: Sequence[BlockDevice], *, rebuild_r
         nbytes = pool.bitmap.byte_size
         trusted = [m for m in members if m.state is MemberState.ACTIVE and m.dev is not None]
         raws = await asyncio.gather(*(
-            m.dev.read(BITMAP_OFFSET // bs, nbytes // bs) for m in trusted if m.dev is not None))
-        for raw in raws:
-            pool.bitmap.load(bytes(raw))
+            m.dev.read(BITMAP_OFFSET // bs, nbytes // bs) for m in trusted if m.dev is not None),
+            return_exceptions=True)
+        errors: dict[int, BaseException] = {}
+        for m, raw in zip(trusted, raws, strict=True):
+            if isinstance(raw, MEMBER_FAULTS):
+                errors[m.index] = raw   # a member that cannot read its bitmap is failed, like any I/O error
+            elif isinstance(raw, BaseException):
+                raise raw
+            else:
+                pool.bitmap.load(bytes(raw))
+        if errors:
+            pool._mark_failed(MemberFaults(errors, {i: members[i].dev for i in errors}))
+            if pool.failed:
+                raise PoolError(pool._failure_text() + " (while reading the write-intent bitmaps)")
         pool.bitmap.pending_resync = set(pool.bitmap.dirty())
         if pool.bitmap.pending_resync:
             log.warning("pool %s: %d dirty regions (not shut down cleanly): resyncing",
