@@ -93,6 +93,14 @@ def cmd(itt: int, cmdsn: int, cdb: bytes, *, read: bool = False, write: bool = F
     return bytes(b) + data + bytes(-len(data) % 4)
 
 
+def nop_out(itt: int, cmdsn: int, data: bytes) -> bytes:
+    b = bytearray(48)
+    b[0], b[1] = 0x40, 0x80           # RFC 7143 §11.18: NOP-Out, immediate, F
+    b[5:8] = len(data).to_bytes(3, "big")
+    struct.pack_into(">IIII", b, 16, itt, 0xFFFFFFFF, cmdsn, 0)
+    return bytes(b) + data + bytes(-len(data) % 4)
+
+
 def rw(op: int, lba: int, n: int, flags: int = 0) -> bytes:
     if op in (0x28, 0x2A):
         return struct.pack(">BBIBHB", op, flags, lba, 0, n, 0)
@@ -165,6 +173,11 @@ def test_a_random_command_stream_gets_the_same_bytes_on_either_path() -> None:
         sn += 1
         batch.append(pdu)
         every.append(pdu)
+        if rnd.random() < 0.1:
+            # an immediate NOP-Out among the commands: the lane stops there and the reader takes the rest
+            ping = nop_out(10000 + itt, sn, rnd.randbytes(rnd.choice((0, 4, 13))))
+            batch.append(ping)
+            every.append(ping)
         if rnd.random() < 0.3:
             stream.append(b"".join(batch))
             batch = []
@@ -176,6 +189,8 @@ def test_a_random_command_stream_gets_the_same_bytes_on_either_path() -> None:
     fast, slow, used = both(pieces)
     assert used > 100, "the fast path was hardly taken"
     assert fast == slow
+    pings = sum(p.startswith(b"\x40") for p in every)
+    assert pings >= 20 and sum(op == 0x20 for op, _, _ in _pdus(fast)) == pings   # a NOP-In for each
     # one PDU per receive: data_received's lane, which skips the PDU reader
     fast, slow, used = both(every)
     assert used > 100, "the fast path was hardly taken"

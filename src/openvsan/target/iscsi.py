@@ -189,30 +189,19 @@ class Connection(BatchedConnection):
         if self.transport and not self._closed:
             self.transport.resume_reading()
 
-    def data_received(self, data: bytes) -> None:
-        # The lane for what initiators send most: a receive that holds exactly one SCSI Command PDU (a READ,
-        # or a WRITE with its data), no AHS, no digests, nothing buffered from before. It skips the reader
-        # and the Pdu; a command the fast path declines goes the general way with the same bytes.
-        n = len(data)
-        if self._lane and n >= 48 and data[0] == _OP_SCSI_CMD and not self.reader.buffered:
-            dsl = n - 48
-            s = self.session
-            if (_U32.unpack_from(data, 4)[0] == dsl and not dsl & 3 and dsl <= self.reader.max_dsl
-                    and s is not None):
-                self._rx += 1
-                if self.answer_at_once(self._fast_scsi_cmd, data, memoryview(data)[48:] if dsl else b"", s):
-                    return
-                self._rx -= 1
-        super().data_received(data)
-
     def received(self, data: bytes) -> None:
+        self._rx += 1   # _idle_check notices; no clock read per receive
+        rest: bytes | memoryview = data
+        if self._lane and not self.reader.buffered:
+            rest = self._command_lane(data)
+            if not len(rest):
+                return
         try:
-            pdus = self.reader.receive_data(data)
+            pdus = self.reader.receive_data(rest)
         except FramingError as e:
             log.warning("%s: %s; closing the connection", self.peer, e)
             self.close()
             return
-        self._rx += 1   # _idle_check notices; no clock read per receive
         for pdu in pdus:
             if self._closed:
                 return
@@ -220,6 +209,38 @@ class Connection(BatchedConnection):
                 self._login_pdu(pdu)
             else:
                 self._ffp_pdu(pdu)
+
+    def _command_lane(self, data: bytes) -> bytes | memoryview:
+        """The lane for what initiators send most: SCSI Command PDUs (READs, WRITEs with their data) at the
+        front of a receive, with no AHS, no digests and nothing buffered from before, each handled by the
+        fast path straight from the received bytes, with no reader and no Pdu. Returns what is left for the
+        reader: from the first PDU that is anything else, is cut by the end of the receive, or that the fast
+        path declines (that one goes the general way with the same bytes)."""
+        s = self.session
+        if s is None:
+            return data
+        n = len(data)
+        pos = 0
+        view: memoryview | None = None
+        max_dsl = self.reader.max_dsl
+        while n - pos >= 48 and data[pos] == _OP_SCSI_CMD:
+            dsl = _U32.unpack_from(data, pos + 4)[0]   # TotalAHSLength (must be 0) and DataSegmentLength
+            end = pos + 48 + dsl
+            if dsl & 3 or dsl > max_dsl or end > n:
+                break
+            if end == n and not pos:
+                # the whole receive is one command (queue depth 1): the header needs no view
+                ok = self._fast_scsi_cmd(data, memoryview(data)[48:] if dsl else b"", s)
+            else:
+                if view is None:
+                    view = memoryview(data)
+                ok = self._fast_scsi_cmd(view[pos:pos + 48], view[pos + 48:end] if dsl else b"", s)
+            if not ok:
+                break
+            pos = end
+        if not pos:
+            return data
+        return (view if view is not None else memoryview(data))[pos:]
 
     # --- sending ----------------------------------------------------------------------------------
     def send(self, bhs: bytes, data: bytes | memoryview | Sequence[bytes | memoryview] = b"") -> None:
