@@ -264,3 +264,71 @@ def test_queue_depth_and_disconnect(caplog: pytest.LogCaptureFixture) -> None:
         assert rsp is not None and rsp.status == 0
         await admin.close()
     run(go, caplog)
+
+
+def test_bursts_of_capsules_in_one_receive(caplog: pytest.LogCaptureFixture) -> None:
+    """Several CapsuleCmds in one send (the target's capsule lane takes them straight from the receive),
+    some cut across two sends, mixed with R2T writes, out-of-range reads and unsupported opcodes: every
+    command gets its own answer, and what was written reads back."""
+    async def go(server: NvmeTcpServer, port: int) -> None:
+        admin, (io,) = await connect_controller(port, NQN, sqsize=63)
+        loop = asyncio.get_running_loop()
+        rng = random.Random(11)
+        stored: dict[int, bytes] = {}       # LBA -> the 4 KiB written there in an earlier burst
+        for _ in range(40):
+            parts: list[bytes] = []
+            expect: list[tuple[asyncio.Future[tuple[Any, bytes]], int, bytes | None]] = []
+            written: dict[int, bytes] = {}
+            for _ in range(rng.randint(2, 14)):
+                cid = io.next_cid()
+                kind = rng.choice(["write", "write", "read", "read", "r2t", "range", "opcode"])
+                lba = rng.randrange(128) * 8
+                want: bytes | None = None
+                status = 0
+                if kind == "read":
+                    if not stored:
+                        continue
+                    lba = rng.choice(list(stored))
+                    part = capsule(sqe(0x02, cid, 1, cdw10=lba, cdw12=7, sgl_len=4096))
+                    want = stored[lba]
+                elif kind in ("write", "r2t"):
+                    if lba in written or lba in stored:
+                        continue     # NVMe does not order commands in flight: one write per block a burst
+                    data = rng.randbytes(4096)
+                    cmd = sqe(0x01, cid, 1, cdw10=lba, cdw12=7, sgl_len=4096, in_capsule=kind == "write")
+                    if kind == "r2t":
+                        io.wdata[cid] = data
+                        part = capsule(cmd)
+                    else:
+                        part = capsule(cmd, data)
+                    written[lba] = data
+                elif kind == "range":
+                    part = capsule(sqe(0x02, cid, 1, cdw10=65535, cdw12=1, sgl_len=1024))
+                    status = 0x80 | 0x4000        # LBA out of range, DNR
+                else:
+                    part = capsule(sqe(0x7E, cid, 1))
+                    status = 0x01 | 0x4000        # invalid opcode, DNR
+                fut: asyncio.Future[tuple[Any, bytes]] = loop.create_future()
+                io.waiting[cid] = fut
+                parts.append(part)
+                expect.append((fut, status, want))
+            if not parts:
+                continue
+            blob = b"".join(parts)
+            # cut the burst across two sends, unless an R2T in it would put its H2CData inside the cut
+            cut = rng.randrange(1, len(blob)) if rng.random() < 0.5 and not io.wdata else len(blob)
+            io.w.write(blob[:cut])
+            await io.w.drain()
+            if cut < len(blob):
+                await asyncio.sleep(0.001)
+                io.w.write(blob[cut:])
+            for fut, status, data in expect:
+                rsp, got = await asyncio.wait_for(fut, 10)
+                assert (rsp.status if rsp is not None else 0) == status
+                if data is not None:
+                    assert got == data
+            stored.update(written)
+        assert io.term is None
+        await io.close()
+        await admin.close()
+    run(go, caplog)

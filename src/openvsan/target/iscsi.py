@@ -157,7 +157,7 @@ class Connection(BatchedConnection):
         self._ping_sent = 0.0
         self._last_rx = 0.0
         self._rx = self._rx_seen = 0    # receives so far, and as _idle_check last saw them
-        self._lane = False              # data_received's lane is open: full feature phase, no digests
+        self._lane = False              # received's command lane is open: full feature phase, no digests
         self._connected = 0.0
         self._timer: asyncio.TimerHandle | None = None
         self._text_pending: dict[int, bytes] = {}

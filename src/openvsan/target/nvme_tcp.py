@@ -167,7 +167,7 @@ class Connection(BatchedConnection):
         self.tasks: set[asyncio.Task[None]] = set()
         self._timer: asyncio.TimerHandle | None = None
         self._answered_in_read = 0             # completions made while handling the current socket read
-        self._lane = False                     # data_received's lane: an I/O queue, connected, no digests
+        self._lane = False                     # received's capsule lane: an I/O queue, connected, no digests
         self._plain_c2h = False
 
     # --- asyncio.Protocol -------------------------------------------------------------------------------
@@ -198,23 +198,14 @@ class Connection(BatchedConnection):
         if self.transport is not None and not self._closed:
             self.transport.resume_reading()
 
-    def data_received(self, data: bytes) -> None:
-        # The lane for what hosts send most on an I/O queue: a receive that holds exactly one CapsuleCmd PDU
-        # (NVMe/TCP 1.0 §3.6.2.5), no digests, its data (if any) right behind the 72-byte header, nothing
-        # buffered from before. It skips the PDU reader and the event; _command does every check as usual.
-        n = len(data)
-        if (self._lane and n >= 72 and data[0] == _CAPSULE_CMD and data[1] == 0 and data[2] == 72
-                and _U32.unpack_from(data, 4)[0] == n and (n == 72 or data[3] == 72)
-                and n - 72 <= self.queue.reader.max_capsule_data and not self.queue.reader.buffered):
-            view = memoryview(data)
-            self._answered_in_read = 0
-            self.answer_at_once(self._command, CapsuleCommand(view[8:72], view[72:], True))
-            return
-        super().data_received(data)
-
     def received(self, data: bytes) -> None:
         self._answered_in_read = 0
-        for ev in self.queue.receive_data(data):
+        rest: bytes | memoryview = data
+        if self._lane and not self.queue.reader.buffered:
+            rest = self._capsule_lane(data)
+            if not len(rest) or self._closed:
+                return
+        for ev in self.queue.receive_data(rest):
             if self._closed:
                 return
             if isinstance(ev, CapsuleCommand):
@@ -225,6 +216,26 @@ class Connection(BatchedConnection):
                 self._send(ev.response)
             elif isinstance(ev, Terminated):
                 self._terminate(ev)
+
+    def _capsule_lane(self, data: bytes) -> bytes | memoryview:
+        """The lane for what hosts send most on an I/O queue: CapsuleCmd PDUs (NVMe/TCP 1.0 §3.6.2.5) at the
+        front of a receive, without digests, each with its data right behind the 72-byte header. They skip
+        the PDU reader and its events; _command does every check as usual. Returns what is left for the
+        reader: from the first PDU that is anything else or is cut by the end of the receive."""
+        n = len(data)
+        pos = 0
+        view = memoryview(data)
+        max_data = self.queue.reader.max_capsule_data
+        while n - pos >= 72 and data[pos] == _CAPSULE_CMD and data[pos + 1] == 0 and data[pos + 2] == 72:
+            plen = _U32.unpack_from(data, pos + 4)[0]
+            end = pos + plen
+            if plen < 72 or end > n or plen - 72 > max_data or (plen > 72 and data[pos + 3] != 72):
+                break
+            self._command(CapsuleCommand(view[pos + 8:pos + 72], view[pos + 72:end], True))
+            pos = end
+            if self._closed:
+                return b""
+        return view[pos:] if pos else data
 
     def _setup_deadline(self) -> None:
         if self.ctrl is None and not self._closed:

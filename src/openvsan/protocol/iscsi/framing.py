@@ -45,7 +45,7 @@ class PduReader:
         """Bytes of an unfinished PDU held from earlier reads."""
         return self._buf.size
 
-    def receive_data(self, data: bytes) -> list[Pdu]:
+    def receive_data(self, data: bytes | memoryview) -> list[Pdu]:
         buf = self._buf
         buf.append(data)
         out: list[Pdu] = []

@@ -120,7 +120,7 @@ class PduReader:
         """Bytes of an unfinished PDU held from earlier reads."""
         return self._buf.size
 
-    def receive_data(self, data: bytes) -> list[Pdu]:
+    def receive_data(self, data: bytes | memoryview) -> list[Pdu]:
         """Whole PDUs in `data` and what was buffered before. Parsing stops after an ICReq: the digests it
         negotiates apply to the bytes behind it, so call again (with b"") once it is handled."""
         buf = self._buf

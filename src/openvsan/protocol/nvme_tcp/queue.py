@@ -97,7 +97,7 @@ class TcpQueue:
         self._next_ttag = 0
 
     # --- receiving ------------------------------------------------------------------------------------
-    def receive_data(self, data: bytes) -> list[Event]:
+    def receive_data(self, data: bytes | memoryview) -> list[Event]:
         if self.state is State.CLOSED:
             return []
         events: list[Event] = []
