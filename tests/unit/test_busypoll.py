@@ -1,10 +1,16 @@
 """Adaptive busy polling (target/busypoll.py): windows open on arrival, stretch while commands keep coming,
-close when they stop, and back off after windows that caught nothing."""
+close when they stop, back off after windows that caught nothing, and end at once when another task wants
+the core. Most tests count context switches with a stand-in that reports none, so a loaded test machine
+does not end their windows early; one test puts a real competitor on the same core."""
 
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
+import subprocess
+import sys
+import textwrap
 import time
 
 import pytest
@@ -13,6 +19,11 @@ from openvsan.target.busypoll import MAX_BACKOFF, BusyPoll
 from openvsan.target.portals import BatchedConnection, PortalServer
 
 WINDOW_US = 2000
+
+
+def quiet(window_us: int) -> BusyPoll:
+    """A poller on a core nobody else wants: the context switch count never moves."""
+    return BusyPoll(window_us, switches=lambda: 0)
 
 
 async def until_closed(p: BusyPoll) -> int:
@@ -26,7 +37,7 @@ async def until_closed(p: BusyPoll) -> int:
 
 def test_window_polls_then_closes() -> None:
     async def go() -> None:
-        p = BusyPoll(WINDOW_US)
+        p = quiet(WINDOW_US)
         t0 = time.monotonic()
         p.arrived()
         assert p.windows == 1
@@ -41,7 +52,7 @@ def test_window_polls_then_closes() -> None:
 
 def test_arrivals_stretch_the_window_and_reset_the_backoff() -> None:
     async def go() -> None:
-        p = BusyPoll(WINDOW_US)
+        p = quiet(WINDOW_US)
         p.arrived()
         await until_closed(p)
         assert p.wasted == 1 and p._skip == 1
@@ -66,7 +77,7 @@ def test_arrivals_stretch_the_window_and_reset_the_backoff() -> None:
 
 def test_backoff_doubles_up_to_the_cap() -> None:
     async def go() -> None:
-        p = BusyPoll(1)
+        p = quiet(1)
         skips = []
         for _ in range(10):
             while not p._spinning:
@@ -82,7 +93,7 @@ def test_backoff_doubles_up_to_the_cap() -> None:
 
 def test_other_work_runs_while_polling() -> None:
     async def go() -> None:
-        p = BusyPoll(WINDOW_US * 10)
+        p = quiet(WINDOW_US * 10)
         p.arrived()
         done = []
         asyncio.get_running_loop().call_later(0.001, done.append, "timer")
@@ -105,6 +116,57 @@ def test_other_work_runs_while_polling() -> None:
             await go()
 
     asyncio.run(main())
+
+
+def test_a_context_switch_ends_the_window_as_wasted() -> None:
+    async def go() -> None:
+        switches = [0]
+        p = BusyPoll(1_000_000, switches=lambda: switches[0])     # a 1 s window
+        p.arrived()
+        for _ in range(100):
+            await asyncio.sleep(0)
+        assert p._spinning
+        p.arrived()                   # useful so far
+        switches[0] += 1              # another task took the core for a moment
+        t0 = time.monotonic()
+        await until_closed(p)
+        assert time.monotonic() - t0 < 0.5
+        assert (p.wasted, p.contended, p._skip) == (1, 1, 1)
+
+    asyncio.run(go())
+
+
+CONTENDED = textwrap.dedent("""
+    import asyncio, os, time
+    from openvsan.target.busypoll import BusyPoll
+
+    async def main():
+        p = BusyPoll(200_000)        # 0.2 s windows: long enough to be preempted in
+        for _ in range(5):
+            while not p._spinning:
+                p.arrived()
+            while p._spinning:
+                await asyncio.sleep(0)
+        print(p.windows, p.contended)
+
+    os.sched_setaffinity(0, {CPU})
+    asyncio.run(main())
+""")
+
+
+def test_a_competitor_on_the_same_core_stops_the_polling() -> None:
+    """A real CPU-bound process pinned to the poller's core: every window notices it and ends."""
+    cpu = min(os.sched_getaffinity(0))
+    hog = subprocess.Popen([sys.executable, "-c", f"import os\nos.sched_setaffinity(0, {{{cpu}}})\nwhile True: pass"])
+    try:
+        time.sleep(0.2)
+        out = subprocess.run([sys.executable, "-c", CONTENDED.replace("{CPU}", f"{{{cpu}}}")],
+                             capture_output=True, text=True, timeout=60, check=True).stdout.split()
+    finally:
+        hog.kill()
+        hog.wait()
+    windows, contended = map(int, out)
+    assert windows == 5 and contended == 5
 
 
 def test_window_must_be_positive() -> None:
@@ -137,7 +199,7 @@ def test_accepted_connections_share_the_servers_poller() -> None:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         srv = EchoServer(port)
-        srv.busy_poll = BusyPoll(WINDOW_US)
+        srv.busy_poll = quiet(WINDOW_US)
         await srv.start()
         try:
             for _ in range(2):

@@ -284,8 +284,9 @@ class Node:
         await self.close_devices()
         if self.busy_poll is not None:
             st = self.busy_poll.stats()
-            log.info("adaptive polling: %d windows of %d µs opened, %d wasted, %.1f s spent polling",
-                     st["windows"], st["window_us"], st["wasted"], st["polled_s"])
+            log.info("adaptive polling: %d windows of %d µs opened, %d wasted (%d of them ended because another "
+                     "task wanted the core), %.1f s spent polling", st["windows"], st["window_us"], st["wasted"],
+                     st["contended"], st["polled_s"])
         log.info("stopped")
 
     async def close_devices(self) -> None:

@@ -11,25 +11,41 @@ with a zero timeout on every turn. A command arriving inside the window extends 
 no command having arrived is wasted CPU: the next 1, 2, 4 ... 64 arrivals then open no window, and one
 useful window resets that. Sparse I/O so costs almost nothing; a steady stream at low depth costs one core
 while it lasts.
+
+Polling only pays on a core nobody else wants. A hyperconverged host runs VMs beside the target, and a
+spinning loop would take their CPU. So every few dozen turns the window looks at this thread's context
+switches (getrusage): a polling loop never sleeps, so any switch means another task wanted this core (it
+was preempted, or sched_yield handed the core over). Such a window ends at once and counts as wasted, and
+the backoff above keeps the target from polling again soon.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import resource
 import time
+from collections.abc import Callable
 from typing import Any
 
 MAX_BACKOFF = 64      # arrivals after a wasted window that open no new one, at most
+CHECK_EVERY = 32      # turns of a window between looks at the thread's context switches
+
+
+def context_switches() -> int:
+    """This thread's context switches so far, voluntary and involuntary."""
+    ru = resource.getrusage(resource.RUSAGE_THREAD)
+    return ru.ru_nvcsw + ru.ru_nivcsw
 
 
 class BusyPoll:
     """One per event loop (per `vsan serve`). Target connections call arrived() for every receive."""
 
-    __slots__ = ("_backoff", "_deadline", "_loop", "_seen", "_skip", "_spinning", "_started_ns", "_useful",
-                 "polled_ns", "wasted", "window_ns", "windows")
+    __slots__ = ("_backoff", "_context_switches", "_deadline", "_loop", "_seen", "_skip", "_spinning",
+                 "_started_ns", "_switches", "_turns", "_useful", "contended", "polled_ns", "wasted", "window_ns",
+                 "windows")
 
-    def __init__(self, window_us: int) -> None:
+    def __init__(self, window_us: int, switches: Callable[[], int] = context_switches) -> None:
         if window_us <= 0:
             raise ValueError(f"poll window must be positive, not {window_us} µs")
         self.window_ns = window_us * 1000
@@ -41,8 +57,12 @@ class BusyPoll:
         self._skip = 0            # arrivals left that open no window
         self._backoff = 0
         self._started_ns = 0
+        self._context_switches = switches
+        self._turns = 0
+        self._switches = 0        # context switches when last looked at
         self.windows = 0          # windows opened
-        self.wasted = 0           # windows that ended without a command arriving
+        self.wasted = 0           # windows that ended without a command arriving, or contended
+        self.contended = 0        # windows ended because another task wanted the core
         self.polled_ns = 0        # time spent inside windows
 
     def arrived(self) -> None:
@@ -58,6 +78,7 @@ class BusyPoll:
         now = time.monotonic_ns()
         self._spinning, self._seen, self._useful = True, False, False
         self._started_ns, self._deadline = now, now + self.window_ns
+        self._turns, self._switches = 0, self._context_switches()
         self.windows += 1
         loop.call_soon(self._spin)
 
@@ -67,20 +88,26 @@ class BusyPoll:
             self._seen = False
             self._useful = True
             self._deadline = now + self.window_ns
-        if now < self._deadline:
-            # give the core to whatever else is runnable on it (a client on the same core, a device thread)
+        contended = False
+        self._turns += 1
+        if not self._turns % CHECK_EVERY:
+            switches = self._context_switches()
+            contended, self._switches = switches != self._switches, switches
+        if now < self._deadline and not contended:
+            # hand the core to anything else runnable on it (the switch is then seen above)
             os.sched_yield()
             self._loop.call_soon(self._spin)  # type: ignore[union-attr]  # set by arrived()
             return
         self._spinning = False
         self.polled_ns += now - self._started_ns
-        if self._useful:
+        if self._useful and not contended:
             self._backoff = 0
         else:
             self.wasted += 1
+            self.contended += contended
             self._backoff = min(self._backoff * 2 or 1, MAX_BACKOFF)
         self._skip = self._backoff
 
     def stats(self) -> dict[str, Any]:
         return {"window_us": self.window_ns // 1000, "windows": self.windows, "wasted": self.wasted,
-                "polled_s": round(self.polled_ns / 1e9, 3)}
+                "contended": self.contended, "polled_s": round(self.polled_ns / 1e9, 3)}
