@@ -133,32 +133,35 @@ class IscsiSession:
     async def execute(self, cdb: bytes, lun: bytes, *, read_len: int = 0, data: Buffer | None = None,
                       retries: int = 8) -> Completion:
         """Run one command to a final status, across reconnects; retries unit attentions and busy."""
-        async with self._slots:
-            self.inflight += 1
-            try:
-                attempt = 0
-                while True:
-                    conn = self.conn
-                    if conn is None or not conn.alive:
-                        conn = await self.ensure()
-                    try:
-                        if not conn.window_open():
-                            await conn.wait_window()
-                        if conn.paused:
-                            await conn.drain()
-                        # the connection's watchdog drops it when a command goes unanswered too long
-                        done = await conn.command(cdb, lun, read_len=read_len, data=data)
-                    except ConnectionLost as e:
-                        log.info("%s: %s; sending the command again", self.name, e)
-                        continue
-                    if done.status != S.GOOD and X.retryable(done.status, done.sense) and attempt < retries:
-                        attempt += 1
-                        if done.status != S.CHECK_CONDITION:
-                            await asyncio.sleep(0.01 * attempt)
-                        continue
-                    return done
-            finally:
-                self.inflight -= 1
+        # acquire/release rather than `async with`: two coroutine calls less per command (vsan bench is
+        # bound by this client's CPU)
+        await self._slots.acquire()
+        self.inflight += 1
+        try:
+            attempt = 0
+            while True:
+                conn = self.conn
+                if conn is None or not conn.alive:
+                    conn = await self.ensure()
+                try:
+                    if not conn.window_open():
+                        await conn.wait_window()
+                    if conn.paused:
+                        await conn.drain()
+                    # the connection's watchdog drops it when a command goes unanswered too long
+                    done = await conn.command(cdb, lun, read_len=read_len, data=data)
+                except ConnectionLost as e:
+                    log.info("%s: %s; sending the command again", self.name, e)
+                    continue
+                if done.status != S.GOOD and X.retryable(done.status, done.sense) and attempt < retries:
+                    attempt += 1
+                    if done.status != S.CHECK_CONDITION:
+                        await asyncio.sleep(0.01 * attempt)
+                    continue
+                return done
+        finally:
+            self.inflight -= 1
+            self._slots.release()
 
     async def close(self) -> None:
         self.closed = True
@@ -226,7 +229,8 @@ class IscsiInitiator:
 
     # ------------------------------------------------------------------------------- plumbing
     def _session(self) -> IscsiSession:
-        return min(self.sessions, key=lambda s: s.inflight)
+        sessions = self.sessions
+        return sessions[0] if len(sessions) == 1 else min(sessions, key=lambda s: s.inflight)
 
     async def execute(self, cdb: bytes, *, read_len: int = 0, data: Buffer | None = None) -> Completion:
         return await self._session().execute(cdb, self._lun, read_len=read_len, data=data)
@@ -250,9 +254,12 @@ class IscsiInitiator:
             return b""
         bs = self.block_size
         if blocks <= self.max_io_blocks:
-            data = await self.command(X.read_16(lba, blocks), read_len=blocks * bs)
-            self._check_len(data, blocks)
-            return data
+            # command() inlined: the read every benchmark makes, two coroutine calls shorter
+            done = await self._session().execute(X.read_16(lba, blocks), self._lun, read_len=blocks * bs)
+            if done.status != S.GOOD:
+                raise X.status_error(done.status, done.sense, write=False, what=f"{self.url} opcode 0x88")
+            self._check_len(done.data, blocks)
+            return done.data
         out = bytearray(blocks * bs)
 
         async def part(a: int, n: int) -> None:
