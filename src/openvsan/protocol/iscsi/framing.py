@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Sequence
 
 from crc32c import crc32c
@@ -12,6 +13,7 @@ from openvsan.protocol.recvbuf import RecvBuffer
 # The largest data segment we ever read before deciding what to do with it: the format allows 2^24-1.
 HARD_MAX_DSL = (1 << 24) - 1
 _PADS = (b"", b"\0\0\0", b"\0\0", b"\0")
+_U32 = struct.Struct(">I")
 
 
 class FramingError(Exception):
@@ -47,8 +49,15 @@ class PduReader:
 
     def receive_data(self, data: bytes | memoryview) -> list[Pdu]:
         buf = self._buf
-        buf.append(data)
         out: list[Pdu] = []
+        if not buf.size and not self.header_digest and not self.data_digest:
+            # nothing held from before: the whole PDUs at the front are views of `data` itself, with no trip
+            # through the buffer; only an unfinished one at the end is kept
+            pos = self._whole_pdus(data, out)
+            if pos == len(data):
+                return out
+            data = memoryview(data)[pos:] if pos else data
+        buf.append(data)
         hd = 4 if self.header_digest else 0
         while True:
             bhs = buf.peek(BHS_LEN)
@@ -74,6 +83,23 @@ class PduReader:
             out.append(pdu)
             buf.consume(total)
         return out
+
+    @staticmethod
+    def _whole_pdus(data: bytes | memoryview, out: list[Pdu]) -> int:
+        """Append the whole PDUs at the front of `data` (no digests) to `out`; returns where they end."""
+        view = memoryview(data)
+        n = len(view)
+        pos = 0
+        while n - pos >= BHS_LEN:
+            word = _U32.unpack_from(view, pos + 4)[0]      # TotalAHSLength (4-byte words), DataSegmentLength
+            dsl = word & 0xFFFFFF
+            dstart = pos + BHS_LEN + (word >> 24) * 4
+            end = dstart + dsl + (-dsl & 3)
+            if end > n:
+                break
+            out.append(Pdu(view[pos:pos + BHS_LEN], view[pos + BHS_LEN:dstart], view[dstart:dstart + dsl]))
+            pos = end
+        return pos
 
 
 def frame(bhs: bytes, data: Sequence[bytes | memoryview] | bytes | memoryview = b"", *,
