@@ -8,8 +8,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from test_node_config import error  # one line, no newline, else the test fails
 
-from openvsan.node.config import ConfigError, PoolSpec, VolumeSpec, parse_config
+from openvsan.node.config import PoolSpec, VolumeSpec, parse_config
 from openvsan.node.store import _MIGRATIONS, SCHEMA_VERSION, Store
 
 
@@ -26,14 +27,6 @@ def cfg(pools: list[dict[str, Any]] | None = None, volumes: list[dict[str, Any]]
         "iscsi": {"portals": ["127.0.0.1:3260"],
                   "targets": [{"iqn": "iqn.2026-11.org.openvsan:vol0", "luns": [{"lun": 0, "volume": "vol0"}]}]},
     }
-
-
-def error(data: dict[str, Any]) -> str:
-    with pytest.raises(ConfigError) as e:
-        parse_config(data)
-    text = str(e.value)
-    assert "\n" not in text
-    return text
 
 
 def pool(**kw: Any) -> dict[str, Any]:

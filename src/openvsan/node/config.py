@@ -11,7 +11,7 @@ import dataclasses
 import difflib
 import socket
 import tomllib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -292,16 +292,22 @@ _DEVICE_KEYS = {
 }
 
 
+def _new_name(t: _Table, what: str, example: str, earlier: Sequence[DeviceSpec | PoolSpec | VolumeSpec]) -> str:
+    """The `name` of a [[devices]], [[pools]] or [[volumes]] table: a valid name no earlier table of its kind has."""
+    name: str = t.check("name", check_object_name, t.get("name", str, required=True,
+                                                      hint=f'give the {what} a name, e.g. name = "{example}"'))
+    if any(x.name == name for x in earlier):
+        raise ConfigError(f"{t.key('name')}: a {what} named {_fmt(name)} is already defined; "
+                          f"give each {what} its own name")
+    return name
+
+
 def _parse_devices(top: _Table, base_dir: Path | None) -> tuple[DeviceSpec, ...]:
     out: list[DeviceSpec] = []
     seen_paths: dict[Path, str] = {}
     for path, raw in _items(top, "devices", hint="add [[devices]] tables"):
         t = _Table(raw, path, what="a [[devices]] table")
-        name = t.check("name", check_object_name, t.get("name", str, required=True,
-                                                         hint='give the device a name, e.g. name = "ram0"'))
-        if any(d.name == name for d in out):
-            raise ConfigError(f"{t.key('name')}: a device named {_fmt(name)} is already defined; "
-                              "give each device its own name")
+        name = _new_name(t, "device", "ram0", out)
         kind = t.get("type", str, required=True, hint=f'add type = "ram" (one of: {", ".join(DEVICE_TYPES)})')
         if kind not in DEVICE_TYPES:
             raise ConfigError(f"{t.key('type')}: unknown device type {_fmt(kind)}; use one of: "
@@ -348,11 +354,7 @@ def _parse_pools(top: _Table, devices: tuple[DeviceSpec, ...]) -> tuple[PoolSpec
     by_name = {d.name: d for d in devices}
     for path, raw in _items(top, "pools", hint="add [[pools]] tables"):
         t = _Table(raw, path, what="a [[pools]] table")
-        name = t.check("name", check_object_name, t.get("name", str, required=True,
-                                                         hint='give the pool a name, e.g. name = "pool0"'))
-        if any(p.name == name for p in out):
-            raise ConfigError(f"{t.key('name')}: a pool named {_fmt(name)} is already defined; "
-                              "give each pool its own name")
+        name = _new_name(t, "pool", "pool0", out)
         levels = ", ".join(POOL_LEVELS)
         level = t.get("level", str, required=True, hint=f'add level = "raid5" (one of: {levels})').lower()
         if level not in POOL_LEVELS:
@@ -425,11 +427,7 @@ def _parse_volumes(top: _Table, devices: tuple[DeviceSpec, ...],
     pool_names = [p.name for p in pools]
     for path, raw in _items(top, "volumes", hint="add [[volumes]] tables"):
         t = _Table(raw, path, what="a [[volumes]] table")
-        name = t.check("name", check_object_name, t.get("name", str, required=True,
-                                                         hint='give the volume a name, e.g. name = "disk0"'))
-        if any(v.name == name for v in out):
-            raise ConfigError(f"{t.key('name')}: a volume named {_fmt(name)} is already defined; "
-                              "give each volume its own name")
+        name = _new_name(t, "volume", "disk0", out)
         read_only = t.get("read_only", bool, False)
         if t.has("pool"):
             pool = t.get("pool", str)
