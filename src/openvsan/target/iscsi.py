@@ -293,6 +293,7 @@ class Connection(BatchedConnection):
             s = self.session
             assert s is not None
             self._lane = not (self.hd or self.dd or s.discovery)
+            self.logged_in()
             log.info("%s: %s session tsih=%d for %s%s", self.peer, "discovery" if s.discovery else "normal",
                      s.tsih, s.initiator_name, "" if s.discovery else f" on {s.target.iqn}")  # type: ignore[union-attr]
 

@@ -193,6 +193,7 @@ class Connection(BatchedConnection):
             self._timer.cancel()
             self._timer = None
         self.export = self.server.exports[ev.export.name]
+        self.logged_in()
         log.info("%s: NBD export %s (%d bytes%s%s)", self.peer, ev.export.name, ev.export.size,
                  ", read-only" if ev.export.read_only else "", ", structured replies" if ev.structured else "")
 

@@ -398,6 +398,7 @@ class Connection(BatchedConnection):
             self._timer.cancel()
             self._timer = None
         srv.bind(self, ctrl)
+        self.logged_in()
         self.queue.reader.max_capsule_data = srv.in_capsule if self.qid else ADMIN_IN_CAPSULE
         self._lane = bool(self.qid) and not (self.queue.hdgst or self.queue.ddgst)
         # a read's data can leave as one bare C2HData: no digests, no alignment padding, no CapsuleResp

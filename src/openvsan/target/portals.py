@@ -28,6 +28,12 @@ class BatchedConnection(asyncio.Protocol):
         self._closed = False
         self._batch = WriteBatcher()
         self.busy_poll: BusyPoll | None = None   # set by the server that accepted it
+        self.authenticated = False               # login, Connect or NBD negotiation finished
+
+    def logged_in(self) -> None:
+        """The peer finished its login (iSCSI), Connect and authentication (NVMe/TCP) or negotiation (NBD):
+        from now on the limits on peers that have not logged in stop counting this connection."""
+        self.authenticated = True
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]  # uvloop's transports do not subclass it
