@@ -39,6 +39,17 @@ MAX_LUN = 16383  # SAM-5 flat/peripheral addressing as Linux and Windows use it:
 MAX_NSID = 0xFFFFFFFE  # NVMe Base 2.0 §3.2.1.2: 0 and FFFFFFFFh are not valid namespace IDs
 NVME_PORT, NBD_PORT = 4420, 10809  # IANA: NVMe/TCP I/O controllers; NBD
 DEFAULT_POLL_US, MAX_POLL_US = 50, 10_000
+# Limits on peers (docs/security.md): connections in all, connections that have not logged in (all sources,
+# and from one source address), and failed authentications before a lockout
+DEFAULT_MAX_CONNECTIONS = 4096
+DEFAULT_MAX_UNAUTHENTICATED = 512
+DEFAULT_MAX_UNAUTHENTICATED_PER_SOURCE = 32
+DEFAULT_AUTH_DELAY_MAX = 8.0          # seconds: the cap of the doubling delay after failed authentications
+DEFAULT_AUTH_LOCKOUT_FAILURES = 10    # failures in a row from one (initiator, address) before a lockout; 0: never
+DEFAULT_AUTH_LOCKOUT_SECONDS = 300
+DHCHAP_HASHES = ("sha256", "sha384", "sha512")
+DHCHAP_DHGROUPS = ("null", "ffdhe2048", "ffdhe3072", "ffdhe4096", "ffdhe6144", "ffdhe8192")
+NBD_TLS_MODES = ("off", "optional", "require")
 
 
 class ConfigError(ValueError):
@@ -50,6 +61,13 @@ class NodeSettings:
     name: str
     data_dir: Path | None = None
     poll_us: int = DEFAULT_POLL_US  # adaptive busy-poll window after each command (target/busypoll.py); 0: off
+    max_connections: int = DEFAULT_MAX_CONNECTIONS            # every protocol's connections together
+    max_unauthenticated: int = DEFAULT_MAX_UNAUTHENTICATED    # connections that have not logged in, all sources
+    max_unauthenticated_per_source: int = DEFAULT_MAX_UNAUTHENTICATED_PER_SOURCE   # ... from one address
+    trust_foreign_files: bool = False   # open device/member files another user owns or others may write
+    auth_delay_max: float = DEFAULT_AUTH_DELAY_MAX
+    auth_lockout_failures: int = DEFAULT_AUTH_LOCKOUT_FAILURES
+    auth_lockout_seconds: int = DEFAULT_AUTH_LOCKOUT_SECONDS
 
 
 @dataclass(frozen=True)
@@ -106,12 +124,22 @@ class TargetSpec:
     mutual_chap: ChapSpec | None = None
     alias: str | None = None
     portal_group_tag: int = 1
+    allow_unauthenticated: bool = False   # served open although another export of one of its volumes is not
 
 
 @dataclass(frozen=True)
 class NamespaceSpec:
     nsid: int
     volume: str
+
+
+@dataclass(frozen=True)
+class HostAuthSpec:
+    """A host's DH-HMAC-CHAP secrets (NVMe Base 2.0 §8.13), in the DHHC-1 form `nvme gen-dhchap-key` writes."""
+
+    nqn: str
+    dhchap_secret: str                    # the host proves it knows this
+    dhchap_ctrl_secret: str | None = None  # bidirectional: the controller proves this back
 
 
 @dataclass(frozen=True)
@@ -123,6 +151,10 @@ class SubsystemSpec:
     allowed_hosts: tuple[str, ...] | None = None  # None: any host NQN
     serial: str = ""                              # "": derived from the NQN (stable across restarts)
     model: str = "openvsan"
+    hosts: tuple[HostAuthSpec, ...] = ()          # hosts that authenticate with DH-HMAC-CHAP
+    dhchap_hashes: tuple[str, ...] = DHCHAP_HASHES
+    dhchap_dhgroups: tuple[str, ...] = DHCHAP_DHGROUPS
+    allow_unauthenticated: bool = False
 
 
 @dataclass(frozen=True)
@@ -140,6 +172,19 @@ class NbdExportSpec:
     portals: tuple[Portal, ...]
     read_only: bool = False
     description: str = ""
+    tls: str = "off"                     # off | optional | require (NBD_OPT_STARTTLS); needs [nbd] tls
+    allow_unauthenticated: bool = False
+
+
+@dataclass(frozen=True)
+class NbdTlsSpec:
+    """[nbd] tls: the server's X.509 credentials; with verify_client, a client certificate signed by `ca`
+    is required (that, not the name a client asks for, is what authenticates an NBD client)."""
+
+    cert: Path
+    key: Path
+    ca: Path | None = None
+    verify_client: bool = False
 
 
 @dataclass(frozen=True)
@@ -152,6 +197,7 @@ class NodeConfig:
     nvme: NvmeSpec | None = None                  # None: no [nvme] section, no NVMe/TCP server
     nbd_exports: tuple[NbdExportSpec, ...] = ()
     pools: tuple[PoolSpec, ...] = ()
+    nbd_tls: NbdTlsSpec | None = None
 
     @property
     def subsystems(self) -> tuple[SubsystemSpec, ...]:
