@@ -147,6 +147,83 @@ def test_version_1_database_is_migrated(tmp_path: Path) -> None:
     db.commit()
     db.close()
     with Store(tmp_path / "state.db") as s:
-        assert s.schema_version() == SCHEMA_VERSION == 3
+        assert s.schema_version() == SCHEMA_VERSION == 4
         s.import_config(config())
         assert s.load().config.nbd_exports == ()
+
+
+def hardened(cfg):
+    """`cfg` with every issue-10 field away from its default (built directly: each field has parse tests)."""
+    import dataclasses as dc
+
+    from openvsan.node.config import HostAuthSpec, NbdExportSpec, NbdTlsSpec, NvmeSpec, SubsystemSpec
+    from openvsan.node.values import Portal
+
+    node = dc.replace(cfg.node, max_connections=100, max_unauthenticated=10, max_unauthenticated_per_source=3,
+                      trust_foreign_files=True, auth_delay_max=2.5, auth_lockout_failures=4,
+                      auth_lockout_seconds=60)
+    hosts = (HostAuthSpec("nqn.2014-08.org.nvmexpress:uuid:1", "DHHC-1:00:aaaa:", "DHHC-1:00:bbbb:"),
+             HostAuthSpec("nqn.2014-08.org.nvmexpress:uuid:2", "DHHC-1:01:cccc:"))
+    sub = SubsystemSpec("nqn.2026-11.org.openvsan:s0", (), (Portal("127.0.0.1", 4420),), allowed_hosts=(),
+                        hosts=hosts, dhchap_hashes=("sha512",), dhchap_dhgroups=("ffdhe4096", "null"),
+                        allow_unauthenticated=True)
+    nbd = NbdExportSpec("e0", "disk0", (Portal("127.0.0.1", 10809),), tls="require", allow_unauthenticated=True)
+    targets = tuple(dc.replace(t, allow_unauthenticated=True) for t in cfg.targets)
+    return dc.replace(cfg, node=node, targets=targets, nvme=NvmeSpec((Portal("127.0.0.1", 4420),), (sub,)),
+                      nbd_exports=(nbd,), nbd_tls=NbdTlsSpec(Path("/etc/x/cert.pem"), Path("/etc/x/key.pem"),
+                                                             Path("/etc/x/ca.pem"), True))
+
+
+def test_hardening_fields_round_trip(tmp_path: Path) -> None:
+    cfg = hardened(config(chap={"user": "alice", "secret": "twelve+chars"},
+                          mutual_chap={"user": "tgt", "secret": "another+secret"}))
+    with Store.open(tmp_path / "data") as s:
+        s.import_config(cfg)
+    with Store.open(tmp_path / "data") as s:
+        assert s.load().config == cfg
+
+
+def test_secrets_live_apart_from_the_state(tmp_path: Path) -> None:
+    cfg = hardened(config(chap={"user": "alice", "secret": "twelve+chars"},
+                          mutual_chap={"user": "tgt", "secret": "another+secret"}))
+    with Store.open(tmp_path / "data") as s:
+        s.import_config(cfg)
+    dump = "\n".join(sqlite3.connect(tmp_path / "data" / "state.db").iterdump())
+    for secret in ("twelve+chars", "another+secret", "DHHC-1:00:aaaa:", "DHHC-1:00:bbbb:", "DHHC-1:01:cccc:"):
+        assert secret not in dump
+    assert "alice" in dump  # the user name is state, not a secret
+    secrets = tmp_path / "data" / "secrets.json"
+    assert stat.S_IMODE(secrets.stat().st_mode) == 0o600
+    text = secrets.read_text()
+    assert "twelve+chars" in text and "DHHC-1:00:bbbb:" in text
+    # a secrets file others can read is refused, not used
+    secrets.chmod(0o644)
+    with Store.open(tmp_path / "data") as s, pytest.raises(StoreError, match="readable by others"):
+        s.load()
+    # one that lost a secret names what is missing
+    secrets.write_text('{"version": 1, "chap": {}}')
+    secrets.chmod(0o600)
+    with Store.open(tmp_path / "data") as s, pytest.raises(StoreError, match="CHAP secret of iqn.2026-11.org.openvsan:t0"):
+        s.load()
+    # an import writes it again
+    with Store.open(tmp_path / "data") as s:
+        s.import_config(cfg)
+        assert s.load().config == cfg
+
+
+def test_version_3_database_loses_its_secrets_but_keeps_its_users(tmp_path: Path) -> None:
+    from openvsan.node.store import _MIGRATIONS
+    db = sqlite3.connect(tmp_path / "state.db")
+    db.execute("CREATE TABLE schema_version (version INTEGER NOT NULL)")
+    db.execute("INSERT INTO schema_version VALUES (3)")
+    for script in _MIGRATIONS[:3]:
+        db.executescript(script)
+    db.execute("INSERT INTO targets VALUES ('iqn.2026-11.org.openvsan:t0', 0, NULL, 1, 1)")
+    db.execute("INSERT INTO chap_users VALUES ('iqn.2026-11.org.openvsan:t0', 'initiator', 'alice', 'twelve+chars')")
+    db.commit()
+    db.close()
+    with Store(tmp_path / "state.db") as s:
+        assert s.schema_version() == 4
+    dump = "\n".join(sqlite3.connect(tmp_path / "state.db").iterdump())
+    assert "twelve+chars" not in dump and "alice" in dump
+    assert b"twelve+chars" not in (tmp_path / "state.db").read_bytes()   # nor in the file's free pages

@@ -8,6 +8,8 @@ that sees a new id thinks it is looking at a new disk.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import sqlite3
 import uuid
@@ -16,15 +18,17 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Self
+from typing import Any, Self
 
 from openvsan.node.config import (
     DEFAULT_POLL_US,
     ChapSpec,
     DeviceSpec,
+    HostAuthSpec,
     LunSpec,
     NamespaceSpec,
     NbdExportSpec,
+    NbdTlsSpec,
     NodeConfig,
     NodeSettings,
     NvmeSpec,
@@ -35,8 +39,9 @@ from openvsan.node.config import (
 )
 from openvsan.node.values import Portal
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 STATE_DB = "state.db"
+SECRETS = "secrets.json"   # beside state.db, mode 0600: every secret, so a dump of the state carries none
 
 # Each entry moves the schema from version i to i+1; a released migration is never edited.
 _MIGRATIONS: list[str] = [
@@ -118,7 +123,32 @@ _MIGRATIONS: list[str] = [
     DROP TABLE volumes;
     ALTER TABLE volumes_new RENAME TO volumes;
     """,
+    # 4: hardening (issue 10). CHAP secrets leave state.db for secrets.json (the config, imported at every
+    # start, puts them back); access policy per export; DH-HMAC-CHAP hosts (their secrets in secrets.json);
+    # NBD TLS. Node settings beyond poll_us are keys of the node table.
+    """
+    CREATE TABLE chap_users_new (
+        iqn TEXT NOT NULL REFERENCES targets (iqn) ON DELETE CASCADE,
+        role TEXT NOT NULL CHECK (role IN ('initiator', 'target')), user TEXT NOT NULL, PRIMARY KEY (iqn, role));
+    INSERT INTO chap_users_new (iqn, role, user) SELECT iqn, role, user FROM chap_users;
+    DROP TABLE chap_users;
+    ALTER TABLE chap_users_new RENAME TO chap_users;
+    ALTER TABLE targets ADD COLUMN allow_unauthenticated INTEGER NOT NULL DEFAULT 0;
+    ALTER TABLE subsystems ADD COLUMN allow_unauthenticated INTEGER NOT NULL DEFAULT 0;
+    ALTER TABLE subsystems ADD COLUMN dhchap_hashes TEXT NOT NULL DEFAULT 'sha256,sha384,sha512';
+    ALTER TABLE subsystems ADD COLUMN dhchap_dhgroups TEXT NOT NULL
+        DEFAULT 'null,ffdhe2048,ffdhe3072,ffdhe4096,ffdhe6144,ffdhe8192';
+    CREATE TABLE dhchap_hosts (
+        nqn TEXT NOT NULL REFERENCES subsystems (nqn) ON DELETE CASCADE, position INTEGER NOT NULL,
+        host TEXT NOT NULL, bidirectional INTEGER NOT NULL, PRIMARY KEY (nqn, host));
+    ALTER TABLE nbd_exports ADD COLUMN tls TEXT NOT NULL DEFAULT 'off' CHECK (tls IN ('off', 'optional', 'require'));
+    ALTER TABLE nbd_exports ADD COLUMN allow_unauthenticated INTEGER NOT NULL DEFAULT 0;
+    """,
 ]
+
+# NodeSettings fields kept as keys of the node table (JSON values), beyond name, data_dir and poll_us
+_NODE_KEYS = ("max_connections", "max_unauthenticated", "max_unauthenticated_per_source", "trust_foreign_files",
+              "auth_delay_max", "auth_lockout_failures", "auth_lockout_seconds")
 
 
 class StoreError(RuntimeError):
@@ -149,6 +179,8 @@ class Store:
             if fresh:
                 os.chmod(path, 0o600)  # CHAP secrets live here
             self._db.execute("PRAGMA synchronous = FULL")
+            # deleted rows and dropped tables are zeroed, so secrets a migration moved out leave no trace
+            self._db.execute("PRAGMA secure_delete = ON")
             self._migrate()
         except sqlite3.DatabaseError as e:
             raise StoreError(f"{path}: cannot use the state database: {e}") from None
@@ -208,10 +240,62 @@ class Store:
 
     # --- writing --------------------------------------------------------------------------------
 
+    # --- secrets (secrets.json beside state.db) ---------------------------------------------------
+
+    @property
+    def secrets_path(self) -> Path:
+        return self.path.with_name(SECRETS)
+
+    def _write_secrets(self, cfg: NodeConfig) -> None:
+        """Replace secrets.json with the config's secrets: a new 0600 file, synced, renamed over the old one."""
+        doc = {
+            "version": 1,
+            "chap": {t.iqn: {role: c.secret for role, c in (("initiator", t.chap), ("target", t.mutual_chap)) if c}
+                     for t in cfg.targets if t.chap or t.mutual_chap},
+            "dhchap": {sub.nqn: {h.nqn: {"secret": h.dhchap_secret, "ctrl_secret": h.dhchap_ctrl_secret}
+                                 for h in sub.hosts} for sub in cfg.subsystems if sub.hosts},
+        }
+        tmp = self.path.with_name(f".{SECRETS}.{os.getpid()}.tmp")
+        tmp.unlink(missing_ok=True)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            os.write(fd, json.dumps(doc, indent=1, sort_keys=True).encode())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, self.secrets_path)
+        dfd = os.open(self.path.parent, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+
+    def _read_secrets(self) -> dict[str, Any]:
+        try:
+            fd = os.open(self.secrets_path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return {}
+        except OSError as e:
+            raise StoreError(f"{self.secrets_path}: cannot read the secrets file: {e.strerror}") from None
+        with os.fdopen(fd, "rb") as f:
+            st = os.fstat(f.fileno())
+            if st.st_mode & 0o077 or st.st_uid != os.geteuid():
+                raise StoreError(f"{self.secrets_path}: readable by others or not owned by this user; "
+                                 f"chmod 600 {self.secrets_path} (or start from the config again)")
+            try:
+                doc = json.loads(f.read())
+            except ValueError as e:
+                raise StoreError(f"{self.secrets_path}: not a secrets file ({e}); serve with --config to "
+                                 "write it again") from None
+        return doc if isinstance(doc, dict) else {}
+
     def import_config(self, cfg: NodeConfig) -> None:
-        """Make `cfg` the desired state, all or nothing. Identities of known volume names are kept."""
+        """Make `cfg` the desired state, all or nothing. Identities of known volume names are kept. Secrets go
+        to secrets.json first: a failure after that leaves the old state with secrets it may no longer use,
+        never state that names a secret nobody wrote."""
+        self._write_secrets(cfg)
         with self._transaction() as db:
-            for table in ("nbd_portals", "nbd_exports", "host_acls", "namespaces", "subsystem_portals", "subsystems",
+            for table in ("nbd_portals", "nbd_exports", "dhchap_hosts", "host_acls", "namespaces", "subsystem_portals", "subsystems",
                           "nvme_portals", "chap_users", "acls", "luns", "target_portals", "targets", "volumes",
                           "pool_members", "pools", "devices", "node"):
                 db.execute(f"DELETE FROM {table}")
@@ -222,6 +306,9 @@ class Store:
                 ("imported", datetime.now(UTC).isoformat(timespec="seconds")),
                 ("nvme", "1" if cfg.nvme is not None else ""),
                 ("poll_us", str(cfg.node.poll_us)),
+                *((k, json.dumps(getattr(cfg.node, k))) for k in _NODE_KEYS),
+                *((f"nbd_tls_{k}", json.dumps(str(v) if isinstance(v, Path) else v))
+                  for k, v in (dataclasses.asdict(cfg.nbd_tls).items() if cfg.nbd_tls else ())),
             ])
             db.executemany("INSERT INTO devices VALUES (?, ?, ?, ?, ?, ?, ?, ?)", [
                 (d.name, i, d.type, d.size, d.block_size, _str(d.backing), _str(d.path), int(d.direct))
@@ -236,8 +323,9 @@ class Store:
             for v in cfg.volumes:
                 self._ensure_identity(db, v.name)
             for i, t in enumerate(cfg.targets):
-                db.execute("INSERT INTO targets VALUES (?, ?, ?, ?, ?)",
-                           (t.iqn, i, t.alias, t.portal_group_tag, int(t.allowed_initiators is None)))
+                db.execute("INSERT INTO targets VALUES (?, ?, ?, ?, ?, ?)",
+                           (t.iqn, i, t.alias, t.portal_group_tag, int(t.allowed_initiators is None),
+                            int(t.allow_unauthenticated)))
                 db.executemany("INSERT INTO target_portals VALUES (?, ?, ?, ?, ?)",
                                [(t.iqn, 0, j, p.host, p.port) for j, p in enumerate(t.portals)]
                                + [(t.iqn, 1, j, p.host, p.port) for j, p in enumerate(t.advertised_portals)])
@@ -246,13 +334,18 @@ class Store:
                                [(t.iqn, j, n) for j, n in enumerate(t.allowed_initiators or ())])
                 for role, chap in (("initiator", t.chap), ("target", t.mutual_chap)):
                     if chap:
-                        db.execute("INSERT INTO chap_users VALUES (?, ?, ?, ?)", (t.iqn, role, chap.user, chap.secret))
+                        db.execute("INSERT INTO chap_users VALUES (?, ?, ?)", (t.iqn, role, chap.user))
             if cfg.nvme is not None:
                 db.executemany("INSERT INTO nvme_portals VALUES (?, ?, ?)",
                                [(j, p.host, p.port) for j, p in enumerate(cfg.nvme.portals)])
             for i, sub in enumerate(cfg.subsystems):
-                db.execute("INSERT INTO subsystems VALUES (?, ?, ?, ?, ?)",
-                           (sub.nqn, i, sub.serial, sub.model, int(sub.allowed_hosts is None)))
+                db.execute("INSERT INTO subsystems VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                           (sub.nqn, i, sub.serial, sub.model, int(sub.allowed_hosts is None),
+                            int(sub.allow_unauthenticated), ",".join(sub.dhchap_hashes),
+                            ",".join(sub.dhchap_dhgroups)))
+                db.executemany("INSERT INTO dhchap_hosts VALUES (?, ?, ?, ?)",
+                               [(sub.nqn, j, h.nqn, int(h.dhchap_ctrl_secret is not None))
+                                for j, h in enumerate(sub.hosts)])
                 db.executemany("INSERT INTO subsystem_portals VALUES (?, ?, ?, ?, ?)",
                                [(sub.nqn, 0, j, p.host, p.port) for j, p in enumerate(sub.portals)]
                                + [(sub.nqn, 1, j, p.host, p.port) for j, p in enumerate(sub.advertised_portals)])
@@ -261,8 +354,9 @@ class Store:
                 db.executemany("INSERT INTO host_acls VALUES (?, ?, ?)",
                                [(sub.nqn, j, h) for j, h in enumerate(sub.allowed_hosts or ())])
             for i, e in enumerate(cfg.nbd_exports):
-                db.execute("INSERT INTO nbd_exports VALUES (?, ?, ?, ?, ?)",
-                           (e.name, i, e.volume, int(e.read_only), e.description))
+                db.execute("INSERT INTO nbd_exports VALUES (?, ?, ?, ?, ?, ?, ?)",
+                           (e.name, i, e.volume, int(e.read_only), e.description, e.tls,
+                            int(e.allow_unauthenticated)))
                 db.executemany("INSERT INTO nbd_portals VALUES (?, ?, ?, ?)",
                                [(e.name, j, p.host, p.port) for j, p in enumerate(e.portals)])
 
@@ -291,9 +385,11 @@ class Store:
                 "SELECT name, type, size, block_size, backing, path, direct FROM devices ORDER BY position"))
         volumes = tuple(VolumeSpec(name, dev, bool(ro), pool=pool) for name, dev, pool, ro in db.execute(
             "SELECT name, device, pool, read_only FROM volumes ORDER BY position"))
+        secrets = self._read_secrets()
         targets = []
-        for iqn, alias, tpgt, any_initiator in db.execute(
-                "SELECT iqn, alias, portal_group_tag, any_initiator FROM targets ORDER BY position").fetchall():
+        for iqn, alias, tpgt, any_initiator, open_ in db.execute(
+                "SELECT iqn, alias, portal_group_tag, any_initiator, allow_unauthenticated FROM targets "
+                "ORDER BY position").fetchall():
             portals: dict[int, list[Portal]] = {0: [], 1: []}
             for adv, host, port in db.execute("SELECT advertised, host, port FROM target_portals WHERE iqn = ? "
                                               "ORDER BY advertised, position", (iqn,)):
@@ -302,17 +398,23 @@ class Store:
                 "SELECT lun, volume FROM luns WHERE iqn = ? ORDER BY lun", (iqn,)))
             acl = tuple(n for (n,) in db.execute("SELECT initiator FROM acls WHERE iqn = ? ORDER BY position",
                                                  (iqn,)))
-            chap = {role: ChapSpec(user, secret) for role, user, secret in db.execute(
-                "SELECT role, user, secret FROM chap_users WHERE iqn = ?", (iqn,))}
+            chap = {role: ChapSpec(user, self._secret(secrets, ("chap", iqn, role), f"CHAP secret of {iqn}"))
+                    for role, user in db.execute("SELECT role, user FROM chap_users WHERE iqn = ?", (iqn,))}
             targets.append(TargetSpec(iqn, luns, tuple(portals[0]), tuple(portals[1]),
                                       None if any_initiator else acl, chap.get("initiator"), chap.get("target"),
-                                      alias, tpgt))
+                                      alias, tpgt, bool(open_)))
+        extra = {k: json.loads(node[k]) for k in _NODE_KEYS if k in node}
         settings = NodeSettings(node.get("name", ""), Path(node["data_dir"]) if node.get("data_dir") else None,
-                                int(node.get("poll_us", DEFAULT_POLL_US)))
+                                int(node.get("poll_us", DEFAULT_POLL_US)), **extra)
+        tls = {k.removeprefix("nbd_tls_"): json.loads(v) for k, v in node.items() if k.startswith("nbd_tls_")}
+        nbd_tls = None
+        if tls:
+            nbd_tls = NbdTlsSpec(Path(tls["cert"]), Path(tls["key"]), Path(tls["ca"]) if tls.get("ca") else None,
+                                 bool(tls.get("verify_client")))
         cfg = NodeConfig(settings, devices, volumes, tuple(targets),
                          source=Path(node["source"]) if node.get("source") else None,
-                         nvme=self._load_nvme() if node.get("nvme") else None, nbd_exports=self._load_nbd(),
-                         pools=self._load_pools())
+                         nvme=self._load_nvme(secrets) if node.get("nvme") else None, nbd_exports=self._load_nbd(),
+                         pools=self._load_pools(), nbd_tls=nbd_tls)
         runtime = {p.name: self.pool_runtime_devices(p.name) for p in cfg.pools}
         return StoredState(cfg, self.identities(), {k: v for k, v in runtime.items() if v})
 
@@ -340,12 +442,21 @@ class Store:
             db.executemany("INSERT INTO pool_runtime_devices VALUES (?, ?, ?)",
                            [(pool, i, r) for i, r in enumerate(dict.fromkeys(refs))])
 
-    def _load_nvme(self) -> NvmeSpec:
+    def _secret(self, secrets: dict[str, Any], path: tuple[str, ...], what: str) -> str:
+        value: Any = secrets
+        for k in path:
+            value = value.get(k) if isinstance(value, dict) else None
+        if not isinstance(value, str):
+            raise StoreError(f"{self.secrets_path}: the {what} is missing; serve with --config to write it again")
+        return value
+
+    def _load_nvme(self, secrets: dict[str, Any]) -> NvmeSpec:
         db = self._db
         portals = tuple(Portal(h, p) for h, p in db.execute("SELECT host, port FROM nvme_portals ORDER BY position"))
         subsystems = []
-        for nqn, serial, model, any_host in db.execute(
-                "SELECT nqn, serial, model, any_host FROM subsystems ORDER BY position").fetchall():
+        for nqn, serial, model, any_host, open_, hashes, groups in db.execute(
+                "SELECT nqn, serial, model, any_host, allow_unauthenticated, dhchap_hashes, dhchap_dhgroups "
+                "FROM subsystems ORDER BY position").fetchall():
             sp: dict[int, list[Portal]] = {0: [], 1: []}
             for adv, host, port in db.execute("SELECT advertised, host, port FROM subsystem_portals WHERE nqn = ? "
                                               "ORDER BY advertised, position", (nqn,)):
@@ -354,18 +465,28 @@ class Store:
                 "SELECT nsid, volume FROM namespaces WHERE nqn = ? ORDER BY nsid", (nqn,)))
             hosts = tuple(h for (h,) in db.execute("SELECT host FROM host_acls WHERE nqn = ? ORDER BY position",
                                                    (nqn,)))
+            auth = tuple(
+                HostAuthSpec(host, self._secret(secrets, ("dhchap", nqn, host, "secret"), f"DH-HMAC-CHAP secret of "
+                                                f"{host} for {nqn}"),
+                             self._secret(secrets, ("dhchap", nqn, host, "ctrl_secret"), f"DH-HMAC-CHAP controller "
+                                          f"secret of {host} for {nqn}") if bidirectional else None)
+                for host, bidirectional in db.execute(
+                    "SELECT host, bidirectional FROM dhchap_hosts WHERE nqn = ? ORDER BY position", (nqn,)))
             subsystems.append(SubsystemSpec(nqn, namespaces, tuple(sp[0]), tuple(sp[1]),
-                                            None if any_host else hosts, serial, model))
+                                            None if any_host else hosts, serial, model, auth,
+                                            tuple(hashes.split(",")) if hashes else (),
+                                            tuple(groups.split(",")) if groups else (), bool(open_)))
         return NvmeSpec(portals, tuple(subsystems))
 
     def _load_nbd(self) -> tuple[NbdExportSpec, ...]:
         db = self._db
         out = []
-        for name, volume, ro, description in db.execute(
-                "SELECT name, volume, read_only, description FROM nbd_exports ORDER BY position").fetchall():
+        for name, volume, ro, description, tls, open_ in db.execute(
+                "SELECT name, volume, read_only, description, tls, allow_unauthenticated FROM nbd_exports "
+                "ORDER BY position").fetchall():
             portals = tuple(Portal(h, p) for h, p in db.execute(
                 "SELECT host, port FROM nbd_portals WHERE name = ? ORDER BY position", (name,)))
-            out.append(NbdExportSpec(name, volume, portals, bool(ro), description))
+            out.append(NbdExportSpec(name, volume, portals, bool(ro), description, tls, bool(open_)))
         return tuple(out)
 
 
