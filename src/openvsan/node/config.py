@@ -601,10 +601,12 @@ def _parse_iscsi(top: _Table, volumes: tuple[VolumeSpec, ...]) -> tuple[TargetSp
         tpgt = tt.get("portal_group_tag", int, 1)
         if not 1 <= tpgt <= 65535:
             raise ConfigError(f"{tt.key('portal_group_tag')}: {tpgt} is out of range; use 1 to 65535")
+        open_ = tt.get("allow_unauthenticated", bool, False)
         tt.done(("iqn", "luns", "portals", "advertised_portals", "allowed_initiators", "chap", "mutual_chap",
-                 "alias", "portal_group_tag"))
+                 "alias", "portal_group_tag", "allow_unauthenticated"))
         luns.sort(key=lambda x: x.lun)
-        out.append(TargetSpec(iqn, tuple(luns), own_portals, own_advertised, allowed, chap, mutual, alias, tpgt))
+        out.append(TargetSpec(iqn, tuple(luns), own_portals, own_advertised, allowed, chap, mutual, alias, tpgt,
+                              open_))
     return tuple(out)
 
 
@@ -670,9 +672,12 @@ def _parse_nvme(top: _Table, volumes: tuple[VolumeSpec, ...]) -> NvmeSpec | None
         model = st.get("model", str, "openvsan")
         if not model or len(model) > 40 or not model.isascii() or not model.isprintable():
             raise ConfigError(f"{st.key('model')}: use 1 to 40 printable ASCII characters (Identify Controller MN)")
-        st.done(("nqn", "namespaces", "portals", "advertised_portals", "allowed_hosts", "serial", "model"))
+        open_ = st.get("allow_unauthenticated", bool, False)
+        st.done(("nqn", "namespaces", "portals", "advertised_portals", "allowed_hosts", "serial", "model",
+                 "allow_unauthenticated"))
         namespaces.sort(key=lambda x: x.nsid)
-        out.append(SubsystemSpec(nqn, tuple(namespaces), own, advertised, allowed, serial, model))
+        out.append(SubsystemSpec(nqn, tuple(namespaces), own, advertised, allowed, serial, model,
+                                 allow_unauthenticated=open_))
     return NvmeSpec(portals, tuple(out))
 
 
@@ -698,8 +703,9 @@ def _parse_nbd(top: _Table, volumes: tuple[VolumeSpec, ...]) -> tuple[NbdExportS
         description = et.get("description", str, "")
         if len(description.encode()) > 4096 or not description.isprintable():
             raise ConfigError(f"{et.key('description')}: use up to 4096 bytes of printable text")
-        et.done(("name", "volume", "portals", "read_only", "description"))
-        out.append(NbdExportSpec(name, volume, own, read_only, description))
+        open_ = et.get("allow_unauthenticated", bool, False)
+        et.done(("name", "volume", "portals", "read_only", "description", "allow_unauthenticated"))
+        out.append(NbdExportSpec(name, volume, own, read_only, description, allow_unauthenticated=open_))
     return tuple(out)
 
 
