@@ -315,6 +315,8 @@ def parse_config(data: dict[str, Any], *, base_dir: Path | None = None) -> NodeC
     top.done(("node", "devices", "pools", "volumes", "iscsi", "nvme", "nbd"))
     cfg = NodeConfig(node, devices, volumes, targets, nvme=nvme, nbd_exports=nbd, pools=pools)
     _check_portal_clashes(cfg)
+    from openvsan.node.access import check_access_policy  # it reads these specs: imported late, no cycle
+    check_access_policy(cfg)
     return cfg
 
 
