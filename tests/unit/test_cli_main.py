@@ -221,7 +221,7 @@ def test_serve_bad_config_leaves_state_untouched(files: tuple[Path, Path, Path],
     r = runner.invoke(app, ["serve", "--config", str(bad), "--data-dir", str(data)])
     assert r.exit_code == 2
     assert (hashlib.sha256(db.read_bytes()).hexdigest(), db.stat().st_mtime_ns) == before
-    assert sorted(p.name for p in data.iterdir()) == ["pr", "serve.lock", "state.db"]
+    assert sorted(p.name for p in data.iterdir()) == ["pr", "secrets.json", "serve.lock", "state.db"]
 
 
 def test_serve_runs_and_stops_cleanly(files: tuple[Path, Path, Path], stubbed: None) -> None:

@@ -20,6 +20,7 @@ from openvsan import __version__
 from openvsan.cli.bench import bench
 from openvsan.cli.initiator import initiator_app
 from openvsan.cli.pool import pool_app
+from openvsan.node import access
 from openvsan.node.config import ConfigError, NodeConfig, VolumeSpec, load_config, preflight
 from openvsan.node.values import format_size
 
@@ -90,6 +91,8 @@ def serve(
         fail(f"--log-level: unknown level {log_level!r}; use one of: {', '.join(LOG_LEVELS)}", EXIT_USAGE)
     cfg = read_config(config)  # validated in full before anything is stored
     setup_logging(log_level)
+    for line in access.open_exports(cfg):
+        log.warning("%s", line)
     data = (data_dir or cfg.node.data_dir or default_data_dir()).expanduser().absolute()
     try:
         data.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -137,7 +140,7 @@ def config_check(config: Annotated[Path, typer.Argument(help="The TOML config fi
         for col in ("LUN", "volume", "device", "portals", "access"):
             t.add_column(col, overflow="fold")
         for tgt in cfg.targets:
-            auth = ("mutual CHAP" if tgt.mutual_chap else "CHAP") if tgt.chap else "no auth"
+            auth = access.iscsi_auth(tgt)[1]
             acl = "any initiator" if tgt.allowed_initiators is None else f"{len(tgt.allowed_initiators)} initiator(s)"
             for x in tgt.luns:
                 v = cfg.volume(x.volume)
@@ -151,18 +154,23 @@ def config_check(config: Annotated[Path, typer.Argument(help="The TOML config fi
             t.add_column(col, overflow="fold")
         for sub in cfg.subsystems:
             acl = "any host" if sub.allowed_hosts is None else f"{len(sub.allowed_hosts)} host(s)"
+            ok, how = access.nvme_auth(sub)
+            auth = how if ok else "no DH-HMAC-CHAP" if not sub.hosts else f"open: {how}"
             for ns in sub.namespaces:
                 v = cfg.volume(ns.volume)
                 t.add_row(sub.nqn, str(ns.nsid), ns.volume + (" (ro)" if v.read_only else ""), _backing(v),
-                          ", ".join(str(p) for p in sub.portals), acl)
+                          ", ".join(str(p) for p in sub.portals), f"{auth}, {acl}")
         out.print(t)
     if cfg.nbd_exports:
-        t = Table("export", "volume", "device", "portals", title="NBD", title_justify="left")
+        t = Table("export", "volume", "device", "portals", "access", title="NBD", title_justify="left")
         for e in cfg.nbd_exports:
             v = cfg.volume(e.volume)
+            ok, how = access.nbd_auth(e, cfg)
             t.add_row(e.name, e.volume + (" (ro)" if e.read_only or v.read_only else ""), _backing(v),
-                      ", ".join(str(p) for p in e.portals))
+                      ", ".join(str(p) for p in e.portals), how if ok else f"no auth ({how})")
         out.print(t)
+    for line in access.open_exports(cfg):
+        out.print(f"[yellow]warning:[/] {line}", soft_wrap=True)
     if not cfg.exports_anything():
         out.print("no iSCSI targets, NVMe subsystems or NBD exports: nothing would be exported")
 
