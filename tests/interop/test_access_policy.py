@@ -21,7 +21,7 @@ def test_chap_lun_with_open_nbd_export_is_refused(vsan: Callable[..., VsanServer
     assert check.returncode == 2, check.stdout
     assert check.stdout.count("\n") == 1, check.stdout  # one line
     assert 'nbd.exports[0]: volume "disk0" needs CHAP on iSCSI target' in check.stdout
-    assert "NBD export disk0 lets peers in with no TLS" in check.stdout
+    assert "NBD export disk0 is open (no TLS)" in check.stdout
     assert "allow_unauthenticated = true" in check.stdout
     data = tmp_path / "never-made"
     serve = run([VSAN, "serve", "--config", server.config, "--data-dir", data], check=False, timeout=30)

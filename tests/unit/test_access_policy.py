@@ -44,7 +44,7 @@ def refused(d: dict[str, Any]) -> str:
 def test_open_nbd_beside_chap_is_refused_and_named() -> None:
     msg = refused(config(nbd={}))
     assert msg.startswith("nbd.exports[0]: volume \"disk0\" needs CHAP on iSCSI target iqn.2026-11.org.openvsan:t0")
-    assert "NBD export e0 lets peers in with no TLS" in msg
+    assert "NBD export e0 is open (no TLS)" in msg
     assert "allow_unauthenticated = true" in msg and 'tls = "require"' in msg
 
 

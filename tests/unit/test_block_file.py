@@ -279,3 +279,79 @@ def test_a_file_in_memory_is_read_and_written_at_once() -> None:
             await dev.close()
 
     asyncio.run(go())
+
+
+# --- backing files someone else could read or change (issue 10) -----------------------------------------
+
+def _need_root(why: str) -> None:
+    if os.geteuid() != 0:
+        pytest.fail(f"must run as root: {why} (CI runs as root)", pytrace=False)
+
+
+def test_a_symlink_is_refused_not_followed(tmp_path: Path) -> None:
+    real = tmp_path / "real.img"
+    real.write_bytes(bytes(4096))
+    real.chmod(0o600)
+    link = tmp_path / "link.img"
+    link.symlink_to(real)
+    with pytest.raises(file_mod.UnsafeFile, match="is a symbolic link") as e:
+        FileDevice(link)
+    assert e.value.filename == str(link)
+    # a dangling link where a new file is to be made: never created through the link
+    dangling = tmp_path / "dangling.img"
+    dangling.symlink_to(tmp_path / "victim.img")
+    with pytest.raises(file_mod.UnsafeFile, match="is a symbolic link"):
+        FileDevice(dangling, size=MiB)
+    assert not (tmp_path / "victim.img").exists()
+    # trusting foreign files does not make a link safe
+    with pytest.raises(file_mod.UnsafeFile, match="is a symbolic link"):
+        FileDevice(link, trust_foreign=True)
+
+
+def test_a_file_others_may_write_is_refused_unless_trusted(tmp_path: Path) -> None:
+    p = tmp_path / "shared.img"
+    p.write_bytes(bytes(8192))
+    p.chmod(0o666)
+    with pytest.raises(file_mod.UnsafeFile) as e:
+        FileDevice(p)
+    text = f"{e.value.filename}: {e.value.strerror}"
+    assert str(p) in text and "mode 0666" in text and "chmod go-w" in text and "trust_foreign_files" in text
+    p.chmod(0o620)   # group-writable is as bad
+    with pytest.raises(file_mod.UnsafeFile, match="writable by group or others"):
+        FileDevice(p, size=8192)
+    dev = FileDevice(p, trust_foreign=True)
+    assert dev.num_blocks == 16
+    run(dev.close())
+    p.chmod(0o644)   # others may read (the admin's choice), nobody else may write: fine
+    run(FileDevice(p).close())
+
+
+def test_a_file_owned_by_another_user_is_refused_unless_trusted(tmp_path: Path) -> None:
+    _need_root("chown a file to uid 65534")
+    p = tmp_path / "foreign.img"
+    p.write_bytes(bytes(8192))
+    p.chmod(0o600)
+    os.chown(p, 65534, 65534)
+    with pytest.raises(file_mod.UnsafeFile, match="owned by uid 65534, not by the serving user") as e:
+        FileDevice(p, size=8192)
+    assert e.value.filename == str(p) and "chown" in e.value.strerror
+    dev = FileDevice(p, trust_foreign=True)
+    run(dev.close())
+
+
+def test_a_new_file_is_made_0600_whatever_the_umask(tmp_path: Path) -> None:
+    old = os.umask(0)
+    try:
+        dev = FileDevice(tmp_path / "new.img", size=MiB)
+    finally:
+        os.umask(old)
+    run(dev.close())
+    assert (tmp_path / "new.img").stat().st_mode & 0o7777 == 0o600
+
+
+def test_the_device_fd_is_close_on_exec(tmp_path: Path) -> None:
+    import fcntl
+
+    dev = FileDevice(tmp_path / "d.img", size=MiB)
+    assert fcntl.fcntl(dev._fd, fcntl.F_GETFD) & fcntl.FD_CLOEXEC
+    run(dev.close())

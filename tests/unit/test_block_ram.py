@@ -51,3 +51,49 @@ def test_backing_file_survives_reopen(tmp_path):
     finally:
         import os
         os.unlink(path)
+
+
+# --- a backing file someone else could read or change (issue 10) ----------------------------------------
+
+def test_a_symlinked_backing_is_refused(tmp_path):
+    from openvsan.block.file import UnsafeFile
+
+    target = tmp_path / "victim"
+    link = tmp_path / "backing"
+    link.symlink_to(target)
+    with pytest.raises(UnsafeFile, match="is a symbolic link"):
+        RamDevice(64, backing=str(link))
+    assert not target.exists(), "the backing was created through the link"
+
+
+def test_a_backing_others_may_write_or_another_user_owns_is_refused(tmp_path):
+    import os
+
+    from openvsan.block.file import UnsafeFile
+
+    p = tmp_path / "backing"
+    p.write_bytes(bytes(64 * 512))
+    p.chmod(0o666)
+    with pytest.raises(UnsafeFile, match="mode 0666"):
+        RamDevice(64, backing=str(p))
+    asyncio.run(RamDevice(64, backing=str(p), trust_foreign=True).close())
+    if os.geteuid() != 0:
+        pytest.fail("must run as root: chown a file to uid 65534 (CI runs as root)", pytrace=False)
+    p.chmod(0o600)
+    os.chown(p, 65534, 65534)
+    with pytest.raises(UnsafeFile, match="owned by uid 65534"):
+        RamDevice(64, backing=str(p))
+    asyncio.run(RamDevice(64, backing=str(p), trust_foreign=True).close())
+
+
+def test_a_new_backing_is_made_0600(tmp_path):
+    import os
+
+    p = tmp_path / "new-backing"
+    old = os.umask(0)
+    try:
+        d = RamDevice(64, backing=str(p))
+    finally:
+        os.umask(old)
+    asyncio.run(d.close())
+    assert p.stat().st_mode & 0o7777 == 0o600

@@ -86,7 +86,8 @@ def config(tmp_path: Path) -> dict[str, Any]:
                                                           {"lun": 3, "volume": "disk1"}],
              "chap": {"user": "alice", "secret": "twelve+chars"}, "allowed_initiators": ["iqn.2026-11.org.x:i"]},
             {"iqn": "iqn.2026-11.org.openvsan:b", "luns": [{"lun": 0, "volume": "disk0"}],
-             "portals": ["127.0.0.1:3261"], "advertised_portals": ["192.0.2.1:3260"], "portal_group_tag": 2},
+             "portals": ["127.0.0.1:3261"], "advertised_portals": ["192.0.2.1:3260"], "portal_group_tag": 2,
+             "allow_unauthenticated": True},  # disk0 behind CHAP on target a, open here on purpose
         ]},
     }
 
@@ -236,6 +237,7 @@ class FakeExportServer(FakeServer):
 
 def all_protocols(tmp_path: Path) -> dict[str, Any]:
     data = config(tmp_path)
+    del data["iscsi"]["targets"][0]["chap"]   # one policy per volume: disk0 is open on NVMe/TCP and NBD here
     data["nvme"] = {"portals": ["127.0.0.1:4420"], "subsystems": [
         {"nqn": "nqn.2026-11.org.openvsan:disk0", "namespaces": [{"nsid": 1, "volume": "disk0"},
                                                                  {"nsid": 2, "volume": "disk1"}],

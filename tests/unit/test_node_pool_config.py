@@ -139,7 +139,7 @@ def test_schema_2_database_migrates_with_its_volumes(tmp_path: Path) -> None:
     db.commit()
     db.close()
     with Store(tmp_path / "state.db") as s:
-        assert s.schema_version() == SCHEMA_VERSION == 3
+        assert s.schema_version() == SCHEMA_VERSION == 4
         state = s.load().config
         assert state.volumes == (VolumeSpec("disk0", "r0", True),)
         assert state.targets[0].luns[0].volume == "disk0"
@@ -148,11 +148,13 @@ def test_schema_2_database_migrates_with_its_volumes(tmp_path: Path) -> None:
         assert s.load().config.volumes[0].pool == "pool0"
 
 
-def test_example_raid5_config() -> None:
-    from openvsan.node.config import load_config
+def test_example_raid5_config(tmp_path: Path) -> None:
+    from openvsan.node.config import load_config, preflight
 
     example = Path(__file__).resolve().parents[2] / "examples" / "raid5.toml"
-    c = load_config(example)
+    c = load_config(example, data_dir=tmp_path / "data")
     assert c.pools == (PoolSpec("pool0", "raid5", ("d0", "d1", "d2", "d3"), ("d4",), 64 * 1024, 200 << 20),)
-    assert c.device("d0").path == Path("/tmp/openvsan-raid5-d0.img")
+    # the members live in the data dir (${data_dir}), never in a directory others may write to such as /tmp
+    assert c.device("d0").path == tmp_path / "data" / "raid5-d0.img"
+    preflight(c, data_dir=tmp_path / "data")   # the data dir is made by serve: not there yet is fine
     assert c.volume("vol0").pool == "pool0" and c.targets[0].luns[0].volume == "vol0"

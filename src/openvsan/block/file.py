@@ -61,6 +61,61 @@ def _load_fallocate() -> Callable[[int, int, int, int], int] | None:
 _fallocate = _load_fallocate()
 
 
+TRUST_MEND = "or set [node] trust_foreign_files = true"
+
+
+class UnsafeFile(PermissionError):
+    """A backing file someone else could read or change behind our back (a symlink, another owner, a mode
+    that lets others write): refused unless the node trusts foreign files. str() names the file and the mend."""
+
+
+def open_backing(path: str | os.PathLike[str], flags: int, *, create: bool = False, trust_foreign: bool = False,
+                 allow_block: bool = True) -> tuple[int, bool]:
+    """Open a device's backing file as safely as the path allows; returns (fd, created).
+
+    O_NOFOLLOW: a symlink planted at the path is refused (ELOOP), not followed. A new file is made with
+    O_CREAT|O_EXCL and mode 0600, so nobody can slip a file in between a check and the open. An existing
+    regular file must be owned by the serving user (euid) and writable by nobody else, judged on the fstat of
+    the opened fd, not on a stat of the name; a block device (root:disk 0660 is normal) is exempt from that.
+    """
+    flags |= os.O_NOFOLLOW | os.O_CLOEXEC
+    name = os.fspath(path)
+    created = False
+    try:
+        if create:
+            try:
+                fd = os.open(name, flags | os.O_CREAT | os.O_EXCL, 0o600)
+                created = True
+            except FileExistsError:
+                fd = os.open(name, flags)  # there already (or a dangling symlink: ELOOP below)
+        else:
+            fd = os.open(name, flags)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise UnsafeFile(errno.ELOOP, "is a symbolic link; name the file it points to, not the link",
+                             name) from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if stat.S_ISBLK(st.st_mode) and allow_block:
+            return fd, created
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError(f"{name} is neither a regular file nor a block device" if allow_block
+                             else f"{name} is not a regular file")
+        if not created and not trust_foreign:
+            euid = os.geteuid()
+            if st.st_uid != euid:
+                raise UnsafeFile(errno.EPERM, f"is owned by uid {st.st_uid}, not by the serving user (uid {euid}); "
+                                 f"chown {euid} {name} if it is ours, {TRUST_MEND}", name)
+            if st.st_mode & 0o022:
+                raise UnsafeFile(errno.EPERM, f"is writable by group or others (mode {st.st_mode & 0o7777:04o}); "
+                                 f"chmod go-w {name}, {TRUST_MEND}", name)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, created
+
+
 def _aligned(size: int) -> mmap.mmap:
     # An anonymous mapping is page aligned, which satisfies every O_DIRECT alignment rule.
     return mmap.mmap(-1, max(size, 1))
@@ -74,7 +129,7 @@ class FileDevice:
     """
 
     def __init__(self, path: str | os.PathLike[str], *, size: int | None = None, block_size: int = 512,
-                 direct: bool = False, name: str = "file", io_threads: int = 4) -> None:
+                 direct: bool = False, name: str = "file", io_threads: int = 4, trust_foreign: bool = False) -> None:
         if block_size not in (512, 4096):
             raise ValueError(f"block_size must be 512 or 4096, not {block_size}")
         if size is not None and (size <= 0 or size % block_size):
@@ -83,16 +138,17 @@ class FileDevice:
         self.path = Path(path)
         self.block_size = block_size
         self.direct = direct
-        flags = os.O_RDWR | os.O_CLOEXEC
+        flags = os.O_RDWR
         if direct:
             flags |= os.O_DIRECT
-        exists = self.path.exists()
-        if not exists:
-            if size is None:
-                raise FileNotFoundError(errno.ENOENT, "no such file, and no size given to create it", str(path))
-            flags |= os.O_CREAT
         try:
-            self._fd = os.open(self.path, flags, 0o600)
+            # no size: never create it (a file that is gone is a missing device, not a new blank one)
+            self._fd, _ = open_backing(self.path, flags, create=size is not None, trust_foreign=trust_foreign)
+        except FileNotFoundError:
+            if size is None:
+                raise FileNotFoundError(errno.ENOENT, "no such file, and no size given to create it",
+                                        str(path)) from None
+            raise
         except OSError as e:
             if direct and e.errno == errno.EINVAL:
                 raise OSError(e.errno, "this file system does not support O_DIRECT (direct = true)",

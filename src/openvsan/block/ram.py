@@ -7,6 +7,7 @@ import os
 from typing import Any
 
 from openvsan.block.device import Buffer, check_range
+from openvsan.block.file import open_backing
 
 LEND_AT = 64 * 1024   # read_now lends a view of the memory from this size up
 _ZEROS = memoryview(b"")
@@ -22,7 +23,7 @@ def _zeros(n: int) -> memoryview:
 
 class RamDevice:
     def __init__(self, num_blocks: int, block_size: int = 512, *, backing: str | None = None,
-                 name: str = "ram") -> None:
+                 name: str = "ram", trust_foreign: bool = False) -> None:
         if block_size not in (512, 4096):
             raise ValueError(f"block_size must be 512 or 4096, not {block_size}")
         self.name = name
@@ -31,9 +32,15 @@ class RamDevice:
         self.backing = backing
         size = num_blocks * block_size
         if backing:
-            self._fd = os.open(backing, os.O_RDWR | os.O_CREAT, 0o600)
-            if os.fstat(self._fd).st_size != size:
-                os.ftruncate(self._fd, size)
+            # the same rules as a file device's file: no symlink, ours alone, made 0600 (block/file.py)
+            self._fd, _ = open_backing(backing, os.O_RDWR, create=True, trust_foreign=trust_foreign,
+                                       allow_block=False)
+            try:
+                if os.fstat(self._fd).st_size != size:
+                    os.ftruncate(self._fd, size)
+            except BaseException:
+                os.close(self._fd)
+                raise
         else:
             # a sparse memory file: blocks cost nothing until written, and read back as zeros
             self._fd = os.memfd_create(f"openvsan-{name}", os.MFD_CLOEXEC)

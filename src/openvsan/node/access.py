@@ -3,8 +3,9 @@ another, unless the config says so on that export (`allow_unauthenticated = true
 
 What authenticates a peer, per protocol (docs/security.md):
 - iSCSI: CHAP (`chap`, optionally `mutual_chap`). `allowed_initiators` is only a name the initiator claims.
-- NVMe/TCP: DH-HMAC-CHAP for every host that may connect: `allowed_hosts` is set (not "any host") and each
-  host has a secret under `hosts`. A host NQN alone is a claimed name.
+- NVMe/TCP: DH-HMAC-CHAP for every host that may connect: each host in `allowed_hosts` has a secret under
+  `hosts` (with `hosts` and no `allowed_hosts`, only the hosts listed there may connect). A host NQN alone is
+  a claimed name.
 - NBD: TLS required on the export with client certificates verified against the CA (`[nbd] tls` with
   `verify_client = true`, the export's `tls = "require"`). TLS without client certificates encrypts but does
   not tell one client from another; the export name a client asks for is no secret.
@@ -46,8 +47,9 @@ def iscsi_auth(t: TargetSpec) -> tuple[bool, str]:
 def nvme_auth(s: SubsystemSpec) -> tuple[bool, str]:
     with_secret = {h.nqn for h in s.hosts}
     if s.allowed_hosts is None:
-        return False, "any host may connect" + (" without DH-HMAC-CHAP (allowed_hosts is not set)" if with_secret
-                                                else ", no DH-HMAC-CHAP")
+        if with_secret:   # then only the hosts under `hosts` may connect (protocol/nvme/subsystem.py allows)
+            return True, "DH-HMAC-CHAP" + (" (bidirectional)" if all(h.dhchap_ctrl_secret for h in s.hosts) else "")
+        return False, "any host may connect, no DH-HMAC-CHAP"
     without = [h for h in s.allowed_hosts if h not in with_secret]
     if without:
         return False, f"host {without[0]} may connect without DH-HMAC-CHAP"
@@ -105,8 +107,8 @@ def check_access_policy(cfg: NodeConfig) -> None:
     for x, guarded in _open_beside_guarded(cfg):
         if not x.allow_unauthenticated:
             raise ConfigError(
-                f"{x.key}: volume \"{x.volume}\" needs {guarded.how} on {guarded.what}, but {x.what} lets peers in "
-                f"with {x.how}; {_mend(x)}, or set allow_unauthenticated = true on it to serve it open on purpose")
+                f"{x.key}: volume \"{x.volume}\" needs {guarded.how} on {guarded.what}, but {x.what} is open "
+                f"({x.how}); {_mend(x)}, or set allow_unauthenticated = true on it to serve it open on purpose")
 
 
 def open_exports(cfg: NodeConfig) -> list[str]:

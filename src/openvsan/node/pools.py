@@ -248,7 +248,7 @@ class ServedPools(Mapping[str, ServedPool]):
         path, _ = parse_file_ref(ref)
         try:
             # never create it: a file that is gone is a missing member
-            dev = FileDevice(path, name=str(path))
+            dev = FileDevice(path, name=str(path), trust_foreign=self.state.config.node.trust_foreign_files)
         except (OSError, ValueError) as e:
             log.error("pool %s: %s: cannot open it: %s; leaving it out", spec.name, ref, why(e))
             return None
@@ -309,7 +309,8 @@ class ServedPools(Mapping[str, ServedPool]):
                     if isinstance(d, FileDevice) and d.path.resolve() == path.resolve():
                         raise RequestError(f"{path} is already in pool {name}")
             try:
-                fdev = FileDevice(path, size=size, block_size=sp.pool.block_size, name=str(path))
+                fdev = FileDevice(path, size=size, block_size=sp.pool.block_size, name=str(path),
+                                  trust_foreign=cfg.node.trust_foreign_files)
             except (OSError, ValueError) as e:
                 raise RequestError(f"{ref}: {why(e)}") from None
             sp.refs[id(fdev)] = ref if size is not None else f"{FILE_REF}{path}"

@@ -52,6 +52,7 @@ class ChapAuthenticator:
         self.algorithm = 0
         self.ident = 0
         self.challenge = b""
+        self.claimed_user: str | None = None   # the CHAP_N the initiator sent, for the log (never the secret)
 
     def choose(self, offered: str) -> list[tuple[str, str]]:
         """Answer CHAP_A=<list> with the algorithm, identifier and challenge."""
@@ -76,10 +77,15 @@ class ChapAuthenticator:
         if not self.algorithm:
             raise ChapError("CHAP_R before CHAP_A")
         name, resp = keys.get("CHAP_N"), keys.get("CHAP_R")
+        self.claimed_user = name
         if name is None or resp is None:
             raise ChapError("CHAP_N and CHAP_R are required")
         expected = response(self.algorithm, self.ident, self.secret, self.challenge)
-        if name != self.user or not hmac.compare_digest(decode_binary(resp), expected):
+        # both judged before either is reported: the time taken says nothing about which one was wrong
+        matches = hmac.compare_digest(decode_binary(resp), expected)
+        if not hmac.compare_digest(name.encode(), self.user.encode()):
+            raise ChapError("unknown CHAP user")   # the initiator sees 0x0201 either way; the log tells them apart
+        if not matches:
             raise ChapError("CHAP response does not match")
         if "CHAP_C" not in keys and "CHAP_I" not in keys:
             if self.mutual_secret is not None:

@@ -7,11 +7,13 @@ the TSIH and handles reinstatement), and sends what it returns.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Protocol
 
+from openvsan.protocol.auth_throttle import AuthThrottle
 from openvsan.protocol.iscsi import pdu as P
 from openvsan.protocol.iscsi.chap import ChapAuthenticator, ChapError
 from openvsan.protocol.iscsi.keys import (
@@ -27,6 +29,13 @@ from openvsan.protocol.iscsi.keys import (
 VERSION = 0x00          # RFC 7143 §11.12.4: the only version there is
 CMD_WINDOW = 128        # commands the initiator may have queued beyond ExpCmdSN
 MAX_LOGIN_TEXT = 65536  # a login's text may span PDUs (C bit); this bounds what we hold
+MAX_LOGGED_NAME = 224   # characters of an initiator-chosen name (CHAP_N, InitiatorName) put in a log line
+
+
+def printable(name: str) -> str:
+    """A name the initiator chose, fit for one log line: quoted and escaped when it is not plain text."""
+    name = name[:MAX_LOGGED_NAME] + ("..." if len(name) > MAX_LOGGED_NAME else "")
+    return name if name.isprintable() and name and " " not in name else repr(name)
 
 
 class Stage(IntEnum):
@@ -70,9 +79,13 @@ class TargetInfo(Protocol):
 
 
 class LoginFailed(Exception):
-    def __init__(self, status: tuple[int, int], why: str) -> None:
+    def __init__(self, status: tuple[int, int], why: str, *, delay: float = 0.0, quiet: bool = False,
+                 notice: str = "") -> None:
         super().__init__(why)
         self.status = status
+        self.delay = delay
+        self.quiet = quiet
+        self.notice = notice
 
 
 @dataclass
@@ -83,6 +96,9 @@ class LoginResult:
     done: bool = False               # the connection is now in full feature phase
     failed: bool = False             # close the connection after sending
     reason: str = ""
+    delay: float = 0.0               # seconds to hold the response: earlier failed authentications (AuthThrottle)
+    quiet: bool = False              # a refusal not worth a line of its own (a locked-out peer, logged once)
+    notice: str = ""                 # a warning to log once (a lockout begins)
 
 
 @dataclass
@@ -103,8 +119,14 @@ class LoginState:
 class LoginMachine:
     def __init__(self, lookup: Callable[[str], TargetInfo | None],
                  admit: Callable[[LoginState], int], *, our_mrdsl: int = 262144,
-                 initial_statsn: int = 0) -> None:
+                 initial_statsn: int = 0, throttle: AuthThrottle | None = None, address: str = "",
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.lookup = lookup
+        # failed CHAP responses are counted per (initiator name, source address): see _check_throttle
+        self.throttle = throttle
+        self.address = address
+        self.clock = clock
+        self._hold = 0.0
         self.admit = admit          # returns the TSIH, or raises LoginFailed
         self.our_mrdsl = our_mrdsl
         self.state = LoginState()
@@ -124,7 +146,8 @@ class LoginMachine:
         try:
             return self._receive(pdu)
         except LoginFailed as e:
-            return LoginResult([self._response(pdu, 0, e.status, b"")], failed=True, reason=str(e))
+            return LoginResult([self._response(pdu, 0, e.status, b"")], failed=True, reason=str(e), delay=e.delay,
+                               quiet=e.quiet, notice=e.notice)
         except TextError as e:
             return LoginResult([self._response(pdu, 0, Status.INITIATOR_ERROR, b"")], failed=True,
                                reason=str(e))
@@ -211,7 +234,8 @@ class LoginMachine:
         data = encode_text(answer)
         if len(data) > 8192:
             raise LoginFailed(Status.TARGET_ERROR, "login response too long")
-        return LoginResult([self._response(pdu, out_flags, Status.SUCCESS, data), data], done=done)
+        hold, self._hold = self._hold, 0.0
+        return LoginResult([self._response(pdu, out_flags, Status.SUCCESS, data), data], done=done, delay=hold)
 
     # ---------------------------------------------------------------------------------------------
     def _leading(self, keys: dict[str, str], answer: list[tuple[str, str]]) -> None:
@@ -252,6 +276,7 @@ class LoginMachine:
                     raise LoginFailed(Status.AUTH_FAILURE, "target requires CHAP")
                 t = self.state.target
                 assert t is not None
+                self._check_throttle()   # a locked-out peer is refused here, before any challenge
                 chap, mutual = t.chap, t.mutual_chap
                 self._chap = ChapAuthenticator(chap.user, chap.secret,  # type: ignore[attr-defined]
                                                getattr(mutual, "user", None), getattr(mutual, "secret", None))
@@ -274,13 +299,53 @@ class LoginMachine:
                 answer.extend(self._chap.choose(keys["CHAP_A"]))
                 self._chap_step = "R"
             elif self._chap_step == "R" and "CHAP_R" in keys:
-                answer.extend(self._chap.verify(keys))
+                hold = self._check_throttle()
+                try:
+                    answer.extend(self._chap.verify(keys))
+                except ChapError as e:
+                    raise self._chap_failed(e, hold) from e
+                if self.throttle is not None:
+                    self.throttle.succeeded(self._throttle_key())
+                self._hold = hold   # a right answer after wrong ones waits too: the delay says nothing
                 self._chap_step = "done"
                 self._auth_done = True
             elif any(k.startswith("CHAP_") for k in keys):
                 raise ChapError("CHAP keys out of order")
         except ChapError as e:
             raise LoginFailed(Status.AUTH_FAILURE, str(e)) from e
+
+    # --- throttling of failed CHAP responses (protocol/auth_throttle.py) ----------------------------------
+    def _throttle_key(self) -> tuple[str, str]:
+        return (self.state.initiator_name, self.address)
+
+    def _who(self) -> str:
+        user = self._chap.claimed_user if self._chap is not None else None
+        who = f"CHAP user {printable(user)}, " if user is not None else ""
+        return f"{who}initiator {printable(self.state.initiator_name)}" + (f" at {self.address}" if self.address else "")
+
+    def _check_throttle(self) -> float:
+        """The delay this CHAP attempt's answer is held by; a locked-out (initiator, address) fails at once with
+        0x0201, its CHAP not evaluated."""
+        if self.throttle is None:
+            return 0.0
+        v = self.throttle.check(self._throttle_key(), self.clock())
+        if v.locked:
+            raise LoginFailed(Status.AUTH_FAILURE, f"{self._who()}: locked out for {v.locked_for:.0f} s more after "
+                              f"{v.failures} failed CHAP logins; refused without evaluating CHAP", quiet=True)
+        return v.delay
+
+    def _chap_failed(self, e: ChapError, hold: float) -> LoginFailed:
+        """A wrong CHAP response: counted, answered `hold` seconds late (earlier failures), logged by name."""
+        notice = ""
+        failures = 0
+        if self.throttle is not None:
+            v = self.throttle.failed(self._throttle_key(), self.clock())
+            failures = v.failures
+            if v.started_lockout:
+                notice = (f"{self._who()}: locked out for {v.locked_for:.0f} s after {v.failures} failed CHAP logins "
+                          "in a row")
+        count = f" (failure {failures} in a row)" if failures else ""
+        return LoginFailed(Status.AUTH_FAILURE, f"{self._who()}: {e}{count}", delay=hold, notice=notice)
 
     def _response(self, pdu: P.Pdu, flags: int, status: tuple[int, int], data: bytes) -> bytes:
         st = self.state
