@@ -201,6 +201,7 @@ class VsanServer:
                 'volume = "disk0"',
             ]
         self.config.write_text("\n".join(lines) + "\n")
+        self.config.chmod(0o600)  # it may hold CHAP secrets: serve warns about a config others can read
 
     def write_example(self, text: str) -> None:
         """Serve a config written for the well-known ports (examples/single-node.toml: iSCSI 3260, NVMe/TCP
