@@ -22,10 +22,12 @@ from openvsan.block.errors import BlockError, Busy, DeviceFailed, MediumError, N
 from openvsan.initiator.iscsi_conn import ConnectionLost
 from openvsan.initiator.nvme_conn import NvmeQueue, Result
 from openvsan.initiator.url import TargetUrl, UrlError, parse_url
+from openvsan.protocol.nvme import auth as A
 from openvsan.protocol.nvme import host_commands as C
 
 log = logging.getLogger("openvsan.initiator.nvme")
 ADMIN_QUEUE_SIZE = 32
+AUTH_BUFFER = 4096     # AUTH_Receive AL: a challenge with an ffdhe8192 value is 1104 bytes
 MAX_IO_BYTES = 4 << 20
 
 
@@ -85,6 +87,10 @@ class NvmeOptions:
     # ask for I/O queues without SQ flow control (a read is then one C2HData PDU, no CapsuleResp); a
     # controller that refuses gets the queue connected again with it on
     sq_flow_off: bool = True
+    # DH-HMAC-CHAP (NVMe Base 2.0 §8.13): the host's DHHC-1 secret, and the controller's for bidirectional
+    # authentication; used where the Connect response asks for it (AUTHREQ.ATR), on every queue
+    dhchap_secret: str = field(default="", repr=False)
+    dhchap_ctrl_secret: str = field(default="", repr=False)
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -143,11 +149,53 @@ class Association:
                 raise DeviceFailed(f"{name}: Connect failed: {status_error(r.status, 'Connect')}")
             if qid == 0:
                 self.cntlid = r.cqe.dw0 & 0xFFFF
+            if r.cqe.dw0 & (A.CONNECT_ATR | A.CONNECT_ASCR):
+                await self._authenticate(q, name, bool(r.cqe.dw0 & A.CONNECT_ASCR))
         except BaseException:
             q.on_lost = None
             q.abort()
             raise
         return q
+
+    async def _authenticate(self, q: NvmeQueue, name: str, secure_channel: bool) -> None:
+        """One DH-HMAC-CHAP transaction on a queue just connected (the Linux host's order of messages)."""
+        if secure_channel:
+            raise DeviceFailed(f"{name}: the controller asks for a secure channel (TLS), which this host lacks")
+        if not self.opts.dhchap_secret:
+            raise DeviceFailed(f"{name}: the controller asks for DH-HMAC-CHAP authentication; give the host's "
+                               "DHHC-1 secret (dhchap_secret)")
+        try:
+            auth = A.HostAuth(self.hostnqn, self.subnqn, A.parse_secret(self.opts.dhchap_secret),
+                              A.parse_secret(self.opts.dhchap_ctrl_secret) if self.opts.dhchap_ctrl_secret else None,
+                              t_id=q.qid + 1)
+        except A.SecretError as e:
+            raise DeviceFailed(f"{name}: DH-HMAC-CHAP secret: {e}") from None
+
+        async def auth_send(msg: bytes) -> None:
+            r = await self._wait(q.submit(lambda cid: C.fabrics(A.FCTYPE_AUTH_SEND, cid, cdw10=A.AUTH_CDW10,
+                                                                cdw11=len(msg), data_len=len(msg), in_capsule=True),
+                                          data=msg, in_capsule=True))
+            if r.status:
+                raise DeviceFailed(f"{name}: {status_error(r.status, 'AUTH_Send')}")
+
+        async def auth_receive() -> bytes:
+            al = AUTH_BUFFER
+            r = await self._wait(q.submit(lambda cid: C.fabrics(A.FCTYPE_AUTH_RECEIVE, cid, cdw10=A.AUTH_CDW10,
+                                                                cdw11=al, data_len=al), read_len=al))
+            if r.status:
+                raise DeviceFailed(f"{name}: {status_error(r.status, 'AUTH_Receive')}")
+            return bytes(r.data)
+
+        try:
+            await auth_send(auth.negotiate())
+            await auth_send(auth.challenge(await auth_receive()))
+            success2 = auth.success1(await auth_receive())
+            if success2 is not None:
+                await auth_send(success2)
+        except A.AuthFailed as e:
+            if auth.failure2 is not None:
+                await auth_send(auth.failure2)
+            raise DeviceFailed(f"{name}: DH-HMAC-CHAP failed: {e}") from None
 
     async def _wait(self, fut: asyncio.Future[Result]) -> Result:
         return await asyncio.wait_for(fut, self.opts.connect_timeout)

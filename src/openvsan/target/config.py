@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from openvsan.block.device import BlockDevice
+    from openvsan.protocol.nvme.auth import HostPolicy
     from openvsan.protocol.scsi.target import ScsiTarget
 
 
@@ -48,6 +49,8 @@ class NvmeSubsystemConfig:
     allowed_hosts: list[str] | None = None    # host NQNs allowed to connect; None: any host
     serial: str = ""                     # controller serial number (Identify Controller SN)
     model: str = "openvsan"
+    # host NQN -> its DH-HMAC-CHAP secrets and the hashes / DH groups it may use: it must authenticate
+    dhchap_hosts: dict[str, HostPolicy] = field(default_factory=dict)
 
 
 @dataclass
@@ -57,3 +60,4 @@ class NbdExportConfig:
     portals: list[tuple[str, int]]       # where it is served (default port 10809)
     read_only: bool = False
     description: str = ""
+    tls: str = "off"                     # off | optional | require: NBD_OPT_STARTTLS (the server's ssl context)

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from openvsan.protocol.nvme import logpages as LP
 from openvsan.protocol.nvme import status as S
+from openvsan.protocol.nvme.auth import CONNECT_ATR, ControllerAuth
 from openvsan.protocol.nvme.command import Sqe
 from openvsan.protocol.nvme.controller import Controller
 from openvsan.protocol.nvme.status import Completion
@@ -25,6 +27,7 @@ class ConnectResult:
     qid: int = 0
     sqsize: int = 0               # entries (SQSIZE + 1)
     sq_flow_disabled: bool = False
+    auth: ControllerAuth | None = None   # the queue must authenticate (DH-HMAC-CHAP) before other commands
 
 
 def _nqn(raw: bytes | bytearray | memoryview) -> str:
@@ -41,7 +44,9 @@ class Fabric:
     """Every subsystem served, the ports each is on, and the controllers connected to them."""
 
     def __init__(self, subsystems: Sequence[Subsystem], placement: dict[str, list[Port]], *,
-                 clock: Callable[[], float], in_capsule: int = 8192, maxcmd: int = 1024) -> None:
+                 clock: Callable[[], float], in_capsule: int = 8192, maxcmd: int = 1024,
+                 rng: Callable[[int], bytes] = os.urandom) -> None:
+        self.rng = rng                        # challenges and sequence numbers of DH-HMAC-CHAP
         self.discovery = Subsystem(DISCOVERY_NQN, discovery=True, model="openvsan discovery")
         self.subsystems = {s.nqn: s for s in subsystems}
         self.placement = placement            # subsystem NQN -> ports advertised in the discovery log
@@ -98,7 +103,7 @@ class Fabric:
             if sub.discovery:
                 ctrl.discovery_source = self.discovery_log
             sub.controllers[new_id] = ctrl
-            return ConnectResult(Completion(S.SUCCESS, new_id), ctrl, 0, sqsize + 1, flow_off)
+            return self._admitted(ConnectResult(Completion(S.SUCCESS, new_id), ctrl, 0, sqsize + 1, flow_off))
         if sub.discovery:
             return _invalid(42, False)            # a discovery controller has an admin queue only
         joined = sub.controllers.get(cntlid)
@@ -109,7 +114,18 @@ class Fabric:
         if qid > joined.nr_io_queues or qid in joined.io_queues:
             return _invalid(42, False)
         joined.io_queues.add(qid)
-        return ConnectResult(Completion(S.SUCCESS, cntlid), joined, qid, sqsize + 1, flow_off)
+        return self._admitted(ConnectResult(Completion(S.SUCCESS, cntlid), joined, qid, sqsize + 1, flow_off))
+
+    def _admitted(self, res: ConnectResult) -> ConnectResult:
+        """A host with a DH-HMAC-CHAP secret: the Connect response asks for an authentication transaction
+        (AUTHREQ.ATR, TP 8006) on this queue, admin and I/O queues alike, as Linux nvmet does."""
+        ctrl = res.controller
+        assert ctrl is not None
+        policy = ctrl.subsystem.dhchap_hosts.get(ctrl.hostnqn)
+        if policy is not None:
+            res.completion = Completion(S.SUCCESS, res.completion.dw0 | CONNECT_ATR)
+            res.auth = ControllerAuth(policy, ctrl.hostnqn, ctrl.subsystem.nqn, rng=self.rng)
+        return res
 
     def release(self, ctrl: Controller) -> None:
         """The controller's association ended (admin queue gone, keep-alive expired)."""

@@ -12,6 +12,7 @@ from openvsan.block.device import BlockDevice, SyncRead, SyncWrite
 from openvsan.protocol.nvme.reservations import Reservations
 
 if TYPE_CHECKING:
+    from openvsan.protocol.nvme.auth import HostPolicy
     from openvsan.protocol.nvme.controller import Controller
 
 DISCOVERY_NQN = "nqn.2014-08.org.nvmexpress.discovery"
@@ -54,13 +55,20 @@ class Namespace:
 
 
 class Subsystem:
-    """An NVM subsystem (or the discovery subsystem): namespaces, allowed hosts, live controllers."""
+    """An NVM subsystem (or the discovery subsystem): namespaces, allowed hosts, live controllers.
+
+    `dhchap_hosts` (host NQN -> HostPolicy) are the hosts that must authenticate with DH-HMAC-CHAP (Base 2.0
+    §8.13); each may connect as if it were in `allowed_hosts`. Once any host has a secret, a host with none
+    may connect only if `allowed_hosts` names it: an open subsystem would let any host in by claiming
+    another NQN."""
 
     def __init__(self, nqn: str, namespaces: Iterable[Namespace] = (), *, allowed_hosts: list[str] | None = None,
-                 serial: str = "", model: str = "openvsan", discovery: bool = False) -> None:
+                 serial: str = "", model: str = "openvsan", discovery: bool = False,
+                 dhchap_hosts: dict[str, HostPolicy] | None = None) -> None:
         self.nqn = nqn
         self.namespaces: dict[int, Namespace] = {ns.nsid: ns for ns in namespaces}
         self.allowed_hosts = None if allowed_hosts is None else set(allowed_hosts)
+        self.dhchap_hosts: dict[str, HostPolicy] = dict(dhchap_hosts or {})
         self.serial = serial or hashlib.sha256(nqn.encode()).hexdigest()[:20]
         self.model = model
         self.discovery = discovery
@@ -78,7 +86,11 @@ class Subsystem:
             self.ana_states.setdefault(ns.ana_group, ANA_OPTIMIZED)
 
     def allows(self, hostnqn: str) -> bool:
-        return self.allowed_hosts is None or hostnqn in self.allowed_hosts
+        if hostnqn in self.dhchap_hosts:
+            return True
+        if self.allowed_hosts is None:
+            return not self.dhchap_hosts
+        return hostnqn in self.allowed_hosts
 
     def allocate_cntlid(self) -> int | None:
         """Dynamic controller model (NVMe-oF 1.1 §4.2): IDs 1..FFEFh, never one in use."""
