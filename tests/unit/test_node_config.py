@@ -328,3 +328,29 @@ def test_nvme_and_nbd_sections() -> None:
 ])
 def test_bad_nvme_and_nbd_config(data: dict[str, Any], expect: str) -> None:
     assert expect in error(data)
+
+
+def test_connection_limits() -> None:
+    n = parse_config(cfg()).node
+    # defaults a 1,000-connection flood from one address cannot use up: it is held to 32 of 512 of 4096
+    assert (n.max_connections, n.max_unauthenticated, n.max_unauthenticated_per_source) == (4096, 512, 32)
+    n = parse_config(cfg(node={"name": "n", "max_connections": 100, "max_unauthenticated": 100,
+                               "max_unauthenticated_per_source": 1})).node
+    assert (n.max_connections, n.max_unauthenticated, n.max_unauthenticated_per_source) == (100, 100, 1)
+    assert error(cfg(node={"max_connections": 0})) == (
+        "node.max_connections: 0 is out of range; use 1 to 1048576 connections of all protocols together "
+        "(default 4096)")
+    assert error(cfg(node={"max_connections": 2_000_000})).startswith("node.max_connections: 2000000 is out of range")
+    assert error(cfg(node={"max_connections": 100, "max_unauthenticated": 512})) == (
+        "node.max_unauthenticated: 512 is out of range (it cannot be above max_connections = 100); use 1 to 100 "
+        "connections that have not logged in (default 512)")
+    n = parse_config(cfg(node={"name": "n", "max_connections": 20})).node   # the caps below follow it down
+    assert (n.max_connections, n.max_unauthenticated, n.max_unauthenticated_per_source) == (20, 20, 20)
+    assert error(cfg(node={"max_unauthenticated": 10, "max_unauthenticated_per_source": 11})) == (
+        "node.max_unauthenticated_per_source: 11 is out of range (it cannot be above max_unauthenticated = 10); "
+        "use 1 to 10 connections not logged in from one address (default 32)")
+    assert error(cfg(node={"max_unauthenticated_per_source": 0})).startswith(
+        "node.max_unauthenticated_per_source: 0 is out of range")
+    assert error(cfg(node={"max_connections": "many"})) == 'node.max_connections: expected an integer, found "many"'
+    assert error(cfg(node={"max_unauthenticated": True})) == "node.max_unauthenticated: expected an integer, found True"
+    assert 'did you mean "max_connections"' in error(cfg(node={"max_connection": 5}))

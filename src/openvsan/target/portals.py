@@ -4,6 +4,7 @@ that send everything made in one event-loop turn in one writelines."""
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import socket
 from collections.abc import Callable, Sequence
@@ -11,11 +12,49 @@ from typing import Any, TypeVar
 
 from openvsan.netio import Buffer, WriteBatcher
 from openvsan.target.busypoll import BusyPoll
+from openvsan.target.limits import ConnectionLimits, Ticket, source_address
+from openvsan.target.ratelog import connection_log
 
 log = logging.getLogger("openvsan.target")
 T = TypeVar("T")
 
 DRAIN_TIMEOUT = 30.0  # seconds stop() waits for commands in flight before closing connections anyway
+# connections the kernel holds for accept(): under a flood a full queue drops SYNs, and every client, the
+# honest ones too, waits a second for its retransmit (the kernel caps it at net.core.somaxconn)
+BACKLOG = 1024
+_ACCEPT_FAILED = "socket.accept() out of system resource"   # asyncio's selector loop, on EMFILE/ENFILE/ENOBUFS
+
+
+def watch_accept_errors(loop: asyncio.AbstractEventLoop) -> None:
+    """asyncio's loop reports an accept() that failed for lack of descriptors or memory to the exception
+    handler, with a traceback each time, and listens again a second later: count and rate-limit those
+    instead. (uvloop: libuv closes a spare descriptor, accepts and drops what waits, and says nothing; the
+    descriptor cap in ConnectionLimits refuses connections before either happens.)"""
+    previous = loop.get_exception_handler()
+    if getattr(previous, "watches_accept", False):
+        return
+
+    def handler(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        if context.get("message") != _ACCEPT_FAILED:
+            if previous is not None:
+                previous(loop, context)
+            else:
+                loop.default_exception_handler(context)
+            return
+        exc = context.get("exception")
+        sock = context.get("socket")
+        try:
+            name = sock.getsockname() if sock is not None else None
+        except OSError:
+            name = None
+        where = f"portal {name[0]}:{name[1]}" if isinstance(name, tuple) else "a portal"
+        code = errno.errorcode.get(getattr(exc, "errno", 0) or 0, "?")
+        connection_log.event(f"accept() on a portal: {code}", where,
+                             f"{where}: accept() failed: {exc}; listening again in 1 s",
+                             noun="accept", verb="failed", detail=str(exc))
+
+    handler.watches_accept = True  # type: ignore[attr-defined]
+    loop.set_exception_handler(handler)
 
 
 class BatchedConnection(asyncio.Protocol):
@@ -29,20 +68,52 @@ class BatchedConnection(asyncio.Protocol):
         self._batch = WriteBatcher()
         self.busy_poll: BusyPoll | None = None   # set by the server that accepted it
         self.authenticated = False               # login, Connect or NBD negotiation finished
+        self.kind = "portal"                     # the protocol's name in log lines, set by the server
+        self.source = "?"                        # the peer's address, as the per-address limits count it
+        self.limits: ConnectionLimits | None = None   # set by the server that accepted it
+        self._ticket: Ticket | None = None
 
     def logged_in(self) -> None:
         """The peer finished its login (iSCSI), Connect and authentication (NVMe/TCP) or negotiation (NBD):
         from now on the limits on peers that have not logged in stop counting this connection."""
         self.authenticated = True
+        if self._ticket is not None:
+            self._ticket.logged_in()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        """Subclasses call this first and do nothing more when it leaves the connection closed (over a cap)."""
         self.transport = transport  # type: ignore[assignment]  # uvloop's transports do not subclass it
         self._batch.transport = self.transport
         sock = transport.get_extra_info("socket")
-        if sock is not None:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         peer = transport.get_extra_info("peername")
         self.peer = f"{peer[0]}:{peer[1]}" if peer else "?"
+        self.source = source_address(peer)
+        if self.limits is not None:
+            ticket = self.limits.admit(self.source, sock.fileno() if sock is not None else None)
+            if isinstance(ticket, str):
+                # before any protocol work: no greeting, no timer; abort frees the descriptor at once (RST)
+                self._closed = True
+                transport.abort()  # type: ignore[attr-defined]
+                connection_log.event(f"{self.kind}: {ticket}", self.source,
+                                     f"{self.peer}: {self.kind} connection refused: {ticket}", verb="refused")
+                return
+            self._ticket = ticket
+        if sock is not None:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        """Subclasses call this first."""
+        self._closed = True
+        if self._ticket is not None:
+            self._ticket.release()
+            self._ticket = None
+
+    def dropped(self, kind: str, detail: str = "") -> None:
+        """Log that this connection is being closed for `kind` (a phrase the same for every connection
+        dropped for it), at most one line per interval and kind with the counts (target/ratelog.py)."""
+        what = f"{kind}: {detail}" if detail else kind
+        connection_log.event(f"{self.kind}: {kind}", self.source, f"{self.peer}: {what}; closing the connection",
+                             detail=detail)
 
     def answer_at_once(self, fn: Callable[..., T], *args: Any) -> T:
         """Run fn(*args) with sends held: what it answers leaves in one send when it returns, in this turn."""
@@ -84,6 +155,7 @@ class PortalServer:
         self.connections: set[BatchedConnection] = set()
         self._servers: list[asyncio.base_events.Server] = []
         self.busy_poll: BusyPoll | None = None   # handed to every connection accepted from now on
+        self.limits: ConnectionLimits | None = None   # the node's, shared by its servers; None: no caps
 
     def portals(self) -> list[tuple[str, int]]:
         raise NotImplementedError
@@ -104,10 +176,11 @@ class PortalServer:
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
+        watch_accept_errors(loop)
         for host, port in self.portals():
             try:
                 srv = await loop.create_server(lambda p=(host, port): self._accepted(p),  # type: ignore[misc]
-                                               host, port, reuse_address=True, backlog=128)
+                                               host, port, reuse_address=True, backlog=BACKLOG)
             except OSError as e:
                 await self.stop()
                 raise OSError(e.errno, f"cannot listen on {host}:{port}: {e.strerror}") from e
@@ -118,6 +191,8 @@ class PortalServer:
     def _accepted(self, portal: tuple[str, int]) -> BatchedConnection:
         c = self.make_connection(portal)
         c.busy_poll = self.busy_poll
+        c.limits = self.limits
+        c.kind = self.kind
         return c
 
     async def serve_forever(self) -> None:
