@@ -7,7 +7,6 @@ Errors a user can mend are one line on stderr and a non-zero exit: 2 for a bad c
 from __future__ import annotations
 
 import logging
-import os
 import sys
 from pathlib import Path
 from typing import Annotated, NoReturn
@@ -21,7 +20,15 @@ from openvsan.cli.bench import bench
 from openvsan.cli.initiator import initiator_app
 from openvsan.cli.pool import pool_app
 from openvsan.node import access
-from openvsan.node.config import ConfigError, NodeConfig, VolumeSpec, load_config, preflight
+from openvsan.node.config import (
+    ConfigError,
+    NodeConfig,
+    VolumeSpec,
+    default_data_dir,
+    exposed_secrets,
+    load_config,
+    preflight,
+)
 from openvsan.node.values import format_size
 
 EXIT_FAILED = 1
@@ -46,16 +53,11 @@ def fail(message: str, code: int = EXIT_FAILED) -> NoReturn:
     raise typer.Exit(code)
 
 
-def default_data_dir() -> Path:
-    state = os.environ.get("XDG_STATE_HOME")
-    base = Path(state) if state else Path.home() / ".local" / "state"
-    return base / "openvsan"
-
-
-def read_config(path: Path) -> NodeConfig:
+def read_config(path: Path, data_dir: Path | None = None) -> NodeConfig:
+    """Load, validate and preflight CONFIG; `data_dir` is the command's --data-dir (what ${data_dir} means)."""
     try:
-        cfg = load_config(path)
-        preflight(cfg)
+        cfg = load_config(path, data_dir=data_dir)
+        preflight(cfg, data_dir=data_dir)
     except ConfigError as e:
         fail(f"config error: {e}", EXIT_USAGE)
     return cfg
@@ -86,11 +88,14 @@ def serve(
     from openvsan.node.logs import setup_logging
     from openvsan.node.node import DataDirLock, Node, NodeError, run
     from openvsan.node.store import Store, StoreError
+    from openvsan.target.limits import raise_fd_limit
 
     if log_level.lower() not in LOG_LEVELS:
         fail(f"--log-level: unknown level {log_level!r}; use one of: {', '.join(LOG_LEVELS)}", EXIT_USAGE)
-    cfg = read_config(config)  # validated in full before anything is stored
+    cfg = read_config(config, data_dir)  # validated in full before anything is stored
     setup_logging(log_level)
+    if (exposed := exposed_secrets(cfg)) is not None:
+        log.warning("%s", exposed)
     for line in access.open_exports(cfg):
         log.warning("%s", line)
     data = (data_dir or cfg.node.data_dir or default_data_dir()).expanduser().absolute()
@@ -101,6 +106,7 @@ def serve(
                 store.import_config(cfg)
                 state = store.load()
             log.info("node %s: config %s, data dir %s", cfg.node.name, config, data)
+            raise_fd_limit(state.config.node.max_connections)
             run(Node(state, data))
     except (NodeError, StoreError) as e:
         fail(str(e))
@@ -117,10 +123,14 @@ def serve(
 def config_check(config: Annotated[Path, typer.Argument(help="The TOML config file to check.")]) -> None:
     """Validate CONFIG and print what it would serve; exit 2 with one line if it is wrong."""
     cfg = read_config(config)
+    if (exposed := exposed_secrets(cfg)) is not None:
+        sys.stderr.write(f"warning: {exposed}\n")
     out = Console()
     out.print(f"[bold]{config}[/]: valid config for node [bold]{cfg.node.name}[/]"
               + (f", data dir {cfg.node.data_dir}" if cfg.node.data_dir else "")
               + (f", adaptive polling {cfg.node.poll_us} µs" if cfg.node.poll_us else ", no polling"), soft_wrap=True)
+    out.print(f"connection limits: {cfg.node.max_connections} in all, {cfg.node.max_unauthenticated} not logged in, "
+              f"{cfg.node.max_unauthenticated_per_source} not logged in from one address", soft_wrap=True)
     if cfg.devices:
         t = Table("device", "type", "size", "block", "where", title="devices", title_justify="left")
         for d in cfg.devices:

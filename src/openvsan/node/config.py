@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
 import socket
+import stat
 import tomllib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -226,8 +228,18 @@ class NodeConfig:
         return None
 
 
-def load_config(path: str | Path) -> NodeConfig:
-    """Read and validate a config file; relative paths inside it are relative to the file."""
+def default_data_dir() -> Path:
+    """Where state lives without [node].data_dir or --data-dir: $XDG_STATE_HOME/openvsan, else
+    ~/.local/state/openvsan."""
+    state = os.environ.get("XDG_STATE_HOME")
+    base = Path(state) if state else Path.home() / ".local" / "state"
+    return base / "openvsan"
+
+
+def load_config(path: str | Path, *, data_dir: Path | None = None) -> NodeConfig:
+    """Read and validate a config file; relative paths inside it are relative to the file, and a device path
+    that starts with ${data_dir} is in the data dir (`data_dir`, the --data-dir of the command, else
+    [node].data_dir, else the default)."""
     path = Path(path)
     try:
         raw = path.read_bytes()
@@ -239,7 +251,7 @@ def load_config(path: str | Path) -> NodeConfig:
         raise ConfigError(f"{path}: not UTF-8 text; save the config as UTF-8") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: not valid TOML: {e}") from None
-    cfg = parse_config(data, base_dir=path.resolve().parent)
+    cfg = parse_config(data, base_dir=path.resolve().parent, data_dir=data_dir)
     return dataclasses.replace(cfg, source=path.resolve())
 
 
@@ -303,21 +315,64 @@ def _resolve(p: str, base_dir: Path | None) -> Path:
     return path if path.is_absolute() or base_dir is None else base_dir / path
 
 
-def parse_config(data: dict[str, Any], *, base_dir: Path | None = None) -> NodeConfig:
+DATA_DIR_REF = "${data_dir}"   # a device path or backing starting with this lies in the node's data dir
+
+
+def _device_file(t: _Table, key: str, value: str, base_dir: Path | None, data_dir: Path) -> Path:
+    if not value.startswith(DATA_DIR_REF):
+        if DATA_DIR_REF in value:
+            raise ConfigError(f"{t.key(key)}: {DATA_DIR_REF} may only start a path, e.g. "
+                              f'"{DATA_DIR_REF}/disk0.img"')
+        return _resolve(value, base_dir)
+    rest = value[len(DATA_DIR_REF):]
+    if not rest.startswith("/") or not rest.strip("/"):
+        raise ConfigError(f'{t.key(key)}: name a file in the data dir, e.g. "{DATA_DIR_REF}/disk0.img"')
+    return data_dir / rest.lstrip("/")
+
+
+def effective_data_dir(cfg: NodeConfig, override: Path | None = None) -> Path:
+    """The data dir a command uses: its --data-dir, else [node].data_dir, else the default."""
+    return (override or cfg.node.data_dir or default_data_dir()).expanduser().absolute()
+
+
+def parse_config(data: dict[str, Any], *, base_dir: Path | None = None, data_dir: Path | None = None) -> NodeConfig:
     top = _Table(data, "")
     node = _parse_node(top, base_dir)
-    devices = _parse_devices(top, base_dir)
+    devices = _parse_devices(top, base_dir, (data_dir or node.data_dir or default_data_dir()).expanduser().absolute())
     pools = _parse_pools(top, devices)
     volumes = _parse_volumes(top, devices, pools)
     targets = _parse_iscsi(top, volumes)
     nvme = _parse_nvme(top, volumes)
-    nbd = _parse_nbd(top, volumes)
+    nbd, nbd_tls = _parse_nbd(top, volumes, base_dir)
     top.done(("node", "devices", "pools", "volumes", "iscsi", "nvme", "nbd"))
-    cfg = NodeConfig(node, devices, volumes, targets, nvme=nvme, nbd_exports=nbd, pools=pools)
+    cfg = NodeConfig(node, devices, volumes, targets, nvme=nvme, nbd_exports=nbd, pools=pools,
+                     nbd_tls=nbd_tls)
     _check_portal_clashes(cfg)
     from openvsan.node.access import check_access_policy  # it reads these specs: imported late, no cycle
     check_access_policy(cfg)
     return cfg
+
+
+MAX_AUTH_DELAY = 60.0   # seconds: beyond it a held login runs into the initiator's own login timeout
+
+
+def _parse_auth(t: _Table) -> dict[str, Any]:
+    """[node] trust_foreign_files and the throttling of failed authentications (protocol/auth_throttle.py)."""
+    trust = t.get("trust_foreign_files", bool, False)
+    delay = t.get("auth_delay_max", (int, float), DEFAULT_AUTH_DELAY_MAX)
+    if not 0 <= delay <= MAX_AUTH_DELAY:
+        raise ConfigError(f"{t.key('auth_delay_max')}: {delay} is out of range; use 0 (no delay) to "
+                          f"{MAX_AUTH_DELAY:g} seconds (default {DEFAULT_AUTH_DELAY_MAX:g})")
+    failures = t.get("auth_lockout_failures", int, DEFAULT_AUTH_LOCKOUT_FAILURES)
+    if not 0 <= failures <= 1_000_000:
+        raise ConfigError(f"{t.key('auth_lockout_failures')}: {failures} is out of range; use 0 (never lock out) "
+                          f"or the failures in a row that lock a peer out (default {DEFAULT_AUTH_LOCKOUT_FAILURES})")
+    seconds = t.get("auth_lockout_seconds", int, DEFAULT_AUTH_LOCKOUT_SECONDS)
+    if not 1 <= seconds <= 86_400:
+        raise ConfigError(f"{t.key('auth_lockout_seconds')}: {seconds} is out of range; use 1 to 86400 seconds "
+                          f"(default {DEFAULT_AUTH_LOCKOUT_SECONDS}; auth_lockout_failures = 0 turns lockouts off)")
+    return {"trust_foreign_files": trust, "auth_delay_max": float(delay), "auth_lockout_failures": failures,
+            "auth_lockout_seconds": seconds}
 
 
 def _parse_node(top: _Table, base_dir: Path | None) -> NodeSettings:
@@ -329,8 +384,32 @@ def _parse_node(top: _Table, base_dir: Path | None) -> NodeSettings:
     if not 0 <= poll_us <= MAX_POLL_US:
         raise ConfigError(f"{t.key('poll_us')}: {poll_us} is out of range; use 0 (no polling) to {MAX_POLL_US} "
                           f"microseconds (default {DEFAULT_POLL_US})")
-    t.done(("name", "data_dir", "poll_us"))
-    return NodeSettings(name, _resolve(data_dir, base_dir) if data_dir else None, poll_us)
+    limits = _parse_limits(t)
+    auth = _parse_auth(t)
+    t.done(("name", "data_dir", "poll_us", *limits, *auth))
+    return NodeSettings(name, _resolve(data_dir, base_dir) if data_dir else None, poll_us, **limits, **auth)
+
+
+MAX_MAX_CONNECTIONS = 1 << 20   # Linux's default fs.nr_open: no process can hold more descriptors
+
+
+def _parse_limits(t: _Table) -> dict[str, int]:
+    """[node] max_connections, max_unauthenticated, max_unauthenticated_per_source: each within 1 and the one
+    before it (a cap on a part cannot be above the cap on the whole; one left out is at most the one before)."""
+    out: dict[str, int] = {}
+    top = MAX_MAX_CONNECTIONS
+    for key, default, what in (
+            ("max_connections", DEFAULT_MAX_CONNECTIONS, "connections of all protocols together"),
+            ("max_unauthenticated", DEFAULT_MAX_UNAUTHENTICATED, "connections that have not logged in"),
+            ("max_unauthenticated_per_source", DEFAULT_MAX_UNAUTHENTICATED_PER_SOURCE,
+             "connections not logged in from one address")):
+        value = t.get(key, int, min(default, top))   # unset below a lower cap: that cap
+        if not 1 <= value <= top:
+            above = f" (it cannot be above {list(out)[-1]} = {top})" if out else ""
+            raise ConfigError(f"{t.key(key)}: {value} is out of range{above}; use 1 to {top} {what} "
+                              f"(default {default})")
+        out[key] = top = value
+    return out
 
 
 _DEVICE_KEYS = {
@@ -350,7 +429,7 @@ def _new_name(t: _Table, what: str, example: str, earlier: Sequence[DeviceSpec |
     return name
 
 
-def _parse_devices(top: _Table, base_dir: Path | None) -> tuple[DeviceSpec, ...]:
+def _parse_devices(top: _Table, base_dir: Path | None, data_dir: Path) -> tuple[DeviceSpec, ...]:
     out: list[DeviceSpec] = []
     seen_paths: dict[Path, str] = {}
     for path, raw in _items(top, "devices", hint="add [[devices]] tables"):
@@ -379,11 +458,12 @@ def _parse_devices(top: _Table, base_dir: Path | None) -> tuple[DeviceSpec, ...]
             raise ConfigError(f'{t.key("size")}: missing; a {kind} device needs a size, e.g. size = "1GiB"')
         backing = dev_path = None
         if kind == "ram" and t.has("backing"):
-            backing = _resolve(t.get("backing", str), base_dir)
+            backing = _device_file(t, "backing", t.get("backing", str), base_dir, data_dir)
         if kind == "file":
-            dev_path = _resolve(t.get("path", str, required=True,
-                                      hint='add path = "/var/lib/openvsan/disk0.img" (a file or block device)'),
-                                base_dir)
+            dev_path = _device_file(t, "path", t.get("path", str, required=True,
+                                                     hint='add path = "${data_dir}/disk0.img" (a file or block '
+                                                          'device)'),
+                                    base_dir, data_dir)
         direct = t.get("direct", bool, False) if kind == "file" else False
         for key, p in (("backing", backing), ("path", dev_path)):
             if p is not None:
@@ -675,22 +755,94 @@ def _parse_nvme(top: _Table, volumes: tuple[VolumeSpec, ...]) -> NvmeSpec | None
         if not model or len(model) > 40 or not model.isascii() or not model.isprintable():
             raise ConfigError(f"{st.key('model')}: use 1 to 40 printable ASCII characters (Identify Controller MN)")
         open_ = st.get("allow_unauthenticated", bool, False)
+        dhchap_hosts = _parse_dhchap_hosts(st)
+        hashes = _names(st, "dhchap_hashes", DHCHAP_HASHES, "hash functions")
+        dhgroups = _names(st, "dhchap_dhgroups", DHCHAP_DHGROUPS, "DH groups")
         st.done(("nqn", "namespaces", "portals", "advertised_portals", "allowed_hosts", "serial", "model",
-                 "allow_unauthenticated"))
+                 "allow_unauthenticated", "hosts", "dhchap_hashes", "dhchap_dhgroups"))
         namespaces.sort(key=lambda x: x.nsid)
         out.append(SubsystemSpec(nqn, tuple(namespaces), own, advertised, allowed, serial, model,
+                                 hosts=dhchap_hosts, dhchap_hashes=hashes, dhchap_dhgroups=dhgroups,
                                  allow_unauthenticated=open_))
     return NvmeSpec(portals, tuple(out))
 
 
-def _parse_nbd(top: _Table, volumes: tuple[VolumeSpec, ...]) -> tuple[NbdExportSpec, ...]:
+def _dhchap_secret(value: object) -> str:
+    from openvsan.protocol.nvme.auth import parse_secret  # NVMe Base 2.0 §8.13.5.7: the DHHC-1 form
+
+    if not isinstance(value, str):
+        raise ValueError('expected a string "DHHC-1:00:<base64>:" as `nvme gen-dhchap-key` prints it')  # noqa: TRY004
+    parse_secret(value)      # its SecretError (a ValueError) says what is wrong, never the secret
+    return value.strip()
+
+
+def _parse_dhchap_hosts(st: _Table) -> tuple[HostAuthSpec, ...]:
+    """hosts = [{ nqn, dhchap_secret, dhchap_ctrl_secret }]: hosts that must authenticate (DH-HMAC-CHAP)."""
+    from openvsan.protocol.nvme.auth import parse_secret
+
+    out: list[HostAuthSpec] = []
+    hint = 'add hosts = [{ nqn = "nqn.2014-08.org.nvmexpress:uuid:...", dhchap_secret = "DHHC-1:00:...:" }]'
+    for hpath, hraw in _items(st, "hosts", hint=hint):
+        ht = _Table(hraw, hpath, what='a table { nqn = "nqn.2014-08.org.nvmexpress:uuid:...", '
+                                      'dhchap_secret = "DHHC-1:00:...:" }')
+        nqn = ht.check("nqn", lambda v: check_nqn(v, subsystem=False),
+                       ht.get("nqn", str, required=True, hint='add nqn = "<the host NQN>" (nvme show-hostnqn)'))
+        if any(h.nqn == nqn for h in out):
+            raise ConfigError(f"{ht.key('nqn')}: host {_fmt(nqn)} is listed twice in this subsystem; remove one")
+        secret = ht.check("dhchap_secret", _dhchap_secret, ht.get(
+            "dhchap_secret", object, required=True,
+            hint='add dhchap_secret = "DHHC-1:00:...:" (make one with nvme gen-dhchap-key)'))
+        ctrl = ht.get("dhchap_ctrl_secret", object, None)
+        if ctrl is not None:
+            ctrl = ht.check("dhchap_ctrl_secret", _dhchap_secret, ctrl)
+            if parse_secret(ctrl).key == parse_secret(secret).key:
+                raise ConfigError(f"{ht.key('dhchap_ctrl_secret')}: the same key as dhchap_secret; give the "
+                                  "controller a secret of its own (nvme gen-dhchap-key)")
+        ht.done(("nqn", "dhchap_secret", "dhchap_ctrl_secret"))
+        out.append(HostAuthSpec(nqn, secret, ctrl))
+    return tuple(out)
+
+
+def _names(t: _Table, key: str, known: tuple[str, ...], what: str) -> tuple[str, ...]:
+    """A list of names out of `known`, each once, not empty; the order is the preference."""
+    if not t.has(key):
+        return known
+    values = t.get(key, list)
+    names: list[str] = []
+    for j, v in enumerate(values):
+        if not isinstance(v, str) or v not in known:
+            raise ConfigError(f"{t.key(key)}[{j}]: {_fmt(v)} is not one of the {what}: {', '.join(known)}")
+        if v in names:
+            raise ConfigError(f"{t.key(key)}[{j}]: {_fmt(v)} is listed twice; remove one")
+        names.append(v)
+    if not names:
+        raise ConfigError(f"{t.key(key)}: empty; list one or more of {', '.join(known)} (or leave it out for all)")
+    return tuple(names)
+
+
+def _parse_nbd(top: _Table, volumes: tuple[VolumeSpec, ...],
+               base_dir: Path | None) -> tuple[tuple[NbdExportSpec, ...], NbdTlsSpec | None]:
     if not top.has("nbd"):
-        return ()
+        return (), None
     t = _Table(top.get("nbd", dict), "nbd")
     raw = t.get("exports", list, [])
     portals = _portals(t, "portals", required=any(isinstance(x, dict) and "portals" not in x for x in raw),
                        port=NBD_PORT)
-    t.done(("portals", "exports"))
+    tls: NbdTlsSpec | None = None
+    if t.has("tls"):
+        tt = _Table(t.get("tls", dict), "nbd.tls", what='a table, e.g. tls = { cert = "server-cert.pem", key = '
+                                                         '"server-key.pem" }')
+        cert = tt.get("cert", str, required=True, hint='add cert = "server-cert.pem" (the server\'s PEM certificate)')
+        key = tt.get("key", str, required=True, hint='add key = "server-key.pem" (its PEM private key)')
+        ca = tt.get("ca", str, None)
+        verify_client = tt.get("verify_client", bool, False)
+        if verify_client and ca is None:
+            raise ConfigError(f"{tt.key('ca')}: missing; verify_client = true needs the CA that signs client "
+                              'certificates, e.g. ca = "ca-cert.pem"')
+        tt.done(("cert", "key", "ca", "verify_client"))
+        tls = NbdTlsSpec(_resolve(cert, base_dir), _resolve(key, base_dir),
+                         _resolve(ca, base_dir) if ca is not None else None, verify_client)
+    t.done(("portals", "exports", "tls"))
     out: list[NbdExportSpec] = []
     for i, re_ in enumerate(raw):
         et = _Table(re_, f"nbd.exports[{i}]", what="an [[nbd.exports]] table")
@@ -706,9 +858,15 @@ def _parse_nbd(top: _Table, volumes: tuple[VolumeSpec, ...]) -> tuple[NbdExportS
         if len(description.encode()) > 4096 or not description.isprintable():
             raise ConfigError(f"{et.key('description')}: use up to 4096 bytes of printable text")
         open_ = et.get("allow_unauthenticated", bool, False)
-        et.done(("name", "volume", "portals", "read_only", "description", "allow_unauthenticated"))
-        out.append(NbdExportSpec(name, volume, own, read_only, description, allow_unauthenticated=open_))
-    return tuple(out)
+        mode = et.get("tls", str, "require" if tls is not None else "off")
+        if mode not in NBD_TLS_MODES:
+            raise ConfigError(f"{et.key('tls')}: {_fmt(mode)} is not a TLS mode; use one of: {', '.join(NBD_TLS_MODES)}")
+        if mode != "off" and tls is None:
+            raise ConfigError(f'{et.key("tls")}: "{mode}" needs the server\'s TLS credentials; add [nbd] tls = '
+                              '{ cert = "server-cert.pem", key = "server-key.pem" } or set tls = "off"')
+        et.done(("name", "volume", "portals", "read_only", "description", "allow_unauthenticated", "tls"))
+        out.append(NbdExportSpec(name, volume, own, read_only, description, tls=mode, allow_unauthenticated=open_))
+    return tuple(out), tls
 
 
 def _check_portal_clashes(cfg: NodeConfig) -> None:
@@ -733,14 +891,74 @@ def _check_portal_clashes(cfg: NodeConfig) -> None:
         seen.setdefault(p, (proto, key))
 
 
-def preflight(cfg: NodeConfig) -> None:
-    """Checks that depend on this machine rather than the text: can the devices be opened as declared."""
+def preflight(cfg: NodeConfig, *, data_dir: Path | None = None) -> None:
+    """Checks that depend on this machine rather than the text: can the devices be opened as declared, and is
+    each existing file safe to serve (what FileDevice and RamDevice check again on the opened fd).
+    `data_dir`: the data dir serve will make, which may not exist yet."""
+    made = effective_data_dir(cfg, data_dir)
     for i, d in enumerate(cfg.devices):
         if d.type == "file" and d.path is not None:
             if d.size is None and not d.path.exists():
                 raise ConfigError(f"devices[{i}].size: {d.path} does not exist; add a size to create it, "
                                   'e.g. size = "10GiB"')
-            if not d.path.exists() and not d.path.parent.is_dir():
+            if not d.path.exists() and not d.path.parent.is_dir() and d.path.parent != made:
                 raise ConfigError(f"devices[{i}].path: the directory {d.path.parent} does not exist; create it")
-        if d.type == "ram" and d.backing is not None and not d.backing.parent.is_dir():
-            raise ConfigError(f"devices[{i}].backing: the directory {d.backing.parent} does not exist; create it")
+            _check_file(f"devices[{i}].path", d.path, cfg.node.trust_foreign_files)
+        if d.type == "ram" and d.backing is not None:
+            if not d.backing.parent.is_dir() and d.backing.parent != made:
+                raise ConfigError(f"devices[{i}].backing: the directory {d.backing.parent} does not exist; "
+                                  "create it")
+            _check_file(f"devices[{i}].backing", d.backing, cfg.node.trust_foreign_files, block=False)
+    if cfg.nbd_tls is not None:
+        from openvsan.target.nbd import TlsCredentialError, tls_context  # the server's own loader, imported late
+        t = cfg.nbd_tls
+        try:
+            tls_context(t.cert, t.key, t.ca, t.verify_client)
+        except TlsCredentialError as e:
+            raise ConfigError(f"nbd.tls.{e.which}: {e}") from None
+
+
+def exposed_secrets(cfg: NodeConfig) -> str | None:
+    """The warning for a config file that holds secrets (CHAP, DH-HMAC-CHAP) and that group or others may read;
+    None when it holds none or only its owner may read it. (A TLS key is named by its path, not held.)"""
+    holds = (any(t.chap is not None or t.mutual_chap is not None for t in cfg.targets)
+             or any(sub.hosts for sub in cfg.subsystems))
+    if not holds or cfg.source is None:
+        return None
+    try:
+        mode = cfg.source.stat().st_mode
+    except OSError:
+        return None
+    if not mode & 0o044:
+        return None
+    return f"{cfg.source} is readable by others and holds secrets; chmod 600 {cfg.source}"
+
+
+TRUST = "or set [node] trust_foreign_files = true"
+
+
+def _check_file(key: str, path: Path, trust: bool, *, block: bool = True) -> None:
+    """A device file already there that is a symlink, someone else's, or writable by others: refused here, before
+    anything starts, in the words FileDevice uses at open (block/file.py open_backing)."""
+    try:
+        st = path.lstat()
+    except FileNotFoundError:
+        return   # made at start, 0600, with O_EXCL
+    except OSError as e:
+        raise ConfigError(f"{key}: cannot look at {path}: {e.strerror}") from None
+    if stat.S_ISLNK(st.st_mode):
+        raise ConfigError(f"{key}: {path} is a symbolic link; name the file it points to, not the link")
+    if stat.S_ISBLK(st.st_mode) and block:
+        return   # a disk is root:disk 0660 as a rule: no owner check, only no symlink
+    if not stat.S_ISREG(st.st_mode):
+        what = "neither a regular file nor a block device" if block else "not a regular file"
+        raise ConfigError(f"{key}: {path} is {what}")
+    if trust:
+        return
+    euid = os.geteuid()
+    if st.st_uid != euid:
+        raise ConfigError(f"{key}: {path} is owned by uid {st.st_uid}, not by the serving user (uid {euid}); "
+                          f"chown {euid} {path} if it is ours, {TRUST}")
+    if st.st_mode & 0o022:
+        raise ConfigError(f"{key}: {path} is writable by group or others (mode {st.st_mode & 0o7777:04o}); "
+                          f"chmod go-w {path}, {TRUST}")

@@ -28,7 +28,9 @@ from openvsan.node.control import ControlServer, RequestError, socket_path
 from openvsan.node.pools import PoolSetupError, ServedPools, flush_and_close, why
 from openvsan.node.store import StoredState, VolumeIdentity
 from openvsan.node.values import format_size
+from openvsan.protocol.auth_throttle import AuthThrottle
 from openvsan.target.busypoll import BusyPoll
+from openvsan.target.limits import ConnectionLimits, soft_fd_limit
 
 log = logging.getLogger("openvsan.node")
 
@@ -37,14 +39,18 @@ class NodeError(RuntimeError):
     """The node cannot be assembled or served; str() is one line for the user."""
 
 
-def open_device(spec: DeviceSpec) -> BlockDevice:
+def open_device(spec: DeviceSpec, *, trust_foreign: bool = False) -> BlockDevice:
+    """Open a config device. Its file (or RAM backing) must not be a symlink, another user's, or writable by
+    others, unless `trust_foreign` ([node] trust_foreign_files): block/file.py open_backing."""
     if spec.type == "ram":
         assert spec.size is not None
         return RamDevice(spec.size // spec.block_size, spec.block_size,
-                         backing=str(spec.backing) if spec.backing else None, name=spec.name)
+                         backing=str(spec.backing) if spec.backing else None, name=spec.name,
+                         trust_foreign=trust_foreign)
     if spec.type == "file":
         assert spec.path is not None
-        return FileDevice(spec.path, size=spec.size, block_size=spec.block_size, direct=spec.direct, name=spec.name)
+        return FileDevice(spec.path, size=spec.size, block_size=spec.block_size, direct=spec.direct, name=spec.name,
+                          trust_foreign=trust_foreign)
     if spec.type == "null":
         assert spec.size is not None
         return NullDevice(spec.size // spec.block_size, spec.block_size, name=spec.name)
@@ -123,6 +129,8 @@ class Node:
     pools: ServedPools = field(init=False)                   # pool name -> ServedPool (node/pools.py)
     control_server: ControlServer | None = None
     busy_poll: BusyPoll | None = None
+    limits: ConnectionLimits | None = None                   # one for all three servers (target/limits.py)
+    auth_throttle: AuthThrottle | None = None                # failed logins per (initiator, address)
 
     def __post_init__(self) -> None:
         self.pools = ServedPools(self.state, self.data_dir, self.devices)
@@ -135,7 +143,7 @@ class Node:
             nvme_factory = (f.nvme_server or _real_nvme_server()) if cfg.nvme is not None else None
             for spec in cfg.devices:
                 try:
-                    self.devices[spec.name] = open_device(spec)
+                    self.devices[spec.name] = open_device(spec, trust_foreign=cfg.node.trust_foreign_files)
                 except (OSError, ValueError) as e:
                     user = cfg.device_user(spec.name)
                     if user is None or not user.startswith("pool "):
@@ -155,8 +163,17 @@ class Node:
                 self.targets.append(self._build_target(t, f, pr_dir))
             # one poller for the loop: a command on any connection keeps every connection's sockets watched
             self.busy_poll = BusyPoll(cfg.node.poll_us) if cfg.node.poll_us else None
+            # one set of caps for every protocol: a flood counts the same whichever portal it comes to
+            self.limits = ConnectionLimits(cfg.node.max_connections, cfg.node.max_unauthenticated,
+                                           cfg.node.max_unauthenticated_per_source, fd_limit=soft_fd_limit())
             self.server = f.server(self.targets)
             self.server.busy_poll = self.busy_poll
+            # failed CHAP (and DH-HMAC-CHAP) logins: a doubling delay, then a lockout (protocol/auth_throttle.py)
+            self.auth_throttle = AuthThrottle(delay_max=cfg.node.auth_delay_max,
+                                              lockout_failures=cfg.node.auth_lockout_failures,
+                                              lockout_seconds=cfg.node.auth_lockout_seconds)
+            self.server.auth_throttle = self.auth_throttle
+            self.server.limits = self.limits
             await self.server.start()
             if cfg.nvme is not None:
                 assert nvme_factory is not None
@@ -164,11 +181,14 @@ class Node:
                 discovery = [(p.host, p.port) for p in cfg.nvme.portals] or None
                 self.nvme_server = nvme_factory(self.subsystems, discovery_portals=discovery)
                 self.nvme_server.busy_poll = self.busy_poll
+                self.nvme_server.limits = self.limits
+                self.nvme_server.auth_throttle = self.auth_throttle   # failed DH-HMAC-CHAP, as for CHAP
                 await self.nvme_server.start()
             if cfg.nbd_exports:
                 self.nbd_exports = [self._build_nbd_export(e) for e in cfg.nbd_exports]
-                self.nbd_server = (f.nbd_server or _real_nbd_server())(self.nbd_exports)
+                self.nbd_server = (f.nbd_server or _real_nbd_server())(self.nbd_exports, **self._nbd_tls())
                 self.nbd_server.busy_poll = self.busy_poll
+                self.nbd_server.limits = self.limits
                 await self.nbd_server.start()
             self.control_server = ControlServer(socket_path(self.data_dir), self.control)
             await self.control_server.start()
@@ -195,16 +215,26 @@ class Node:
                 log.info("serving %s namespace %d (%s, %s%s) on %s", sub.nqn, ns.nsid, ns.volume,
                          format_size(dev.num_blocks * dev.block_size),
                          ", read-only" if cfg.volume(ns.volume).read_only else "", where)
-            acl = "any host" if sub.allowed_hosts is None else f"{len(sub.allowed_hosts)} allowed host(s)"
+            if sub.hosts:
+                both = sum(1 for h in sub.hosts if h.dhchap_ctrl_secret)
+                others = len(set(sub.allowed_hosts or ()) - {h.nqn for h in sub.hosts})
+                acl = (f"DH-HMAC-CHAP for {len(sub.hosts)} host(s) ({both} bidirectional; "
+                       f"{', '.join(sub.dhchap_hashes)}; {', '.join(sub.dhchap_dhgroups)})"
+                       + (f", {others} allowed host(s) without authentication" if others else ""))
+            else:
+                acl = "any host" if sub.allowed_hosts is None else f"{len(sub.allowed_hosts)} allowed host(s)"
             log.info("%s: %s", sub.nqn, acl)
         for x in cfg.nbd_exports:
             dev = self.volumes[x.volume]
-            log.info("serving NBD export %s (%s, %s%s) on %s", x.name, x.volume,
+            log.info("serving NBD export %s (%s, %s%s%s) on %s", x.name, x.volume,
                      format_size(dev.num_blocks * dev.block_size),
                      ", read-only" if x.read_only or cfg.volume(x.volume).read_only else "",
+                     {"off": "", "optional": ", TLS optional", "require": ", TLS required"}.get(x.tls, ""),
                      ", ".join(str(p) for p in x.portals))
         log.info("adaptive polling: %s", f"{cfg.node.poll_us} µs window after each command" if cfg.node.poll_us
                  else "off (poll_us = 0)")
+        log.info("connection limits: %d in all, %d not logged in, %d not logged in from one address",
+                 cfg.node.max_connections, cfg.node.max_unauthenticated, cfg.node.max_unauthenticated_per_source)
         if not cfg.exports_anything():
             log.warning("no iSCSI targets, NVMe subsystems or NBD exports are configured; nothing is exported")
 
@@ -239,14 +269,40 @@ class Node:
             sub.nqn, namespaces, [(p.host, p.port) for p in sub.portals],
             advertised_portals=[(p.host, p.port) for p in sub.advertised_portals],
             allowed_hosts=list(sub.allowed_hosts) if sub.allowed_hosts is not None else None,
-            serial=sub.serial or subsystem_serial(sub.nqn), model=sub.model)
+            serial=sub.serial or subsystem_serial(sub.nqn), model=sub.model, dhchap_hosts=self._dhchap_hosts(sub))
+
+    @staticmethod
+    def _dhchap_hosts(sub: SubsystemSpec) -> dict[str, Any]:
+        """The hosts that authenticate with DH-HMAC-CHAP, their secrets parsed (the config checked them)."""
+        from openvsan.protocol.nvme.auth import HostPolicy, parse_secret
+
+        return {h.nqn: HostPolicy(parse_secret(h.dhchap_secret),
+                                  parse_secret(h.dhchap_ctrl_secret) if h.dhchap_ctrl_secret else None,
+                                  sub.dhchap_hashes, sub.dhchap_dhgroups) for h in sub.hosts}
 
     def _build_nbd_export(self, e: NbdExportSpec) -> Any:
         from openvsan.target.config import NbdExportConfig
 
         read_only = e.read_only or self.state.config.volume(e.volume).read_only
         return NbdExportConfig(e.name, self.volumes[e.volume], [(p.host, p.port) for p in e.portals],
-                               read_only=read_only, description=e.description or f"openvsan volume {e.volume}")
+                               read_only=read_only, description=e.description or f"openvsan volume {e.volume}",
+                               tls=e.tls)
+
+    def _nbd_tls(self) -> dict[str, Any]:
+        """The NbdServer's ssl context ([nbd] tls), as keyword arguments: none without TLS."""
+        t = self.state.config.nbd_tls
+        if t is None:
+            return {}
+        from openvsan.target.nbd import TlsCredentialError, tls_context
+
+        try:
+            ctx = tls_context(t.cert, t.key, t.ca, t.verify_client)
+        except TlsCredentialError as e:
+            raise NodeError(f"nbd.tls.{e.which}: {e}") from None
+        log.info("NBD TLS: certificate %s%s", t.cert,
+                 f", client certificates signed by {t.ca} {'required' if t.verify_client else 'checked when sent'}"
+                 if t.ca is not None else ", no client certificates")
+        return {"ssl_context": ctx}
 
     def _servers(self) -> list[Any]:
         return [s for s in (self.server, self.nvme_server, self.nbd_server) if s is not None]

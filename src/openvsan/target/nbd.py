@@ -3,6 +3,11 @@
 A Connection is an asyncio.Protocol that feeds received bytes to the sans-IO NbdServerConnection
 (protocol/nbd) and runs the requests it yields on the export's BlockDevice, each in its own task, so
 replies go out in completion order (proto.md "Transmission": replies need not be in request order).
+
+TLS (proto.md "TLS support"): with an ssl context the server offers NBD_OPT_STARTTLS on every portal that
+serves an export with tls = "optional" or "require"; the protocol layer answers the option, and the
+Connection upgrades its socket with loop.start_tls and goes on with the decrypted stream. Exports with
+tls = "off" are served with or without TLS; "require" ones only inside it.
 """
 
 from __future__ import annotations
@@ -10,8 +15,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import ssl
 from collections import deque
 from collections.abc import Sequence
+from pathlib import Path
 
 from openvsan.block.device import SyncRead, SyncWrite
 from openvsan.block.errors import (
@@ -32,6 +39,7 @@ from openvsan.protocol.nbd import (
     Negotiated,
     Request,
     Send,
+    StartTls,
 )
 from openvsan.protocol.nbd.events import DEFAULT_MAX_PAYLOAD, Buffer
 from openvsan.target.config import NbdExportConfig
@@ -44,6 +52,9 @@ MAX_INFLIGHT = 256                       # requests one connection may have runn
 MAX_INFLIGHT_BYTES = 128 * 1024 * 1024   # data (write payloads, read results) one connection may hold
 ZERO_CHUNK = 1024 * 1024                 # NBD_CMD_FLAG_NO_HOLE writes real zeroes this much at a time
 _ZEROES = bytes(ZERO_CHUNK)
+# decrypted bytes a client may send in the one loop turn between its TLS handshake and our taking the new
+# transport: a client is waiting for its first option reply then, so a few KiB is already generous
+MAX_EARLY_TLS_DATA = 256 * 1024
 
 
 def export_info(e: NbdExportConfig) -> ExportInfo:
@@ -54,18 +65,100 @@ def export_info(e: NbdExportConfig) -> ExportInfo:
                       max_payload=DEFAULT_MAX_PAYLOAD, read_only=e.read_only, description=e.description)
 
 
+class TlsCredentialError(ValueError):
+    """The server's TLS files do not load; `which` is the one at fault: "cert", "key" or "ca"."""
+
+    def __init__(self, which: str, message: str) -> None:
+        super().__init__(message)
+        self.which = which
+
+
+def _encrypted_key() -> bytes:
+    # called by OpenSSL for a key with a passphrase: a server must not stop and prompt on its terminal
+    raise TlsCredentialError("key", "is encrypted")
+
+
+def _read_pem(which: str, path: Path, marker: str, what: str) -> None:
+    try:
+        text = path.read_bytes()
+    except OSError as e:
+        raise TlsCredentialError(which, f"cannot read {path}: {e.strerror}") from None
+    if marker.encode() not in text:
+        raise TlsCredentialError(which, f"{path} holds no PEM {what}")
+
+
+def tls_context(cert: Path, key: Path, ca: Path | None = None, verify_client: bool = False) -> ssl.SSLContext:
+    """The server side of NBD over TLS; TlsCredentialError names the file that does not load.
+
+    proto.md "TLS versions": TLS 1.2 MUST be supported and older versions SHOULD NOT be by default. With a CA,
+    a client certificate is checked when offered (verify_client: required)."""
+    if verify_client and ca is None:
+        raise TlsCredentialError("ca", "missing; verify_client = true needs the CA that signs client certificates")
+    _read_pem("cert", cert, "-----BEGIN CERTIFICATE-----", "certificate")
+    _read_pem("key", key, "PRIVATE KEY-----", "private key")
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    try:
+        ctx.load_cert_chain(cert, key, password=_encrypted_key)
+    except TlsCredentialError:
+        raise TlsCredentialError("key", f"{key} is encrypted; give the server a key without a passphrase") from None
+    except ssl.SSLError as e:
+        if e.reason == "KEY_VALUES_MISMATCH":
+            raise TlsCredentialError("key", f"{key} is not the private key of the certificate {cert}") from None
+        raise TlsCredentialError("cert", f"{cert} (with the key {key}) does not load: {e.reason or e}") from None
+    if ca is not None:
+        _read_pem("ca", ca, "-----BEGIN CERTIFICATE-----", "CA certificate")
+        try:
+            ctx.load_verify_locations(cafile=ca)
+        except ssl.SSLError as e:
+            raise TlsCredentialError("ca", f"{ca} does not load: {e.reason or e}") from None
+        ctx.verify_mode = ssl.CERT_REQUIRED if verify_client else ssl.CERT_OPTIONAL
+    return ctx
+
+
+def _subject(cert: dict[str, object]) -> str:
+    # ssl's getpeercert(): subject is a tuple of RDNs, each a tuple of (name, value) pairs
+    names = {"commonName": "CN", "organizationName": "O", "organizationalUnitName": "OU", "countryName": "C"}
+    rdns = cert.get("subject", ())
+    assert isinstance(rdns, tuple)
+    return ",".join(f"{names.get(k, k)}={v}" for rdn in rdns for k, v in rdn)
+
+
+def _tls_failure(e: BaseException) -> tuple[str, str]:
+    """Why a TLS handshake failed: the kind (one phrase per cause, as rate-limited drops are counted) and detail."""
+    if isinstance(e, ssl.SSLCertVerificationError):
+        return "TLS handshake failed: client certificate refused", e.verify_message
+    if isinstance(e, ssl.SSLError):
+        if e.reason == "PEER_DID_NOT_RETURN_A_CERTIFICATE":
+            return "TLS handshake failed: no client certificate", "verify_client requires one signed by the CA"
+        return "TLS handshake failed", e.reason or str(e)
+    if isinstance(e, TimeoutError):
+        return "TLS handshake failed", "not finished in time"
+    if isinstance(e, ConnectionError):
+        return "TLS handshake failed", "the client closed the connection"
+    return "TLS handshake failed", str(e) or type(e).__name__
+
+
 class NbdServer(PortalServer):
     kind = "NBD"
 
-    def __init__(self, exports: Sequence[NbdExportConfig], *, handshake_timeout: float = HANDSHAKE_TIMEOUT) -> None:
+    def __init__(self, exports: Sequence[NbdExportConfig], *, handshake_timeout: float = HANDSHAKE_TIMEOUT,
+                 ssl_context: ssl.SSLContext | None = None) -> None:
         super().__init__()
         names = [e.name for e in exports]
         if len(set(names)) != len(names):
             raise ValueError(f"NBD export names must be unique: {names}")
+        for e in exports:
+            if e.tls not in ("off", "optional", "require"):
+                raise ValueError(f"NBD export {e.name}: tls is {e.tls!r}; use off, optional or require")
+            if e.tls != "off" and ssl_context is None:
+                raise ValueError(f"NBD export {e.name}: tls = {e.tls!r} needs the server's TLS credentials")
         self.exports = {e.name: e for e in exports}
         self.handshake_timeout = handshake_timeout
+        self.ssl_context = ssl_context
         self.tasks: set[asyncio.Task[None]] = set()
         self._on_portal: dict[tuple[str, int], list[ExportInfo]] = {}
+        self._tls_on_portal: dict[tuple[str, int], tuple[bool, frozenset[str]]] = {}
 
     def portals(self) -> list[tuple[str, int]]:
         seen: dict[tuple[str, int], None] = {}
@@ -78,9 +171,12 @@ class NbdServer(PortalServer):
         return Connection(self, portal)
 
     def portal_note(self, portal: tuple[str, int]) -> str:
-        self._on_portal[portal] = [export_info(e) for e in self.exports.values()
-                                   if portal in [(h, int(p)) for h, p in e.portals]]
-        return ", ".join(x.name for x in self._on_portal[portal])
+        here = [e for e in self.exports.values() if portal in [(h, int(p)) for h, p in e.portals]]
+        self._on_portal[portal] = [export_info(e) for e in here]
+        offered = self.ssl_context is not None and any(e.tls != "off" for e in here)
+        self._tls_on_portal[portal] = (offered, frozenset(e.name for e in here if e.tls == "require"))
+        return ", ".join(x.name + {"off": "", "optional": ": TLS optional", "require": ": TLS required"}[e.tls]
+                         for x, e in zip(self._on_portal[portal], here, strict=True))
 
     def before_drain(self) -> None:
         # requests still arriving get NBD_ESHUTDOWN while those in flight finish
@@ -94,6 +190,10 @@ class NbdServer(PortalServer):
     def exports_on(self, portal: tuple[str, int]) -> list[ExportInfo]:
         return self._on_portal.get(portal, [])
 
+    def tls_on(self, portal: tuple[str, int]) -> tuple[bool, frozenset[str]]:
+        """Whether the portal offers NBD_OPT_STARTTLS, and its TLS-only exports."""
+        return self._tls_on_portal.get(portal, (False, frozenset()))
+
 
 class Connection(BatchedConnection):
     """One TCP connection: the handshake, then the transmission phase on one export."""
@@ -102,7 +202,8 @@ class Connection(BatchedConnection):
         super().__init__()
         self.server = server
         self.portal = portal
-        self.conn = NbdServerConnection(server.exports_on(portal))
+        offered, tls_only = server.tls_on(portal)
+        self.conn = NbdServerConnection(server.exports_on(portal), tls_offered=offered, tls_only=tls_only)
         self.export: NbdExportConfig | None = None
         self.inflight = 0
         self.inflight_bytes = 0
@@ -114,10 +215,16 @@ class Connection(BatchedConnection):
         # asking for up to 32 MiB, so the budget is kept per request, not per chunk
         self._waiting: deque[Request] = deque()
         self._starting = False
+        self._upgrading: asyncio.Task[None] | None = None   # the TLS handshake after NBD_OPT_STARTTLS
+        self._early: list[bytes] | None = None              # decrypted data that came before start_tls returned
+        self._expired = False
+        self._lost = False
 
     # --- asyncio.Protocol ---------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)  # TCP_NODELAY: proto.md "Protocol phases" asks both ends for it
+        if self._closed:
+            return  # refused: over a connection limit (target/limits.py)
         sock = transport.get_extra_info("socket")
         if sock is not None:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
@@ -128,7 +235,10 @@ class Connection(BatchedConnection):
         self.send([self.conn.greeting()])
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._closed = True
+        if self._lost:
+            return  # after a failed TLS handshake, _upgrade reports it and the SSL layer may report it again
+        self._lost = True
+        super().connection_lost(exc)  # closed, and its place in the connection limits given back
         self.server.connections.discard(self)
         if self._timer is not None:
             self._timer.cancel()
@@ -143,10 +253,15 @@ class Connection(BatchedConnection):
         self._update_reading()
 
     def received(self, data: bytes) -> None:
+        if self._early is not None:
+            self._early_data(data)
+            return
         for event in self.conn.receive_data(data):
             if self._closed:
                 return
-            if isinstance(event, Request):
+            if isinstance(event, StartTls):
+                self._start_tls()
+            elif isinstance(event, Request):
                 self._start(event)
             elif isinstance(event, Send):
                 self.send(event.data)
@@ -157,7 +272,7 @@ class Connection(BatchedConnection):
                 self._update_reading()
                 self._maybe_finish()
             elif isinstance(event, Close):
-                log.warning("%s: %s; closing the connection", self.peer, event.reason)
+                self.dropped("protocol error", event.reason)
                 self.close()
 
     # --- sending ----------------------------------------------------------------------------------
@@ -181,11 +296,67 @@ class Connection(BatchedConnection):
         if self._disconnecting and not self.inflight and not self._waiting:
             self.close()
 
+    # --- TLS ---------------------------------------------------------------------------------------
+    def _start_tls(self) -> None:
+        assert self.transport is not None and self.server.ssl_context is not None
+        self._batch.flush()              # the ACK leaves in clear text, before the first TLS record
+        self.transport.pause_reading()   # the client's ClientHello waits in the kernel for the TLS layer
+        self._early = []
+        self._upgrading = asyncio.get_running_loop().create_task(self._upgrade(self.transport))
+
+    def _early_data(self, data: bytes) -> None:
+        # asyncio's SSLProtocol can hand over decrypted data before start_tls() returns the new transport
+        assert self._early is not None
+        self._early.append(data)
+        if sum(map(len, self._early)) > MAX_EARLY_TLS_DATA:
+            self.dropped("too much data before the TLS session was set up", f"more than {MAX_EARLY_TLS_DATA} bytes")
+            self.close()
+
+    async def _upgrade(self, raw: asyncio.Transport) -> None:
+        ctx = self.server.ssl_context
+        assert ctx is not None
+        try:
+            tls = await asyncio.get_running_loop().start_tls(raw, self, ctx, server_side=True,
+                                                             ssl_handshake_timeout=self.server.handshake_timeout)
+        except (OSError, RuntimeError) as e:  # ssl.SSLError, timeouts, resets; RuntimeError: a transport closing
+            if not self._expired and not self.server.closing:   # not when we closed it ourselves
+                self.dropped(*_tls_failure(e))
+            self._closed = True
+            raw.close()
+            # the SSL layer tells the protocol of a connection lost mid-handshake only when the handshake itself
+            # failed, not when the peer (or our timer) closed it first: say it here, so its place in the limits
+            # is given back
+            self.connection_lost(e)
+            return
+        finally:
+            self._upgrading = None
+        if tls is None or self._closed:
+            # closed during the handshake: asyncio returns no transport, uvloop a closed one, and neither tells
+            # the protocol
+            if tls is not None:
+                tls.close()
+            self.connection_lost(None)
+            return
+        self.transport = tls
+        self._batch.transport = self.transport
+        sslobj = tls.get_extra_info("ssl_object")
+        peercert = tls.get_extra_info("peercert")
+        cipher = sslobj.cipher() if sslobj is not None else None
+        log.info("%s: NBD TLS %s, %s%s", self.peer, sslobj.version() if sslobj is not None else "?",
+                 cipher[0] if cipher else "?",
+                 f", client certificate {_subject(peercert)}" if peercert else ", no client certificate")
+        self.conn.tls_started()
+        early, self._early = self._early or [], None
+        for data in early:
+            if self._closed:
+                break
+            self.answer_at_once(self.received, data)
+
     # --- handshake --------------------------------------------------------------------------------
     def _handshake_expired(self) -> None:
         if self.conn.session is None and not self._closed:
-            log.warning("%s: NBD handshake not finished in %.0f s; dropping the connection", self.peer,
-                        self.server.handshake_timeout)
+            self._expired = True
+            self.dropped(f"handshake not finished in {self.server.handshake_timeout:.0f} s")
             self.close()
 
     def _negotiated(self, ev: Negotiated) -> None:
@@ -194,8 +365,9 @@ class Connection(BatchedConnection):
             self._timer = None
         self.export = self.server.exports[ev.export.name]
         self.logged_in()
-        log.info("%s: NBD export %s (%d bytes%s%s)", self.peer, ev.export.name, ev.export.size,
-                 ", read-only" if ev.export.read_only else "", ", structured replies" if ev.structured else "")
+        log.info("%s: NBD export %s (%d bytes%s%s%s)", self.peer, ev.export.name, ev.export.size,
+                 ", read-only" if ev.export.read_only else "", ", structured replies" if ev.structured else "",
+                 ", TLS" if ev.tls else "")
 
     # --- requests ---------------------------------------------------------------------------------
     def _start(self, req: Request) -> None:

@@ -10,6 +10,7 @@ from openvsan.protocol.nbd.events import (
     Negotiated,
     Request,
     Send,
+    StartTls,
 )
 from openvsan.protocol.nbd.wire import Cmd, CmdFlag, Errno, TransmissionFlag
 
@@ -27,5 +28,6 @@ __all__ = [
     "Phase",
     "Request",
     "Send",
+    "StartTls",
     "TransmissionFlag",
 ]

@@ -2,8 +2,11 @@
 
     conn = NbdServerConnection(exports)
     send(conn.greeting())
-    for event in conn.receive_data(data):   # Send | Negotiated | Request | Disconnect | Close
+    for event in conn.receive_data(data):   # Send | Negotiated | StartTls | Request | Disconnect | Close
         ...                                  # run a Request, then send(conn.reply(...))
+
+After StartTls the driver runs the TLS handshake on its socket, calls `tls_started()` and from then on feeds
+the decrypted stream to receive_data.
 
 Handshake (proto.md "Fixed newstyle negotiation") and transmission (proto.md "Transmission") framing
 live here; option answers in handshake.py, request checks and reply layouts in transmission.py.
@@ -11,7 +14,7 @@ live here; option answers in handshake.py, request checks and reply layouts in t
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from enum import Enum, auto
 
 from openvsan.protocol.nbd.events import (
@@ -23,6 +26,7 @@ from openvsan.protocol.nbd.events import (
     Negotiated,
     Request,
     Send,
+    StartTls,
 )
 from openvsan.protocol.nbd.handshake import Handshake
 from openvsan.protocol.nbd.transmission import (
@@ -55,12 +59,14 @@ class Phase(Enum):
     OPTION_DATA = auto()
     REQUEST = auto()
     PAYLOAD = auto()
+    TLS = auto()      # NBD_OPT_STARTTLS acknowledged: the driver is running the TLS handshake
     DONE = auto()     # after NBD_CMD_DISC, NBD_OPT_ABORT or a hard disconnect: input is ignored
 
 
 class NbdServerConnection:
-    def __init__(self, exports: Sequence[ExportInfo], *, default: str | None = None) -> None:
-        self.handshake = Handshake(exports, default)
+    def __init__(self, exports: Sequence[ExportInfo], *, default: str | None = None, tls_offered: bool = False,
+                 tls_only: Collection[str] = ()) -> None:
+        self.handshake = Handshake(exports, default, tls_offered=tls_offered, tls_only=tls_only)
         self.phase = Phase.CLIENT_FLAGS
         self.session: Negotiated | None = None
         self._acc = bytearray()        # a header (or option data) being gathered
@@ -80,8 +86,19 @@ class NbdServerConnection:
         """Options from now on get NBD_REP_ERR_SHUTDOWN (proto.md "Termination ... option haggling")."""
         self.handshake.shutting_down = True
 
+    @property
+    def tls(self) -> bool:
+        return self.handshake.tls
+
     def greeting(self) -> bytes:
         return self.handshake.greeting()
+
+    def tls_started(self) -> None:
+        """The driver finished the TLS handshake: option haggling starts again, inside TLS."""
+        if self.phase is not Phase.TLS:
+            raise RuntimeError(f"tls_started() in phase {self.phase.name}, not after StartTls")
+        self.handshake.tls_started()
+        self._expect(Phase.OPTION_HEADER, OPTION.size)
 
     # --- input -----------------------------------------------------------------------------------
     def receive_data(self, data: Buffer) -> list[Event]:
@@ -89,6 +106,13 @@ class NbdServerConnection:
         view = memoryview(data).cast("B") if not isinstance(data, memoryview) else data.cast("B")
         pos, end = 0, len(view)
         while pos < end and self.phase is not Phase.DONE:
+            if self.phase is Phase.TLS:
+                # proto.md NBD_OPT_STARTTLS: the client upgrades on receiving the ACK, so nothing may follow
+                # the option in clear text; taking such bytes as the start of the TLS session would let them
+                # pass for protected data (the STARTTLS command injection of SMTP and IMAP)
+                self._unsay_starttls(events)
+                self._close(f"{end - pos} bytes in clear text after NBD_OPT_STARTTLS", events)
+                break
             if self.phase is Phase.PAYLOAD:
                 pos = self._payload_bytes(view, pos, events)
                 continue
@@ -104,6 +128,15 @@ class NbdServerConnection:
             pos += take
             self._dispatch(chunk, events)
         return events
+
+    @staticmethod
+    def _unsay_starttls(events: list[Event]) -> None:
+        # the ACK has not left yet: take it back with the StartTls, so the client is not told to upgrade
+        for i, e in enumerate(events):
+            if isinstance(e, StartTls):
+                start = i - 1 if i and isinstance(events[i - 1], Send) else i
+                del events[start:i + 1]
+                return
 
     def _dispatch(self, chunk: memoryview, events: list[Event]) -> None:
         if self.phase is Phase.CLIENT_FLAGS:
@@ -146,6 +179,9 @@ class NbdServerConnection:
         elif r.abort:
             self.phase = Phase.DONE
             events.append(Disconnect())
+        elif r.start_tls:
+            self.phase = Phase.TLS
+            events.append(StartTls())
         elif r.negotiated:
             self.session = r.negotiated
             events.append(r.negotiated)

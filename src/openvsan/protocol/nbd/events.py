@@ -55,6 +55,13 @@ class Negotiated:
     structured: bool                     # NBD_OPT_STRUCTURED_REPLY was agreed
     flags: int                           # the transmission flags the client was given
     meta_context_id: int | None = None   # base:allocation selected for this export (NBD_CMD_BLOCK_STATUS)
+    tls: bool = False                    # negotiated inside TLS (NBD_OPT_STARTTLS)
+
+
+@dataclass(frozen=True)
+class StartTls:
+    """NBD_OPT_STARTTLS was acknowledged (the ACK is in the Send before this event): the driver starts the TLS
+    handshake as server on the same socket, then calls `tls_started()` and feeds the decrypted stream."""
 
 
 @dataclass(frozen=True)
@@ -93,4 +100,4 @@ class Close:
     reason: str
 
 
-Event = Send | Negotiated | Request | Disconnect | Close
+Event = Send | Negotiated | StartTls | Request | Disconnect | Close

@@ -2,12 +2,19 @@
 
 `Handshake.option()` answers one option with the bytes of its replies and, for NBD_OPT_GO and
 NBD_OPT_EXPORT_NAME, the export the transmission phase will use. It never sees a socket.
+
+TLS (proto.md "TLS support"): a server that offers TLS acknowledges NBD_OPT_STARTTLS and the driver upgrades
+the socket. With every export TLS-only the connection is in FORCEDTLS mode (every option but STARTTLS and
+ABORT: NBD_REP_ERR_TLS_REQD); otherwise SELECTIVETLS (TLS-only exports are left out of NBD_OPT_LIST and
+refused by NBD_OPT_INFO/GO with NBD_REP_ERR_TLS_REQD until TLS runs). A client without fixed newstyle gets
+NOTLS mode, and TLS-only exports stay closed to it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
+from enum import Enum
 
 from openvsan.protocol.nbd.events import Buffer, ExportInfo, Negotiated
 from openvsan.protocol.nbd.wire import (
@@ -62,17 +69,34 @@ def error_reply(opt: int, rep: Rep, message: str) -> bytes:
     return option_reply(opt, rep, message.encode()[:MAX_STRING])
 
 
+class TlsMode(Enum):
+    """proto.md "Server-side requirements": the mode of one connection, fixed for its lifetime."""
+
+    NOTLS = "NOTLS"
+    FORCEDTLS = "FORCEDTLS"
+    SELECTIVETLS = "SELECTIVETLS"
+
+
 @dataclass
 class OptionResult:
     out: list[bytes] = field(default_factory=list)
     negotiated: Negotiated | None = None   # NBD_OPT_GO succeeded / NBD_OPT_EXPORT_NAME: transmission begins
     close: str | None = None               # hard disconnect, with why
     abort: bool = False                    # NBD_OPT_ABORT: soft disconnect after the reply
+    start_tls: bool = False                # NBD_OPT_STARTTLS acknowledged: the TLS handshake comes next
 
 
 class Handshake:
-    def __init__(self, exports: Sequence[ExportInfo], default: str | None = None) -> None:
+    def __init__(self, exports: Sequence[ExportInfo], default: str | None = None, *, tls_offered: bool = False,
+                 tls_only: Collection[str] = ()) -> None:
         self.exports = {e.name: e for e in exports}
+        self.tls_offered = tls_offered         # the server can run NBD_OPT_STARTTLS (it has credentials)
+        self.tls_only = frozenset(tls_only)    # exports served only inside TLS
+        if self.tls_only - set(self.exports):
+            raise ValueError(f"TLS-only exports that are not exports: {sorted(self.tls_only - set(self.exports))}")
+        if self.tls_only and not tls_offered:
+            raise ValueError("TLS-only exports need a server that offers TLS")
+        self.tls = False                       # TLS has been initiated on this connection
         # proto.md NBD_OPT_EXPORT_NAME: the empty name is the "default" export; ours is the first one
         self.default = default if default is not None else (exports[0].name if exports else None)
         self.fixed = False
@@ -93,6 +117,26 @@ class Handshake:
         self.no_zeroes = bool(flags & ClientFlag.NO_ZEROES)
         return None
 
+    @property
+    def mode(self) -> TlsMode:
+        # proto.md: NOTLS unless both ends agreed fixed newstyle; FORCEDTLS where every export is TLS-only
+        if not self.tls_offered or not self.fixed:
+            return TlsMode.NOTLS
+        if self.exports and self.tls_only >= set(self.exports):
+            return TlsMode.FORCEDTLS
+        return TlsMode.SELECTIVETLS
+
+    def needs_tls(self, export: ExportInfo) -> bool:
+        """The export is TLS-only and TLS has not been initiated."""
+        return not self.tls and export.name in self.tls_only
+
+    def tls_started(self) -> None:
+        """The TLS handshake succeeded. proto.md NBD_OPT_STARTTLS: the server MUST NOT preserve any
+        negotiation state (structured replies, meta contexts) from before it."""
+        self.tls = True
+        self.structured = False
+        self.meta_export = None
+
     def lookup(self, name: str) -> ExportInfo | None:
         if name == "" and self.default is not None:
             return self.exports.get(self.default)
@@ -100,12 +144,20 @@ class Handshake:
 
     def option(self, opt: int, data: memoryview) -> OptionResult:
         r = OptionResult()
+        forced = self.mode is TlsMode.FORCEDTLS and not self.tls
         if opt == Opt.EXPORT_NAME:
-            self._export_name(data, r)
+            if forced:
+                # proto.md "FORCEDTLS mode": NBD_OPT_EXPORT_NAME cannot error, so the server MUST terminate
+                r.close = "NBD_OPT_EXPORT_NAME before NBD_OPT_STARTTLS: every export here requires TLS"
+            else:
+                self._export_name(data, r)
         elif opt == Opt.ABORT:
             # proto.md NBD_OPT_ABORT: the server MUST reply with NBD_REP_ACK (any data is ignored)
             r.out.append(option_reply(opt, Rep.ACK))
             r.abort = True
+        elif forced and opt != Opt.STARTTLS:
+            # proto.md "FORCEDTLS mode": any other option, NBD_OPT_INFO and unsupported ones included
+            r.out.append(error_reply(opt, Rep.ERR_TLS_REQD, "this server requires TLS: send NBD_OPT_STARTTLS"))
         elif self.shutting_down:
             # proto.md "Termination of the session during option haggling"
             r.out.append(error_reply(opt, Rep.ERR_SHUTDOWN, "the server is shutting down"))
@@ -123,14 +175,28 @@ class Handshake:
         elif opt in (Opt.LIST_META_CONTEXT, Opt.SET_META_CONTEXT):
             self._meta_context(opt, data, r)
         elif opt == Opt.STARTTLS:
-            # proto.md "NOTLS mode": NBD_REP_ERR_POLICY or NBD_REP_ERR_UNSUP, never NBD_REP_ERR_TLS_REQD
-            r.out.append(error_reply(opt, Rep.ERR_POLICY, "this server does not offer TLS"))
+            self._starttls(opt, data, r)
         else:
             # proto.md "Baseline": options we do not implement get NBD_REP_ERR_UNSUP
             r.out.append(error_reply(opt, Rep.ERR_UNSUP, f"option {opt} is not supported"))
         return r
 
     # --- options ---------------------------------------------------------------------------------
+    def _starttls(self, opt: int, data: memoryview, r: OptionResult) -> None:
+        if self.mode is TlsMode.NOTLS:
+            # proto.md "NOTLS mode": NBD_REP_ERR_POLICY or NBD_REP_ERR_UNSUP, never NBD_REP_ERR_TLS_REQD
+            why = "this server does not offer TLS" if not self.tls_offered else "TLS needs fixed newstyle negotiation"
+            r.out.append(error_reply(opt, Rep.ERR_POLICY, why))
+        elif self.tls:
+            # proto.md "FORCEDTLS mode" / "SELECTIVETLS mode": STARTTLS inside TLS MUST get NBD_REP_ERR_INVALID
+            r.out.append(error_reply(opt, Rep.ERR_INVALID, "TLS is already running on this connection"))
+        elif len(data):
+            # proto.md NBD_OPT_STARTTLS: the client MUST NOT send data with it (e.g. NBD_REP_ERR_INVALID)
+            r.out.append(error_reply(opt, Rep.ERR_INVALID, "NBD_OPT_STARTTLS takes no data"))
+        else:
+            r.out.append(option_reply(opt, Rep.ACK))
+            r.start_tls = True
+
     def _export_name(self, data: memoryview, r: OptionResult) -> None:
         # proto.md NBD_OPT_EXPORT_NAME: no way to report an error, so a bad or unknown name ends the session
         try:
@@ -142,10 +208,14 @@ class Handshake:
         if export is None or self.shutting_down:
             r.close = f"NBD_OPT_EXPORT_NAME: no export named {name!r}" if export is None else "shutting down"
             return
+        if self.needs_tls(export):
+            # proto.md "SELECTIVETLS mode": a TLS-only export before TLS: the server MUST terminate the session
+            r.close = f"NBD_OPT_EXPORT_NAME: export {export.name!r} requires TLS (NBD_OPT_STARTTLS first)"
+            return
         flags = export.transmission_flags(self.structured)
         reply = EXPORT_NAME_REPLY.pack(export.size, flags)
         r.out.append(reply if self.no_zeroes else reply + EXPORT_NAME_ZEROES)
-        r.negotiated = Negotiated(export, self.structured, flags, self._meta_id(export))
+        r.negotiated = Negotiated(export, self.structured, flags, self._meta_id(export), self.tls)
 
     def _list(self, opt: int, data: memoryview, r: OptionResult) -> None:
         if len(data):
@@ -153,6 +223,8 @@ class Handshake:
             r.out.append(error_reply(opt, Rep.ERR_INVALID, "NBD_OPT_LIST takes no data"))
             return
         for e in self.exports.values():
+            if self.needs_tls(e):
+                continue  # proto.md "SELECTIVETLS mode": MAY omit TLS-only exports from NBD_OPT_LIST
             # proto.md NBD_REP_SERVER: name length, name, then a description for people
             name = e.name.encode()
             r.out.append(option_reply(opt, Rep.SERVER, U32.pack(len(name)) + name + e.description.encode()))
@@ -181,6 +253,9 @@ class Handshake:
         if export is None:
             r.out.append(error_reply(opt, Rep.ERR_UNKNOWN, f"no export named {name!r}"))
             return
+        if self.needs_tls(export):
+            r.out.append(self._tls_refusal(opt, export))
+            return
         flags = export.transmission_flags(self.structured)
         info = [INFO_EXPORT.pack(Info.EXPORT, export.size, flags),
                 # sent whether asked or not: the client learns the alignment it must keep (proto.md "Size
@@ -193,7 +268,14 @@ class Handshake:
         r.out.extend(option_reply(opt, Rep.INFO, i) for i in info)
         r.out.append(option_reply(opt, Rep.ACK))
         if opt == Opt.GO:
-            r.negotiated = Negotiated(export, self.structured, flags, self._meta_id(export))
+            r.negotiated = Negotiated(export, self.structured, flags, self._meta_id(export), self.tls)
+
+    def _tls_refusal(self, opt: int, export: ExportInfo) -> bytes:
+        if self.mode is TlsMode.NOTLS:
+            # proto.md "NOTLS mode": the server MUST NOT answer NBD_REP_ERR_TLS_REQD (no fixed newstyle here)
+            return error_reply(opt, Rep.ERR_POLICY, f"export {export.name!r} requires TLS")
+        # proto.md "SELECTIVETLS mode": NBD_OPT_INFO/GO on a TLS-only export MUST get NBD_REP_ERR_TLS_REQD
+        return error_reply(opt, Rep.ERR_TLS_REQD, f"export {export.name!r} requires TLS: send NBD_OPT_STARTTLS")
 
     def _meta_id(self, export: ExportInfo) -> int | None:
         # proto.md NBD_OPT_SET_META_CONTEXT: contexts hold only for the export they were selected on
@@ -237,8 +319,13 @@ class Handshake:
             # proto.md: a syntactically invalid request MUST fail with NBD_REP_ERR_INVALID
             r.out.append(error_reply(opt, Rep.ERR_INVALID, f"bad meta context request: {e}"))
             return
-        if self.lookup(name) is None:
+        export = self.lookup(name)
+        if export is None:
             r.out.append(error_reply(opt, Rep.ERR_UNKNOWN, f"no export named {name!r}"))
+            return
+        if self.needs_tls(export):
+            # proto.md "SELECTIVETLS mode": NBD_REP_ERR_TLS_REQD is only for INFO, GO and EXPORT_NAME
+            r.out.append(error_reply(opt, Rep.ERR_POLICY, f"export {export.name!r} requires TLS"))
             return
         if setting:
             # "base:" alone selects nothing on SET; unknown namespaces and leaves are ignored
