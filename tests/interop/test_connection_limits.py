@@ -201,3 +201,37 @@ async def flood_while_serving(server: VsanServer) -> None:
     assert refusals_counted(lines) == want, "\n".join(lines)
     assert 3 <= len(lines) <= 12, "\n".join(lines)
     assert any("max_unauthenticated_per_source" in line for line in lines)
+
+
+def test_flood_from_many_addresses_leaves_room_for_a_new_login(vsan: Callable[..., VsanServer]) -> None:
+    """24 addresses x 32 idle connections fill [node] max_unauthenticated (512) on the iSCSI portal: a login
+    from another address still gets in, because the limits close the oldest waiting connection of the
+    busiest address to make room for it."""
+    require_tools("iscsi-ls")
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    need = 24 * PER_SOURCE + 1024
+    if hard < need:
+        require_root(f"the hard RLIMIT_NOFILE ({hard}) must be raised to {need} for the flood")
+        hard = need
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    server = vsan(start=False)
+    write_config(server)
+    server.start()
+    held: list[socket.socket] = []
+    try:
+        for i in range(24):
+            for _ in range(PER_SOURCE):
+                s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                held.append(s)
+                s.settimeout(10)
+                s.bind((f"127.0.1.{10 + i}", 0))
+                s.connect(("127.0.0.1", server.port))
+        time.sleep(0.5)   # the server has taken them all in
+        listed = run(["iscsi-ls", "-s", server.portal_url()], timeout=30)
+        assert IQN in listed.stdout, listed.stdout
+    finally:
+        for s in held:
+            s.close()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    log = server.log_text()
+    assert "closed to make room for another address ([node] max_unauthenticated)" in log, log[-3000:]

@@ -58,9 +58,10 @@ def test_logged_in_after_release_does_not_count() -> None:
 
 def test_global_unauthenticated_cap() -> None:
     lim = ConnectionLimits(100, 4, 3)
-    for src in ("a", "a", "a", "b"):
+    for src in ("a", "b", "c", "d"):
         admitted(lim, src)
-    assert lim.admit("c") == "4 connections not logged in, [node] max_unauthenticated"
+    assert lim.admit("e") == "4 connections not logged in, [node] max_unauthenticated"
+    assert lim.evicted == 0   # among equals no room is made: the newcomer is refused
 
 
 def test_max_connections_counts_logged_in_ones_too() -> None:
@@ -252,3 +253,29 @@ def test_accept_failures_are_counted_not_logged_each(caplog: pytest.LogCaptureFi
     finally:
         loop.close()
         ratelog.connection_log.windows, ratelog.connection_log.total = saved
+
+
+def test_full_cap_makes_room_by_closing_the_busiest_address_oldest_first() -> None:
+    """A flood from many addresses fills max_unauthenticated; a host with none waiting still gets in, and the
+    connection closed for it is the oldest of the address holding the most."""
+    lim = ConnectionLimits(100, 6, 3)
+    closed: list[str] = []
+    tickets = []
+    for i, src in enumerate(("a", "a", "a", "b", "b", "c")):
+        t = admitted(lim, src)
+        t.evict = lambda name=f"{src}{i}": closed.append(name)  # type: ignore[misc]
+        tickets.append(t)
+    newcomer = admitted(lim, "d")
+    assert closed == ["a0"] and lim.evicted == 1
+    assert tickets[0].released and not tickets[1].released
+    assert (lim.total, lim.unauthenticated, lim.per_source) == (6, 6, {"a": 2, "b": 2, "c": 1, "d": 1})
+    tickets[0].release()  # its connection_lost later: already spent, counts nothing
+    assert lim.total == 6
+    # an address as busy as the busiest cannot push others out with a flood of its own
+    admitted(lim, "e")    # a or b (2) > e (0) + 1: room is made again
+    assert closed == ["a0", "a1"]
+    assert lim.admit("b") == "6 connections not logged in, [node] max_unauthenticated"
+    newcomer.logged_in()
+    admitted(lim, "b")    # a slot freed by a login, no eviction needed
+    assert closed == ["a0", "a1"]
+

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import resource
+from collections.abc import Callable
 
 log = logging.getLogger("openvsan.target")
 
@@ -21,25 +22,26 @@ FD_RESERVE = 64
 class Ticket:
     """One admitted connection's place in the counts; release() when it closes (more calls do nothing)."""
 
-    __slots__ = ("authenticated", "limits", "released", "source")
+    __slots__ = ("authenticated", "evict", "limits", "released", "source")
 
     def __init__(self, limits: ConnectionLimits, source: str) -> None:
         self.limits = limits
         self.source = source
         self.authenticated = False
         self.released = False
+        self.evict: Callable[[], None] | None = None   # closes the connection when the limits make room
 
     def logged_in(self) -> None:
         if not self.authenticated and not self.released:
             self.authenticated = True
-            self.limits._unauthenticated_done(self.source)
+            self.limits._unauthenticated_done(self)
 
     def release(self) -> None:
         if not self.released:
             self.released = True
             self.limits.total -= 1
             if not self.authenticated:
-                self.limits._unauthenticated_done(self.source)
+                self.limits._unauthenticated_done(self)
 
 
 class ConnectionLimits:
@@ -56,18 +58,39 @@ class ConnectionLimits:
         self.unauthenticated = 0
         self.per_source: dict[str, int] = {}   # address -> its connections not logged in (no entry at 0)
         self.refused: dict[str, int] = {}      # reason -> connections refused for it
+        self.evicted = 0                       # connections not logged in closed to make room for another
+        self._waiting: dict[Ticket, None] = {}  # connections not logged in, oldest first
 
     def admit(self, source: str, fd: int | None = None) -> Ticket | str:
         """A Ticket for a new connection from address `source` (its socket is descriptor `fd`), or why it is
         refused: a phrase that names the cap, the same for every refusal of its kind."""
         why = self._over(source, fd)
+        if why is not None and why.endswith("[node] max_unauthenticated") and self._make_room(source):
+            why = self._over(source, fd)
         if why is not None:
             self.refused[why] = self.refused.get(why, 0) + 1
             return why
         self.total += 1
         self.unauthenticated += 1
         self.per_source[source] = self.per_source.get(source, 0) + 1
-        return Ticket(self, source)
+        ticket = Ticket(self, source)
+        self._waiting[ticket] = None
+        return ticket
+
+    def _make_room(self, source: str) -> bool:
+        """At max_unauthenticated, close the oldest connection not logged in of the address that holds the
+        most of them, when that address holds more than `source` would with this one (SSH's MaxStartups
+        idea, without the randomness): a flood from many addresses then only crowds itself, a host that logs in
+        at once still gets in, and no address can push out others with a flood of its own."""
+        busiest = max(self.per_source, key=self.per_source.__getitem__, default=None)
+        if busiest is None or self.per_source[busiest] <= self.per_source.get(source, 0) + 1:
+            return False
+        victim = next(t for t in self._waiting if t.source == busiest)
+        victim.release()         # its connection_lost then releases nothing more: the ticket is spent
+        self.evicted += 1
+        if victim.evict is not None:
+            victim.evict()
+        return True
 
     def _over(self, source: str, fd: int | None) -> str | None:
         # descriptors are handed out lowest free first: fd N means N below it are in use
@@ -82,8 +105,10 @@ class ConnectionLimits:
                     "[node] max_unauthenticated_per_source")
         return None
 
-    def _unauthenticated_done(self, source: str) -> None:
+    def _unauthenticated_done(self, ticket: Ticket) -> None:
         self.unauthenticated -= 1
+        self._waiting.pop(ticket, None)
+        source = ticket.source
         n = self.per_source[source] - 1
         if n:
             self.per_source[source] = n

@@ -98,6 +98,7 @@ class BatchedConnection(asyncio.Protocol):
                                      f"{self.peer}: {self.kind} connection refused: {ticket}", verb="refused")
                 return
             self._ticket = ticket
+            ticket.evict = self._evicted
         if sock is not None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
@@ -107,6 +108,14 @@ class BatchedConnection(asyncio.Protocol):
         if self._ticket is not None:
             self._ticket.release()
             self._ticket = None
+
+    def _evicted(self) -> None:
+        """The limits closed this connection, which had not logged in, to let a newer one from a less busy
+        address in ([node] max_unauthenticated reached)."""
+        self.dropped("not logged in, closed to make room for another address ([node] max_unauthenticated)")
+        self._closed = True
+        if self.transport is not None:
+            self.transport.abort()  # type: ignore[attr-defined]
 
     def dropped(self, kind: str, detail: str = "") -> None:
         """Log that this connection is being closed for `kind` (a phrase the same for every connection
