@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from openvsan.protocol.iscsi.framing import FramingError, PduReader, digest, frame
+from openvsan.protocol.iscsi.framing import FramingError, LengthError, PduReader, digest, frame
 
 Expected = tuple[bytes, bytes, bytes, bool]
 
@@ -171,6 +171,52 @@ def test_hypothesis_frame_roundtrip(bhs: bytes, data: bytes, hd: bool, dd: bool,
     for i in range(0, len(wire), step):
         got += r.receive_data(wire[i:i + step])
     assert [(bytes(p.bhs), bytes(p.data), p.digest_ok) for p in got] == [(bytes(b), data, True)]
+    budget.count()
+
+
+@settings(max_examples=budget.hypothesis_examples(300), deadline=None,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.tuples(st.sampled_from((0, 1, 48, 512, 8191, 8192, 8193, 20000)), st.integers(0, 3)),
+                min_size=1, max_size=5),
+       st.sampled_from(((8192, 0), (8192, 1020), (512, 4), (262144, 1020))), st.booleans(),
+       st.integers(1, 9000), st.integers(0, 2**32 - 1))
+def test_hypothesis_phase_limits(shape: list[tuple[int, int]], limits: tuple[int, int], hd: bool, step: int,
+                                 seed: int) -> None:
+    """With the phase's limits set (max_dsl, max_ahs): the PDUs up to the first one declaring more come out
+    (those of the receive that refuses are dropped with the connection, like a header digest error), the
+    refusal is a LengthError, and after every call the reader holds at most one PDU of the limits' size."""
+    max_dsl, max_ahs = limits
+    rng = random.Random(seed)
+    stream, want, refused = b"", [], False
+    for dsl, ahs_words in shape:
+        bhs = bytearray(rng.randbytes(pdus.BHS_LEN))
+        bhs[4] = ahs_words
+        bhs[5:8] = dsl.to_bytes(3, "big")
+        header = bytes(bhs) + bytes(4 * ahs_words)
+        data = rng.randbytes(dsl)
+        stream += header + (pdus.crc(header) if hd else b"") + pdus.pad(data)
+        if not refused:
+            if dsl > max_dsl or 4 * ahs_words > max_ahs:
+                refused = True
+            else:
+                want.append((bytes(bhs), bytes(4 * ahs_words), data))
+    r = reader(hd, False)
+    r.max_dsl, r.max_ahs = max_dsl, max_ahs
+    most = pdus.BHS_LEN + max_ahs + 4 + max_dsl + 3
+    got: list[tuple[bytes, bytes, bytes]] = []
+    err: FramingError | None = None
+    step = max(step, len(stream) // 2000)
+    for pos in range(0, len(stream), step):
+        try:
+            got += [(bytes(p.bhs), bytes(p.ahs), bytes(p.data)) for p in r.receive_data(stream[pos:pos + step])]
+        except FramingError as e:
+            err = e
+            break
+        assert r.buffered <= most
+    assert isinstance(err, LengthError) == refused and (err is None) == (not refused)
+    assert got == want[:len(got)] and (refused or got == want)
+    if err is not None:
+        assert r.buffered == 0
     budget.count()
 
 

@@ -6,13 +6,31 @@ from collections import deque
 
 Buffer = bytes | bytearray | memoryview
 
+# A view keeps the whole object it looks into alive: a 48-byte tail of a 256 KiB receive (uvloop hands up to
+# that much at once) would pin all of it, and a thousand idle connections would pin a quarter of a GiB. A
+# part held of a chunk larger than PIN_MIN_CHUNK is copied when it is less than 1/PIN_RATIO of that chunk.
+PIN_MIN_CHUNK = 16384
+PIN_RATIO = 4
+
+
+def _unpinned(view: memoryview) -> memoryview:
+    """`view` itself, or a copy of its bytes when holding it would pin a much larger chunk."""
+    base = view.obj
+    size = len(base) if isinstance(base, (bytes, bytearray)) else view.nbytes
+    if size > PIN_MIN_CHUNK and len(view) * PIN_RATIO < size:
+        return memoryview(bytes(view))
+    return view
+
 
 class RecvBuffer:
     """Received chunks, read from the front as contiguous spans, the way every PDU reader here needs them.
 
     A span that lies inside one chunk is a view of it: no copy, whatever the chunk size. Only a span that
     crosses chunks is joined, and then exactly its bytes are copied, never the rest of the chunk it ends in
-    (joining whole chunks would copy every byte of a stream whose PDUs straddle its reads)."""
+    (joining whole chunks would copy every byte of a stream whose PDUs straddle its reads). What stays held
+    of a large chunk is copied when it is a small part of it (_unpinned), so a held tail never pins the
+    whole receive: append and peek see to it, and a reader calls compact() once it has consumed what it
+    could of a receive (not in consume, which runs once per PDU)."""
 
     __slots__ = ("_chunks", "size")
 
@@ -22,7 +40,10 @@ class RecvBuffer:
 
     def append(self, data: Buffer) -> None:
         if len(data):
-            self._chunks.append(memoryview(data).cast("B") if not isinstance(data, bytes) else memoryview(data))
+            if isinstance(data, bytes):
+                self._chunks.append(memoryview(data))
+            else:
+                self._chunks.append(_unpinned(memoryview(data).cast("B")))
             self.size += len(data)
 
     def peek(self, n: int) -> memoryview | None:
@@ -44,7 +65,7 @@ class RecvBuffer:
                 need -= len(c)
             else:
                 parts.append(c[:need])
-                chunks.appendleft(c[need:])
+                chunks.appendleft(_unpinned(c[need:]))
                 need = 0
         joined = memoryview(b"".join(parts))
         chunks.appendleft(joined)
@@ -62,3 +83,11 @@ class RecvBuffer:
             else:
                 chunks[0] = c[n:]
                 return
+
+    def compact(self) -> None:
+        """Copy out what is held of a large chunk where it is a small part of it (see _unpinned). Only the
+        first chunk can be such a part (consume trims it); the others are whole receives or were checked
+        by append and peek. O(1), so a peer trickling bytes costs no walk over what is held."""
+        chunks = self._chunks
+        if chunks:
+            chunks[0] = _unpinned(chunks[0])

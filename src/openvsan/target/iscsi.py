@@ -13,10 +13,19 @@ import struct
 from collections.abc import Sequence
 
 from openvsan.netio import start_eagerly
+from openvsan.protocol.auth_throttle import AuthThrottle
 from openvsan.protocol.iscsi import pdu as P
-from openvsan.protocol.iscsi.framing import FramingError, PduReader, frame
+from openvsan.protocol.iscsi.framing import HARD_MAX_AHS, LOGIN_MAX_DSL, FramingError, LengthError, PduReader, frame
 from openvsan.protocol.iscsi.keys import TextError, encode_text, parse_text
-from openvsan.protocol.iscsi.login import CMD_WINDOW, LoginFailed, LoginMachine, LoginState, Status
+from openvsan.protocol.iscsi.login import (
+    CMD_WINDOW,
+    VERSION,
+    LoginFailed,
+    LoginMachine,
+    LoginResult,
+    LoginState,
+    Status,
+)
 from openvsan.protocol.iscsi.sequencing import WriteTransfer, data_in_segments
 from openvsan.protocol.scsi import Nexus, ScsiResult
 from openvsan.protocol.scsi.sense import ABORTED_COMMAND, CHECK_CONDITION, GOOD, ILLEGAL_REQUEST, build_sense
@@ -30,6 +39,8 @@ OUR_MRDSL = 262144                 # the data segment we accept per PDU (declare
 MAX_TRANSFER = 16 * 1024 * 1024    # the largest command we buffer, as VPD 0xB0 advertises
 SESSION_WRITE_BUDGET = 256 * 1024 * 1024  # write data one session may have us buffer at once
 LOGIN_TIMEOUT = 30.0               # a connection must finish its login within this time
+REFUSED_LINGER = 2.0               # seconds a refused connection discards input after its answer (see _linger)
+MAX_HELD_LOGIN_PDUS = 8            # PDUs kept while a login response is held (AuthThrottle) before we give up
 TASK_SET_FULL = 0x28               # SAM-5 status: come back when fewer commands are in flight
 NOP_INTERVAL = 15.0                # idle seconds before we ping the initiator (§11.19)
 NOP_TIMEOUT = 30.0                 # no answer to a ping for this long: the connection is dead
@@ -59,6 +70,8 @@ class IscsiServer(PortalServer):
         self.sessions: dict[tuple[str, bytes, str], Session] = {}
         self.by_tsih: dict[int, Session] = {}
         self._tsih = itertools.count(1)
+        # failed CHAP logins per (initiator, address); the node replaces it with one made from [node] auth_*
+        self.auth_throttle = AuthThrottle()
 
     # --- life cycle ---------------------------------------------------------------------------------
     def portals(self) -> list[tuple[str, int]]:
@@ -148,7 +161,9 @@ class Connection(BatchedConnection):
         self.server = server
         self.portal = portal
         self.reader = PduReader()
-        self.login: LoginMachine | None = LoginMachine(self._lookup, self._admit, our_mrdsl=OUR_MRDSL)
+        self.login: LoginMachine | None = LoginMachine(self._lookup, self._admit, our_mrdsl=OUR_MRDSL,
+                                                       throttle=server.auth_throttle)
+        self._held: list[P.Pdu] | None = None   # PDUs that came while a login response is held (AuthThrottle)
         self.session: Session | None = None
         self.statsn = 0
         self.hd = self.dd = False
@@ -165,14 +180,17 @@ class Connection(BatchedConnection):
     # --- asyncio.Protocol ---------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
+        if self._closed:
+            return  # refused: over a connection limit (target/limits.py)
         self.server.connections.add(self)
         loop = asyncio.get_running_loop()
         self._last_rx = self._connected = loop.time()
         self._timer = loop.call_later(min(self.server.nop_interval, 5.0), self._idle_check)
-        self.reader.max_dsl = 8192
+        self.reader.max_dsl = LOGIN_MAX_DSL   # refused from the header beyond this, before login
+        self.reader.max_ahs = 0               # §11.2.1.2: AHS belong to SCSI Commands, none in a login
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._closed = True
+        super().connection_lost(exc)  # closed, and its place in the connection limits given back
         self.server.connections.discard(self)
         if self._timer:
             self._timer.cancel()
@@ -180,14 +198,6 @@ class Connection(BatchedConnection):
         if s is not None and s.conn is self:
             s.conn = None
             self.server.end_session(s, "connection lost")
-
-    def pause_writing(self) -> None:
-        if self.transport:
-            self.transport.pause_reading()
-
-    def resume_writing(self) -> None:
-        if self.transport and not self._closed:
-            self.transport.resume_reading()
 
     def received(self, data: bytes) -> None:
         self._rx += 1   # _idle_check notices; no clock read per receive
@@ -198,8 +208,11 @@ class Connection(BatchedConnection):
                 return
         try:
             pdus = self.reader.receive_data(rest)
+        except LengthError as e:
+            self._refuse_length(e)
+            return
         except FramingError as e:
-            log.warning("%s: %s; closing the connection", self.peer, e)
+            self.dropped("framing error", str(e))
             self.close()
             return
         for pdu in pdus:
@@ -209,6 +222,38 @@ class Connection(BatchedConnection):
                 self._login_pdu(pdu)
             else:
                 self._ffp_pdu(pdu)
+
+    def _refuse_length(self, e: LengthError) -> None:
+        """A header declaring more than the phase allows, refused before any of its data was held; the
+        stream cannot be followed past it, so the connection ends (ERL 0, §7.1.1)."""
+        bhs = P.Pdu(memoryview(e.bhs), memoryview(b""), memoryview(b""))
+        self.dropped("declared length beyond the limit", str(e))
+        if self.login is not None:
+            # §11.13.5: status class 2 (initiator error); an opcode other than Login is "invalid during login"
+            status = Status.INVALID_DURING_LOGIN if bhs.opcode != P.Op.LOGIN_REQ else Status.INITIATOR_ERROR
+            st = self.login.state
+            cmdsn = bhs.u32(24)   # the Login Request's CmdSN, which a login keeps unchanged (§11.12.8)
+            self.send(P.login_response(0, VERSION, VERSION, st.isid or e.bhs[8:14], st.tsih, bhs.itt,
+                                       self.login.statsn, cmdsn, (cmdsn + CMD_WINDOW - 1) & 0xFFFFFFFF,
+                                       status[0], status[1], 0))
+        else:
+            self._reject(bhs, P.RejectReason.PROTOCOL_ERROR)  # §11.17.1 / §13.12: beyond our MaxRecvDataSegmentLength
+        self._linger()
+
+    def _linger(self) -> None:
+        """Close after an answer to a peer that is still sending: closing a socket with unread input resets
+        the connection, and the reset can destroy our answer before the peer reads it. So: send, half-close
+        (FIN), then read and drop whatever still comes (holding none of it) until the peer closes or
+        REFUSED_LINGER has passed."""
+        t = self.transport
+        if t is None or self._closed:
+            return
+        self._batch.flush()
+        self._closed = True
+        self.received = lambda data: None  # type: ignore[method-assign]
+        if t.can_write_eof():
+            t.write_eof()
+        asyncio.get_running_loop().call_later(REFUSED_LINGER, t.close)
 
     def _command_lane(self, data: bytes) -> bytes | memoryview:
         """The lane for what initiators send most: SCSI Command PDUs (READs, WRITEs with their data) at the
@@ -277,11 +322,55 @@ class Connection(BatchedConnection):
 
     def _login_pdu(self, pdu: P.Pdu) -> None:
         assert self.login is not None
+        if self._held is not None:
+            # a login is one request, one response (§6.3): nothing more should come while we hold ours
+            self._held.append(pdu)
+            if len(self._held) > MAX_HELD_LOGIN_PDUS:
+                log.info("%s: login: %d PDUs sent without waiting for the response; closing the connection",
+                         self.peer, len(self._held))
+                self.close()
+            return
+        if not self.login.address:
+            self.login.address = self._peer_host()
         result = self.login.receive(pdu)
+        if result.delay > 0:
+            # earlier failed CHAP logins from this initiator and address: the answer waits, the loop does not
+            self._held = []
+            if self.transport is not None:
+                self.transport.pause_reading()
+            asyncio.get_running_loop().call_later(result.delay, self._release_login, result)
+            return
+        self._login_result(result)
+
+    def _release_login(self, result: LoginResult) -> None:
+        held, self._held = self._held or [], None
+        if self._closed:
+            return
+        if self.transport is not None:
+            self.transport.resume_reading()
+        self._login_result(result)
+        for pdu in held:
+            if self._closed:
+                return
+            if self.login is not None:
+                self._login_pdu(pdu)
+            else:
+                self._ffp_pdu(pdu)
+
+    def _peer_host(self) -> str:
+        peer = self.transport.get_extra_info("peername") if self.transport is not None else None
+        return str(peer[0]) if peer else self.peer
+
+    def _login_result(self, result: LoginResult) -> None:
+        assert self.login is not None
         bhs, *data = result.response
         self.send(bhs, data[0] if data else b"")
         if result.failed:
-            log.info("%s: login failed: %s", self.peer, result.reason)
+            if result.notice:
+                log.warning("%s: %s", self.peer, result.notice)
+            # the CHAP user, the initiator and its address are in the reason; never a secret
+            log.log(logging.DEBUG if result.quiet else logging.INFO, "%s: login failed: %s", self.peer,
+                    result.reason)
             self.close()
         elif result.done:
             self.statsn = self.login.statsn
@@ -290,6 +379,7 @@ class Connection(BatchedConnection):
             self.hd, self.dd = params.header_digest, params.data_digest
             self.reader.header_digest, self.reader.data_digest = self.hd, self.dd
             self.reader.max_dsl = params.target_mrdsl
+            self.reader.max_ahs = HARD_MAX_AHS
             s = self.session
             assert s is not None
             self._lane = not (self.hd or self.dd or s.discovery)
@@ -359,12 +449,11 @@ class Connection(BatchedConnection):
             self._last_rx = now
         s = self.session
         if self.login is not None and now - self._connected > LOGIN_TIMEOUT:
-            log.warning("%s: login not finished in %.0f s; dropping the connection", self.peer, LOGIN_TIMEOUT)
+            self.dropped(f"login not finished in {LOGIN_TIMEOUT:.0f} s")
             self.close()
             return
         if self._ping_ttt is not None and now - self._ping_sent > self.server.nop_timeout:
-            log.warning("%s: no answer to NOP-In for %.0f s; dropping the connection", self.peer,
-                        now - self._ping_sent)
+            self.dropped(f"no answer to NOP-In for {self.server.nop_timeout:.0f} s")
             self.close()
             return
         if (self.login is None and s is not None and self._ping_ttt is None
@@ -511,7 +600,9 @@ class Connection(BatchedConnection):
 
     def _run(self, task: Task) -> None:
         task.running = True
-        task.runner = start_eagerly(self._execute(task))
+        task.runner = runner = start_eagerly(self._execute(task))
+        if runner is not None and task.transfer is not None:
+            self.hold_running(runner, task.edtl)
 
     async def _execute(self, task: Task) -> None:
         s = task.session

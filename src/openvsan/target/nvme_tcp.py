@@ -14,7 +14,19 @@ import time
 from collections.abc import Sequence
 
 from openvsan.netio import start_eagerly
+from openvsan.protocol.auth_throttle import AuthThrottle
 from openvsan.protocol.nvme import status as S
+from openvsan.protocol.nvme.auth import (
+    AUTH_REQUIRED,
+    EXPLANATIONS,
+    FAILED,
+    FAILURE1,
+    FCTYPE_AUTH_RECEIVE,
+    FCTYPE_AUTH_SEND,
+    REPLY,
+    ControllerAuth,
+    message_id,
+)
 from openvsan.protocol.nvme.command import FABRICS_OPCODE, Sqe, data_plan
 from openvsan.protocol.nvme.controller import FCTYPE_CONNECT, FCTYPE_DISCONNECT, Controller
 from openvsan.protocol.nvme.fabrics import Fabric
@@ -46,7 +58,7 @@ IN_CAPSULE = 8192            # in-capsule data we take on I/O queues (Identify C
 MAXH2CDATA = 131072          # data per H2CData PDU (ICResp)
 MAX_QUEUE_ENTRIES = 1024     # CAP.MQES + 1: the deepest queue a host may ask for in Connect
 KEEP_ALIVE_TICK = 0.5        # seconds between keep-alive deadline checks
-IC_TIMEOUT = 30.0            # a connection must send ICReq and Connect within this time
+IC_TIMEOUT = 30.0            # a connection must send ICReq and Connect (and authenticate) within this time
 
 
 def _ports_of(portals: Sequence[tuple[str, int]], ids: dict[tuple[str, int], int]) -> list[Port]:
@@ -75,7 +87,8 @@ class NvmeTcpServer(PortalServer):
         self.portals_of: dict[str, list[tuple[str, int]]] = {}
         for c in self.configs:
             nss = [Namespace(n.nsid, n.device, n.name, n.uuid, n.read_only) for n in c.namespaces]
-            subs.append(Subsystem(c.nqn, nss, allowed_hosts=c.allowed_hosts, serial=c.serial, model=c.model))
+            subs.append(Subsystem(c.nqn, nss, allowed_hosts=c.allowed_hosts, serial=c.serial, model=c.model,
+                                  dhchap_hosts=c.dhchap_hosts))
             listen = [(h, int(p)) for h, p in c.portals]
             self.portals_of[c.nqn] = listen
             for lp in listen:
@@ -87,6 +100,8 @@ class NvmeTcpServer(PortalServer):
                              maxcmd=MAX_QUEUE_ENTRIES)
         self.queues_of: dict[Controller, set[Connection]] = {}
         self._ka_timer: asyncio.TimerHandle | None = None
+        # failed DH-HMAC-CHAP per (host NQN, source address): late answers, then a lockout (set by the node)
+        self.auth_throttle: AuthThrottle | None = None
 
     # --- life cycle -------------------------------------------------------------------------------------
     def portals(self) -> list[tuple[str, int]]:
@@ -169,15 +184,19 @@ class Connection(BatchedConnection):
         self._answered_in_read = 0             # completions made while handling the current socket read
         self._lane = False                     # received's capsule lane: an I/O queue, connected, no digests
         self._plain_c2h = False
+        self.dhchap: ControllerAuth | None = None   # the host authenticates this queue (DH-HMAC-CHAP)
+        self._open = False                     # connected, and authenticated where that is asked: any command
 
     # --- asyncio.Protocol -------------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
+        if self._closed:
+            return  # refused: over a connection limit (target/limits.py)
         self.server.connections.add(self)
         self._timer = asyncio.get_running_loop().call_later(IC_TIMEOUT, self._setup_deadline)
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._closed = True
+        super().connection_lost(exc)  # closed, and its place in the connection limits given back
         self.server.connections.discard(self)
         if self._timer is not None:
             self._timer.cancel()
@@ -189,14 +208,6 @@ class Connection(BatchedConnection):
             self.server.drop_controller(ctrl, "admin queue closed")
         else:
             ctrl.io_queues.discard(self.qid)
-
-    def pause_writing(self) -> None:
-        if self.transport is not None:
-            self.transport.pause_reading()
-
-    def resume_writing(self) -> None:
-        if self.transport is not None and not self._closed:
-            self.transport.resume_reading()
 
     def received(self, data: bytes) -> None:
         self._answered_in_read = 0
@@ -238,16 +249,21 @@ class Connection(BatchedConnection):
         return view[pos:] if pos else data
 
     def _setup_deadline(self) -> None:
-        if self.ctrl is None and not self._closed:
-            log.info("%s: no Connect within %.0f s; closing", self.peer, IC_TIMEOUT)
+        if self._closed or self._open:
+            return
+        if self.ctrl is None:
+            self.dropped(f"no Connect within {IC_TIMEOUT:.0f} s")
             self.close()
+        else:
+            self.dropped(f"no DH-HMAC-CHAP authentication within {IC_TIMEOUT:.0f} s", f"host {self.ctrl.hostnqn}")
+            self._end_association("authentication timeout")
 
     # --- sending ----------------------------------------------------------------------------------------
     def _send(self, *parts: bytes | memoryview) -> None:
         self.send_buffers(parts)
 
     def _terminate(self, ev: Terminated) -> None:
-        log.warning("%s: %s; closing the connection", self.peer, ev.reason)
+        self.dropped("protocol error", ev.reason)
         if ev.response:
             self._send(ev.response)
         self.close()
@@ -278,7 +294,7 @@ class Connection(BatchedConnection):
         if not ev.data_ok:
             self._complete(sqe, Completion(S.TRANSIENT_TRANSPORT_ERROR), 0)   # NVMe/TCP 1.0 §3.5.3 data digest
             return
-        if self.qid and not r2t and self.ctrl is not None and self._fast_io(sqe, ev.data, length):
+        if self.qid and not r2t and self._open and self._fast_io(sqe, ev.data, length):
             return
         self.pending[cid] = sqe
         if r2t:
@@ -332,6 +348,8 @@ class Connection(BatchedConnection):
         if task is not None:
             self.tasks.add(task)
             task.add_done_callback(self.tasks.discard)
+            if len(data):
+                self.hold_running(task, len(data))
 
     async def _execute(self, sqe: Sqe, data: bytes | bytearray | memoryview, c2h_len: int) -> None:
         ctrl = self.ctrl
@@ -346,6 +364,11 @@ class Connection(BatchedConnection):
                 self.pending.pop(sqe.cid, None)
                 self._disconnect()
                 return
+            elif self.dhchap is not None and sqe.opcode == FABRICS_OPCODE and \
+                    sqe.fctype in (FCTYPE_AUTH_SEND, FCTYPE_AUTH_RECEIVE):
+                comp = await self._authenticate(self.dhchap, sqe, data)
+            elif not self._open and not (self.qid == 0 and sqe.opcode == FABRICS_OPCODE):
+                comp = Completion(AUTH_REQUIRED)   # TP 8006: only fabrics commands until the queue authenticates
             elif self.qid == 0:
                 comp = await ctrl.admin(sqe, data)
             elif sqe.opcode == FABRICS_OPCODE:
@@ -359,6 +382,8 @@ class Connection(BatchedConnection):
             return                      # an Asynchronous Event Request, held until there is an event
         self.pending.pop(sqe.cid, None)
         self._complete(sqe, comp, c2h_len)
+        if self.dhchap is not None and self.dhchap.failed and not self._closed:
+            self._end_association("DH-HMAC-CHAP failed")   # after Failure1 has left (NVMe Base 2.0 §8.13.5.8)
 
     def _complete(self, sqe: Sqe, comp: Completion, c2h_len: int) -> None:
         if self._closed:
@@ -390,19 +415,19 @@ class Connection(BatchedConnection):
         res = srv.fabric.connect(sqe, data, lambda s: srv.reachable(s, self.portal))
         ctrl = res.controller
         if ctrl is None:
-            log.info("%s: Connect refused (status %#x)", self.peer, res.completion.status)
+            # who was refused: the host and subsystem NQNs the Connect data names (NVMe-oF 1.1 §3.3): unchecked
+            # text from the peer, hence repr
+            names = [bytes(data[o:o + 256]).split(b"\0", 1)[0].decode("utf-8", "replace") for o in (512, 256)]
+            log.info("%s: Connect refused (status %#x): host %r, subsystem %r", self.peer, res.completion.status,
+                     *names)
             return res.completion
         self.ctrl, self.qid, self.sqsize, self.sq_flow_off = ctrl, res.qid, res.sqsize, res.sq_flow_disabled
         self.sqhd = 1 % self.sqsize
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
         srv.bind(self, ctrl)
-        self.logged_in()
         self.queue.reader.max_capsule_data = srv.in_capsule if self.qid else ADMIN_IN_CAPSULE
-        self._lane = bool(self.qid) and not (self.queue.hdgst or self.queue.ddgst)
-        # a read's data can leave as one bare C2HData: no digests, no alignment padding, no CapsuleResp
-        self._plain_c2h = self._lane and self.sq_flow_off and self.queue.hpda == 0
+        self.dhchap = res.auth
+        if self.dhchap is None:
+            self._open_queue()
         if self.qid == 0:
             ctrl.on_async_event = self._async_event
             ctrl.on_reset = lambda: srv.drop_io_queues(ctrl)
@@ -412,6 +437,63 @@ class Connection(BatchedConnection):
             log.debug("%s: I/O queue %d of controller %d, %d entries", self.peer, self.qid, ctrl.cntlid,
                       self.sqsize)
         return res.completion
+
+    def _open_queue(self) -> None:
+        """Connected, and authenticated where the host must: every command may come now."""
+        self._open = True
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self.logged_in()
+        self._lane = bool(self.qid) and not (self.queue.hdgst or self.queue.ddgst)
+        # a read's data can leave as one bare C2HData: no digests, no alignment padding, no CapsuleResp
+        self._plain_c2h = self._lane and self.sq_flow_off and self.queue.hpda == 0
+
+    async def _authenticate(self, auth: ControllerAuth, sqe: Sqe, data: bytes | bytearray | memoryview) -> Completion:
+        """AUTH_Send / AUTH_Receive (TP 8006) on this queue. The Reply that carries the host's response is
+        answered late after failures from the same host NQN and address, and refused during a lockout."""
+        throttle = self.server.auth_throttle
+        key = (auth.hostnqn, self.source)
+        if sqe.fctype == FCTYPE_AUTH_RECEIVE:
+            status, out = auth.receive(sqe)
+            comp = Completion(status, data=None if status else out)
+        else:
+            reply = message_id(bytes(data[:2])) == REPLY and auth.step == REPLY
+            if reply and throttle is not None:
+                verdict = throttle.check(key, time.monotonic())
+                if verdict.locked:
+                    log.warning("%s: host %s is locked out for %.0f s after %d failed DH-HMAC-CHAP attempts",
+                                self.peer, auth.hostnqn, verdict.locked_for, verdict.failures)
+                    return Completion(auth.refuse())
+                if verdict.delay:
+                    await asyncio.sleep(verdict.delay)
+                    if self._closed:
+                        return Completion(S.ABORT_REQUESTED)
+            comp = Completion(auth.send(sqe, data))
+            if reply and auth.step == FAILURE1 and auth.explanation == FAILED and throttle is not None:
+                throttle.failed(key, time.monotonic())
+        if auth.failed:
+            log.warning("%s: host %s failed DH-HMAC-CHAP on queue %d of %s: %s", self.peer, auth.hostnqn, self.qid,
+                        auth.subnqn, EXPLANATIONS.get(auth.explanation, hex(auth.explanation)))
+        elif auth.authenticated and not self._open:
+            if throttle is not None:
+                throttle.succeeded(key)
+            assert auth.hash is not None
+            log.info("%s: host %s authenticated queue %d of %s (DH-HMAC-CHAP %s, %s, %s)", self.peer, auth.hostnqn,
+                     self.qid, auth.subnqn, auth.hash.name, auth.group.name,
+                     "bidirectional" if auth.bidirectional else "unidirectional")
+            self._open_queue()
+        return comp
+
+    def _end_association(self, why: str) -> None:
+        """The host may not use this controller (a failed or unfinished authentication): all its queues go."""
+        ctrl = self.ctrl
+        if ctrl is None:
+            self.close()
+        else:
+            self._batch.flush()
+            self.server.drop_controller(ctrl, why)
+            self.close()
 
     def _disconnect(self) -> None:
         """NVMe-oF 1.1 §3.4 Disconnect: an I/O queue goes; on the admin queue, the whole association."""

@@ -18,6 +18,7 @@ from openvsan.target.ratelog import connection_log
 log = logging.getLogger("openvsan.target")
 T = TypeVar("T")
 
+RUNNING_WRITE_BUDGET = 64 * 1024 * 1024   # write data of commands at the device: beyond it, reading pauses
 DRAIN_TIMEOUT = 30.0  # seconds stop() waits for commands in flight before closing connections anyway
 # connections the kernel holds for accept(): under a flood a full queue drops SYNs, and every client, the
 # honest ones too, waits a second for its retransmit (the kernel caps it at net.core.somaxconn)
@@ -72,6 +73,9 @@ class BatchedConnection(asyncio.Protocol):
         self.source = "?"                        # the peer's address, as the per-address limits count it
         self.limits: ConnectionLimits | None = None   # set by the server that accepted it
         self._ticket: Ticket | None = None
+        self._running_bytes = 0          # write data held by commands handed to the device, not yet done
+        self._budget_paused = False      # reading paused for _running_bytes (not for a full send buffer)
+        self._send_paused = False        # reading paused because the send buffer is full
 
     def logged_in(self) -> None:
         """The peer finished its login (iSCSI), Connect and authentication (NVMe/TCP) or negotiation (NBD):
@@ -108,6 +112,35 @@ class BatchedConnection(asyncio.Protocol):
         if self._ticket is not None:
             self._ticket.release()
             self._ticket = None
+
+    # --- flow control: what stops reading, and what lets it go on ---------------------------------------
+    def pause_writing(self) -> None:
+        """The send buffer is full: stop reading (the peer's TCP window closes) until it drains."""
+        self._send_paused = True
+        if self.transport is not None:
+            self.transport.pause_reading()
+
+    def resume_writing(self) -> None:
+        self._send_paused = False
+        if self.transport is not None and not self._closed and not self._budget_paused:
+            self.transport.resume_reading()
+
+    def hold_running(self, running: asyncio.Future[None], n: int) -> None:
+        """The receive budget after login: `n` bytes of write data stay held until `running` (the command at
+        the device) is done. Beyond RUNNING_WRITE_BUDGET reading pauses until half has drained."""
+        self._running_bytes += n
+        running.add_done_callback(lambda _: self._release_running(n))
+        if self._running_bytes > RUNNING_WRITE_BUDGET and not self._budget_paused:
+            self._budget_paused = True
+            if self.transport is not None:
+                self.transport.pause_reading()
+
+    def _release_running(self, n: int) -> None:
+        self._running_bytes -= n
+        if self._budget_paused and self._running_bytes <= RUNNING_WRITE_BUDGET // 2:
+            self._budget_paused = False
+            if self.transport is not None and not self._closed and not self._send_paused:
+                self.transport.resume_reading()
 
     def _evicted(self) -> None:
         """The limits closed this connection, which had not logged in, to let a newer one from a less busy

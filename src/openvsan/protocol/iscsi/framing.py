@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Sequence
+from typing import NoReturn
 
 from crc32c import crc32c
 
 from openvsan.protocol.iscsi.pdu import BHS_LEN, Pdu, data_segment_length, pad4, total_ahs_length
 from openvsan.protocol.recvbuf import RecvBuffer
 
-# The largest data segment we ever read before deciding what to do with it: the format allows 2^24-1.
+# What the format itself allows: DataSegmentLength is 24 bits, TotalAHSLength 8 bits of 4-byte words (§11.2.1)
 HARD_MAX_DSL = (1 << 24) - 1
+HARD_MAX_AHS = 255 * 4
+LOGIN_MAX_DSL = 8192   # §13.12: MaxRecvDataSegmentLength is 8192 until the login negotiates it (§6.1, §7.2)
 _PADS = (b"", b"\0\0\0", b"\0\0", b"\0")
 _U32 = struct.Struct(">I")
 
@@ -19,6 +22,16 @@ _U32 = struct.Struct(">I")
 class FramingError(Exception):
     """The stream cannot be parsed further (a header digest error, a length past any limit): at
     ErrorRecoveryLevel 0 the connection must be dropped (RFC 7143 §7.1.1, §7.8)."""
+
+
+class LengthError(FramingError):
+    """A header declares more than the phase allows (a data segment beyond the MaxRecvDataSegmentLength in
+    force, or an AHS where none may be): refused from the header alone, before any of its data is held.
+    `bhs` is the offending Basic Header Segment, for the Login Response or Reject that answers it."""
+
+    def __init__(self, bhs: bytes, why: str) -> None:
+        super().__init__(why)
+        self.bhs = bhs
 
 
 def digest(*parts: bytes | memoryview) -> bytes:
@@ -34,12 +47,17 @@ class PduReader:
 
     A PDU that arrives inside one read costs no copy (its views point into the received bytes); one that
     straddles reads is joined once, copying only its own bytes (netio.RecvBuffer).
+
+    `max_dsl` and `max_ahs` are what the current phase allows (the target sets LOGIN_MAX_DSL and no AHS
+    before login, then the MaxRecvDataSegmentLength it declared): a header declaring more raises LengthError
+    as soon as the header is in, so what is held never exceeds one header plus one PDU of that size.
     """
 
     def __init__(self) -> None:
         self.header_digest = False
         self.data_digest = False
         self.max_dsl = HARD_MAX_DSL
+        self.max_ahs = HARD_MAX_AHS
         self._buf = RecvBuffer()
 
     @property
@@ -53,28 +71,35 @@ class PduReader:
         if not buf.size and not self.header_digest and not self.data_digest:
             # nothing held from before: the whole PDUs at the front are views of `data` itself, with no trip
             # through the buffer; only an unfinished one at the end is kept
-            pos = self._whole_pdus(data, out)
+            pos = self._whole_pdus(data, out, self.max_dsl, self.max_ahs)
             if pos == len(data):
                 return out
             data = memoryview(data)[pos:] if pos else data
         buf.append(data)
         hd = 4 if self.header_digest else 0
+        max_dsl, max_ahs = self.max_dsl, self.max_ahs
         while True:
             bhs = buf.peek(BHS_LEN)
             if bhs is None:
                 break
             ahs_len = total_ahs_length(bhs)
             dsl = data_segment_length(bhs)
-            if dsl > HARD_MAX_DSL:
-                raise FramingError(f"data segment length {dsl} too large")
-            dd = 4 if (self.data_digest and dsl) else 0
             hlen = BHS_LEN + ahs_len
+            if hd:
+                # §7.8: a header that fails its digest is not believed, lengths included
+                head = buf.peek(hlen + hd)
+                if head is None:
+                    break
+                if digest(head[:hlen]) != head[hlen:hlen + 4]:
+                    raise FramingError("header digest error")
+                bhs = head[:BHS_LEN]
+            if dsl > max_dsl or ahs_len > max_ahs:
+                self._refuse(bhs, ahs_len, dsl)
+            dd = 4 if (self.data_digest and dsl) else 0
             total = hlen + hd + dsl + pad4(dsl) + dd
             view = buf.peek(total)
             if view is None:
                 break
-            if hd and digest(view[:hlen]) != view[hlen:hlen + 4]:
-                raise FramingError("header digest error")
             dstart = hlen + hd
             pdu = Pdu(view[:BHS_LEN], view[BHS_LEN:hlen], view[dstart:dstart + dsl])
             if dd:
@@ -82,20 +107,31 @@ class PduReader:
                 pdu.digest_ok = digest(view[dstart:dstart + padded]) == view[dstart + padded:dstart + padded + 4]
             out.append(pdu)
             buf.consume(total)
+        buf.compact()   # what is left waits for the next receive: it must not pin this one
         return out
 
+    def _refuse(self, bhs: memoryview, ahs_len: int, dsl: int) -> NoReturn:
+        """Drop everything held and raise LengthError: nothing of the refused PDU is kept."""
+        header = bytes(bhs)
+        self._buf = RecvBuffer()
+        if ahs_len > self.max_ahs:
+            raise LengthError(header, f"TotalAHSLength {ahs_len} beyond the {self.max_ahs} allowed now")
+        raise LengthError(header, f"DataSegmentLength {dsl} beyond MaxRecvDataSegmentLength {self.max_dsl}")
+
     @staticmethod
-    def _whole_pdus(data: bytes | memoryview, out: list[Pdu]) -> int:
-        """Append the whole PDUs at the front of `data` (no digests) to `out`; returns where they end."""
+    def _whole_pdus(data: bytes | memoryview, out: list[Pdu], max_dsl: int, max_ahs: int) -> int:
+        """Append the whole PDUs at the front of `data` (no digests) to `out`; returns where they end (at the
+        first one cut short or longer than the limits, which the general path then judges)."""
         view = memoryview(data)
         n = len(view)
         pos = 0
         while n - pos >= BHS_LEN:
             word = _U32.unpack_from(view, pos + 4)[0]      # TotalAHSLength (4-byte words), DataSegmentLength
             dsl = word & 0xFFFFFF
-            dstart = pos + BHS_LEN + (word >> 24) * 4
+            ahs = (word >> 24) * 4
+            dstart = pos + BHS_LEN + ahs
             end = dstart + dsl + (-dsl & 3)
-            if end > n:
+            if end > n or dsl > max_dsl or ahs > max_ahs:
                 break
             out.append(Pdu(view[pos:pos + BHS_LEN], view[pos + BHS_LEN:dstart], view[dstart:dstart + dsl]))
             pos = end

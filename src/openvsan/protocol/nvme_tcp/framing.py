@@ -70,14 +70,18 @@ class PduReader:
     """Feeds on received bytes, returns whole PDUs; raises FatalError on what §3.6.1/§3.6.2 forbid.
 
     Lengths are judged from the 8-byte common header before the rest is buffered, so a PLEN of 4 GiB
-    costs nothing. Chunks are joined once per batch: a PDU that arrives whole costs no copy.
+    costs nothing. Chunks are joined once per batch: a PDU that arrives whole costs no copy. While
+    `ic_req_only` (a queue not yet initialized) any type but ICReq and H2CTermReq is refused from its
+    header too, so what a peer that has not sent ICReq can make us hold is one 128-byte ICReq.
     """
 
-    def __init__(self, *, max_capsule_data: int = 8192, max_h2c_data: int = 131072) -> None:
+    def __init__(self, *, max_capsule_data: int = 8192, max_h2c_data: int = 131072,
+                 ic_req_only: bool = False) -> None:
         self.hdgst = False
         self.ddgst = False
         self.max_capsule_data = max_capsule_data
         self.max_h2c_data = max_h2c_data
+        self.ic_req_only = ic_req_only
         self._buf = RecvBuffer()
 
     def _check_ch(self, ch: memoryview) -> int:
@@ -85,6 +89,9 @@ class PduReader:
         ptype, flags, hlen, pdo, plen = CH.unpack_from(ch)
         if ptype not in HOST_TO_CONTROLLER:
             raise FatalError(Fes.INVALID_PDU_HEADER_FIELD, 0, ch, f"PDU type {ptype:#x} not host-to-controller")
+        if self.ic_req_only and ptype != PduType.IC_REQ and ptype != PduType.H2C_TERM_REQ:
+            # §3.3: the connection starts with ICReq/ICResp; nothing else is read, or held, before it
+            raise FatalError(Fes.PDU_SEQUENCE_ERROR, 0, ch, f"PDU type {ptype:#x} before ICReq")
         if hlen != HLEN[ptype]:   # an int finds the IntEnum key; no PduType(...) call per PDU
             raise FatalError(Fes.INVALID_PDU_HEADER_FIELD, 2, ch, f"HLEN {hlen} for PDU type {ptype:#x}")
         digested = ptype in DIGESTED
@@ -137,7 +144,9 @@ class PduReader:
             out.append(self._parse(p))
             buf.consume(plen)
             if p[0] == PduType.IC_REQ:
+                self.ic_req_only = False
                 break
+        buf.compact()   # what is left waits for the next receive: it must not pin this one
         return out
 
     def _parse(self, p: memoryview) -> Pdu:

@@ -87,7 +87,8 @@ class TcpQueue:
         self.maxh2cdata = maxh2cdata
         self.hdgst_allowed = hdgst_allowed
         self.ddgst_allowed = ddgst_allowed
-        self.reader = PduReader(max_capsule_data=max(in_capsule, ADMIN_IN_CAPSULE), max_h2c_data=maxh2cdata)
+        self.reader = PduReader(max_capsule_data=max(in_capsule, ADMIN_IN_CAPSULE), max_h2c_data=maxh2cdata,
+                                ic_req_only=True)
         self.hdgst = False
         self.ddgst = False
         self.hpda = 0
