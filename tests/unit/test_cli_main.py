@@ -13,8 +13,9 @@ import pytest
 from typer.testing import CliRunner
 
 from openvsan import __version__
-from openvsan.cli.main import app, default_data_dir
+from openvsan.cli.main import app
 from openvsan.node import node as node_mod
+from openvsan.node.config import default_data_dir
 from openvsan.node.store import Store
 
 runner = CliRunner()

@@ -24,7 +24,7 @@ from openvsan.node.config import (
     ConfigError,
     NodeConfig,
     VolumeSpec,
-    default_data_dir,
+    effective_data_dir,
     exposed_secrets,
     load_config,
     preflight,
@@ -98,7 +98,7 @@ def serve(
         log.warning("%s", exposed)
     for line in access.open_exports(cfg):
         log.warning("%s", line)
-    data = (data_dir or cfg.node.data_dir or default_data_dir()).expanduser().absolute()
+    data = effective_data_dir(cfg.node, data_dir)
     try:
         data.mkdir(parents=True, exist_ok=True, mode=0o700)
         with DataDirLock(data):

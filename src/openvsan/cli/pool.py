@@ -55,15 +55,11 @@ def _size(n: float | None) -> str:
 
 
 def _data_dir(data_dir: Path | None, config: Path | None) -> Path:
-    if data_dir is not None:
-        return data_dir.expanduser().absolute()
-    from openvsan.cli.main import default_data_dir, read_config
+    from openvsan.cli.main import read_config
+    from openvsan.node.config import NodeSettings, effective_data_dir
 
-    if config is not None:
-        cfg = read_config(config)
-        if cfg.node.data_dir is not None:
-            return cfg.node.data_dir
-    return default_data_dir()
+    node = read_config(config).node if config is not None and data_dir is None else NodeSettings("")
+    return effective_data_dir(node, data_dir)
 
 
 def _call(data_dir: Path | None, config: Path | None, cmd: str, *, timeout: float | None = 30.0,

@@ -330,15 +330,15 @@ def _device_file(t: _Table, key: str, value: str, base_dir: Path | None, data_di
     return data_dir / rest.lstrip("/")
 
 
-def effective_data_dir(cfg: NodeConfig, override: Path | None = None) -> Path:
+def effective_data_dir(node: NodeSettings, override: Path | None = None) -> Path:
     """The data dir a command uses: its --data-dir, else [node].data_dir, else the default."""
-    return (override or cfg.node.data_dir or default_data_dir()).expanduser().absolute()
+    return (override or node.data_dir or default_data_dir()).expanduser().absolute()
 
 
 def parse_config(data: dict[str, Any], *, base_dir: Path | None = None, data_dir: Path | None = None) -> NodeConfig:
     top = _Table(data, "")
     node = _parse_node(top, base_dir)
-    devices = _parse_devices(top, base_dir, (data_dir or node.data_dir or default_data_dir()).expanduser().absolute())
+    devices = _parse_devices(top, base_dir, effective_data_dir(node, data_dir))
     pools = _parse_pools(top, devices)
     volumes = _parse_volumes(top, devices, pools)
     targets = _parse_iscsi(top, volumes)
@@ -895,7 +895,7 @@ def preflight(cfg: NodeConfig, *, data_dir: Path | None = None) -> None:
     """Checks that depend on this machine rather than the text: can the devices be opened as declared, and is
     each existing file safe to serve (what FileDevice and RamDevice check again on the opened fd).
     `data_dir`: the data dir serve will make, which may not exist yet."""
-    made = effective_data_dir(cfg, data_dir)
+    made = effective_data_dir(cfg.node, data_dir)
     for i, d in enumerate(cfg.devices):
         if d.type == "file" and d.path is not None:
             if d.size is None and not d.path.exists():
