@@ -215,6 +215,9 @@ class Connection(BatchedConnection):
             self.dropped("framing error", str(e))
             self.close()
             return
+        self._dispatch(pdus)
+
+    def _dispatch(self, pdus: Sequence[P.Pdu]) -> None:
         for pdu in pdus:
             if self._closed:
                 return
@@ -331,7 +334,7 @@ class Connection(BatchedConnection):
                 self.close()
             return
         if not self.login.address:
-            self.login.address = self._peer_host()
+            self.login.address = self.source
         result = self.login.receive(pdu)
         if result.delay > 0:
             # earlier failed CHAP logins from this initiator and address: the answer waits, the loop does not
@@ -349,17 +352,7 @@ class Connection(BatchedConnection):
         if self.transport is not None:
             self.transport.resume_reading()
         self._login_result(result)
-        for pdu in held:
-            if self._closed:
-                return
-            if self.login is not None:
-                self._login_pdu(pdu)
-            else:
-                self._ffp_pdu(pdu)
-
-    def _peer_host(self) -> str:
-        peer = self.transport.get_extra_info("peername") if self.transport is not None else None
-        return str(peer[0]) if peer else self.peer
+        self._dispatch(held)
 
     def _login_result(self, result: LoginResult) -> None:
         assert self.login is not None
