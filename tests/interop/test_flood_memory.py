@@ -229,13 +229,14 @@ def nvme_icresp(port: int) -> bytes:
 @pytest.mark.parametrize("ptype", [0x00, 0x04], ids=["icreq", "capsule-before-icreq"])
 def test_nvme_tcp_flood_memory_is_bounded(example: VsanServer, ptype: int) -> None:
     """NVMe/TCP 1.0 §3.6.1: an ICReq (exactly 128 bytes) or a CapsuleCmd before ICReq declaring a 16 MiB PLEN
-    is answered with a C2HTermReq from its 8-byte common header and the connection closes."""
+    is answered with a C2HTermReq from its 8-byte common header and the connection closes, lingering."""
     hlen = 128 if ptype == 0x00 else 72
     header = struct.pack("<BBBBI", ptype, 0, hlen, 0, 16 * MIB) + bytes(hlen - 8)
     floods, rss = flood(example, example.nvme_port, header)
     check_bounds("NVMe/TCP", floods, rss)
+    # every one: the target half-closes and drops what still comes, so no reset destroys the C2HTermReq
     answered = [f.answer for f in floods if len(f.answer) >= 24]
-    assert answered, "no connection got a C2HTermReq"
+    assert len(answered) == len(floods), f"{len(floods) - len(answered)} of {len(floods)} got no C2HTermReq"
     for a in answered:
         assert a[0] == 0x03, a[:24].hex()                    # C2HTermReq
         fes = int.from_bytes(a[8:10], "little")

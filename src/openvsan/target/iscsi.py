@@ -39,7 +39,6 @@ OUR_MRDSL = 262144                 # the data segment we accept per PDU (declare
 MAX_TRANSFER = 16 * 1024 * 1024    # the largest command we buffer, as VPD 0xB0 advertises
 SESSION_WRITE_BUDGET = 256 * 1024 * 1024  # write data one session may have us buffer at once
 LOGIN_TIMEOUT = 30.0               # a connection must finish its login within this time
-REFUSED_LINGER = 2.0               # seconds a refused connection discards input after its answer (see _linger)
 MAX_HELD_LOGIN_PDUS = 8            # PDUs kept while a login response is held (AuthThrottle) before we give up
 TASK_SET_FULL = 0x28               # SAM-5 status: come back when fewer commands are in flight
 NOP_INTERVAL = 15.0                # idle seconds before we ping the initiator (§11.19)
@@ -241,22 +240,7 @@ class Connection(BatchedConnection):
                                        status[0], status[1], 0))
         else:
             self._reject(bhs, P.RejectReason.PROTOCOL_ERROR)  # §11.17.1 / §13.12: beyond our MaxRecvDataSegmentLength
-        self._linger()
-
-    def _linger(self) -> None:
-        """Close after an answer to a peer that is still sending: closing a socket with unread input resets
-        the connection, and the reset can destroy our answer before the peer reads it. So: send, half-close
-        (FIN), then read and drop whatever still comes (holding none of it) until the peer closes or
-        REFUSED_LINGER has passed."""
-        t = self.transport
-        if t is None or self._closed:
-            return
-        self._batch.flush()
-        self._closed = True
-        self.received = lambda data: None  # type: ignore[method-assign]
-        if t.can_write_eof():
-            t.write_eof()
-        asyncio.get_running_loop().call_later(REFUSED_LINGER, t.close)
+        self.close_lingering()
 
     def _command_lane(self, data: bytes) -> bytes | memoryview:
         """The lane for what initiators send most: SCSI Command PDUs (READs, WRITEs with their data) at the

@@ -266,7 +266,7 @@ class Connection(BatchedConnection):
         self.dropped("protocol error", ev.reason)
         if ev.response:
             self._send(ev.response)
-        self.close()
+        self.close_lingering()   # the host may still be sending: a plain close could reset the C2HTermReq away
 
     def _fatal(self, fes: int, header: bytes | memoryview, why: str) -> None:
         self._terminate(self.queue.fatal(FatalError(fes, 0, header, why)))

@@ -19,6 +19,7 @@ log = logging.getLogger("openvsan.target")
 T = TypeVar("T")
 
 RUNNING_WRITE_BUDGET = 64 * 1024 * 1024   # write data of commands at the device: beyond it, reading pauses
+REFUSED_LINGER = 2.0   # seconds a connection closed after an error answer still reads and drops what comes
 DRAIN_TIMEOUT = 30.0  # seconds stop() waits for commands in flight before closing connections anyway
 # connections the kernel holds for accept(): under a flood a full queue drops SYNs, and every client, the
 # honest ones too, waits a second for its retransmit (the kernel caps it at net.core.somaxconn)
@@ -56,6 +57,10 @@ def watch_accept_errors(loop: asyncio.AbstractEventLoop) -> None:
 
     handler.watches_accept = True  # type: ignore[attr-defined]
     loop.set_exception_handler(handler)
+
+
+def _discard(data: bytes) -> None:
+    """What a lingering connection does with what it still receives."""
 
 
 class BatchedConnection(asyncio.Protocol):
@@ -156,6 +161,21 @@ class BatchedConnection(asyncio.Protocol):
         what = f"{kind}: {detail}" if detail else kind
         connection_log.event(f"{self.kind}: {kind}", self.source, f"{self.peer}: {what}; closing the connection",
                              detail=detail)
+
+    def close_lingering(self) -> None:
+        """Close after an error answer to a peer that may still be sending: closing a socket with unread
+        input resets the connection, and the reset can destroy our answer before the peer reads it. So: send,
+        half-close (FIN), then read and drop whatever still comes (holding none of it) until the peer closes
+        or REFUSED_LINGER has passed."""
+        t = self.transport
+        if t is None or self._closed:
+            return
+        self._batch.flush()
+        self._closed = True
+        self.received = _discard  # type: ignore[method-assign]   # no cost on the path of connections that live
+        if t.can_write_eof():
+            t.write_eof()
+        asyncio.get_running_loop().call_later(REFUSED_LINGER, t.close)
 
     def answer_at_once(self, fn: Callable[..., T], *args: Any) -> T:
         """Run fn(*args) with sends held: what it answers leaves in one send when it returns, in this turn."""
