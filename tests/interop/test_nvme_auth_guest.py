@@ -179,6 +179,9 @@ def test_linux_kernel_host_dhchap(vsan: Callable[..., VsanServer], tmp_path: Pat
     for host in (UNI, BI):
         mine = [line for line in failures if f"host {host} " in line]
         assert mine and all(re.search(r"127\.0\.0\.1:\d+: host", line) for line in mine), (host, failures)
+    # the host without a secret leaves after the Connect that asked for authentication: said once, with its name
+    assert re.search(rf"127\.0\.0\.1:\d+: closed by the host before DH-HMAC-CHAP authentication: host {re.escape(UNI)}",
+                     tlog), tlog[-4000:]
     # the unlisted host is refused at Connect (Connect Invalid Host), and that line names it too
     assert re.search(rf"127\.0\.0\.1:\d+: Connect refused \(status 0x4184\): host '{re.escape(STRANGER)}'", tlog)
     assert f"host {STRANGER} connected" not in tlog

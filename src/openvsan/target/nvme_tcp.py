@@ -209,6 +209,12 @@ class Connection(BatchedConnection):
         else:
             ctrl.io_queues.discard(self.qid)
 
+    def eof_received(self) -> bool | None:
+        if self.dhchap is not None and not self._open and not self.dhchap.failed and self.ctrl is not None:
+            # a host that cannot or will not authenticate (no secret, a kernel without NVMe auth) just leaves
+            self.dropped("closed by the host before DH-HMAC-CHAP authentication", f"host {self.ctrl.hostnqn}")
+        return None   # the transport closes
+
     def received(self, data: bytes) -> None:
         self._answered_in_read = 0
         rest: bytes | memoryview = data
