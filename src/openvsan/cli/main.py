@@ -20,15 +20,8 @@ from openvsan.cli.bench import bench
 from openvsan.cli.initiator import initiator_app
 from openvsan.cli.pool import pool_app
 from openvsan.node import access
-from openvsan.node.config import (
-    ConfigError,
-    NodeConfig,
-    VolumeSpec,
-    effective_data_dir,
-    exposed_secrets,
-    load_config,
-    preflight,
-)
+from openvsan.node.config import ConfigError, effective_data_dir, exposed_secrets, load_config, preflight
+from openvsan.node.specs import NodeConfig, VolumeSpec
 from openvsan.node.values import format_size
 
 EXIT_FAILED = 1

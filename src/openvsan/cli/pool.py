@@ -56,7 +56,8 @@ def _size(n: float | None) -> str:
 
 def _data_dir(data_dir: Path | None, config: Path | None) -> Path:
     from openvsan.cli.main import read_config
-    from openvsan.node.config import NodeSettings, effective_data_dir
+    from openvsan.node.config import effective_data_dir
+    from openvsan.node.specs import NodeSettings
 
     node = read_config(config).node if config is not None and data_dir is None else NodeSettings("")
     return effective_data_dir(node, data_dir)

@@ -16,13 +16,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from openvsan.node.config import (
-    ConfigError,
-    NbdExportSpec,
-    NodeConfig,
-    SubsystemSpec,
-    TargetSpec,
-)
+from openvsan.node.config import ConfigError
+from openvsan.node.specs import NbdExportSpec, NodeConfig, SubsystemSpec, TargetSpec
 
 
 @dataclass(frozen=True)

@@ -23,9 +23,9 @@ from pathlib import Path
 from typing import Any, Self
 
 from openvsan.block import BlockDevice, FileDevice, NullDevice, RamDevice
-from openvsan.node.config import DeviceSpec, NbdExportSpec, SubsystemSpec, TargetSpec, VolumeSpec
 from openvsan.node.control import ControlServer, RequestError, socket_path
 from openvsan.node.pools import PoolSetupError, ServedPools, flush_and_close, why
+from openvsan.node.specs import DeviceSpec, NbdExportSpec, SubsystemSpec, TargetSpec, VolumeSpec
 from openvsan.node.store import StoredState, VolumeIdentity
 from openvsan.node.values import format_size
 from openvsan.protocol.auth_throttle import AuthThrottle

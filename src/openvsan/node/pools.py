@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from openvsan.block import BlockDevice, FileDevice
-from openvsan.node.config import PoolSpec
 from openvsan.node.control import RequestError
+from openvsan.node.specs import PoolSpec
 from openvsan.node.store import STATE_DB, Store, StoredState
 from openvsan.node.values import format_size, parse_size
 

@@ -20,7 +20,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Self
 
-from openvsan.node.config import (
+from openvsan.node.specs import (
     DEFAULT_POLL_US,
     ChapSpec,
     DeviceSpec,
