@@ -326,6 +326,15 @@ class Plain:
         await self.w.start_tls(client_context(d), server_hostname="localhost")
 
 
+async def no_connections_left(server: NbdServer) -> None:
+    """The server has let go of every connection (within a second)."""
+    for _ in range(100):
+        if not server.connections:
+            return
+        await asyncio.sleep(0.01)
+    assert not server.connections
+
+
 async def serving(exports: list[tuple[str, str]], ctx: ssl.SSLContext | None, port_holder: list[int],
                   **kw: Any) -> NbdServer:
     from test_nbd_server import free_port
@@ -401,11 +410,7 @@ def test_server_refuses_client_certificate(pki: Pki, loop: str, who: str, caplog
                 # TLS 1.3: the client hears of the refusal at its first read
                 await c.starttls(getattr(pki, who))
                 await c.option(Opt.LIST)
-            for _ in range(100):
-                if not server.connections:
-                    break
-                await asyncio.sleep(0.01)
-            assert not server.connections
+            await no_connections_left(server)
         finally:
             await server.stop()
 
@@ -463,11 +468,7 @@ def test_server_tls_handshake_counts_against_the_handshake_timeout(pki: Pki, loo
             assert await c.option(Opt.STARTTLS) == [(Rep.ACK, b"")]
             # ... and no ClientHello: the connection is dropped once, by the handshake timer
             assert await asyncio.wait_for(c.r.read(), 5) == b""
-            for _ in range(100):
-                if not server.connections:
-                    break
-                await asyncio.sleep(0.01)
-            assert not server.connections
+            await no_connections_left(server)
         finally:
             await server.stop()
 
