@@ -69,6 +69,32 @@ class UnsafeFile(PermissionError):
     that lets others write): refused unless the node trusts foreign files. str() names the file and the mend."""
 
 
+SYMLINK = "is a symbolic link; name the file it points to, not the link"
+
+
+def check_backing(st: os.stat_result, name: str, *, trust_foreign: bool = False, allow_block: bool = True) -> None:
+    """Judge a backing file by its stat: a symlink, a file that is neither regular nor (with allow_block) a
+    block device, or (unless trust_foreign) a regular file another user owns or others may write is refused,
+    with UnsafeFile or ValueError naming it and the mend. open_backing applies it to the opened fd; the
+    config's preflight to an lstat, so `vsan config check` says the same before anything starts."""
+    if stat.S_ISLNK(st.st_mode):
+        raise UnsafeFile(errno.ELOOP, SYMLINK, name)
+    if stat.S_ISBLK(st.st_mode) and allow_block:
+        return   # a disk is root:disk 0660 as a rule: no owner check, only no symlink
+    if not stat.S_ISREG(st.st_mode):
+        raise ValueError(f"{name} is neither a regular file nor a block device" if allow_block
+                         else f"{name} is not a regular file")
+    if trust_foreign:
+        return
+    euid = os.geteuid()
+    if st.st_uid != euid:
+        raise UnsafeFile(errno.EPERM, f"is owned by uid {st.st_uid}, not by the serving user (uid {euid}); "
+                         f"chown {euid} {name} if it is ours, {TRUST_MEND}", name)
+    if st.st_mode & 0o022:
+        raise UnsafeFile(errno.EPERM, f"is writable by group or others (mode {st.st_mode & 0o7777:04o}); "
+                         f"chmod go-w {name}, {TRUST_MEND}", name)
+
+
 def open_backing(path: str | os.PathLike[str], flags: int, *, create: bool = False, trust_foreign: bool = False,
                  allow_block: bool = True) -> tuple[int, bool]:
     """Open a device's backing file as safely as the path allows; returns (fd, created).
@@ -92,24 +118,11 @@ def open_backing(path: str | os.PathLike[str], flags: int, *, create: bool = Fal
             fd = os.open(name, flags)
     except OSError as e:
         if e.errno == errno.ELOOP:
-            raise UnsafeFile(errno.ELOOP, "is a symbolic link; name the file it points to, not the link",
-                             name) from None
+            raise UnsafeFile(errno.ELOOP, SYMLINK, name) from None
         raise
     try:
-        st = os.fstat(fd)
-        if stat.S_ISBLK(st.st_mode) and allow_block:
-            return fd, created
-        if not stat.S_ISREG(st.st_mode):
-            raise ValueError(f"{name} is neither a regular file nor a block device" if allow_block
-                             else f"{name} is not a regular file")
-        if not created and not trust_foreign:
-            euid = os.geteuid()
-            if st.st_uid != euid:
-                raise UnsafeFile(errno.EPERM, f"is owned by uid {st.st_uid}, not by the serving user (uid {euid}); "
-                                 f"chown {euid} {name} if it is ours, {TRUST_MEND}", name)
-            if st.st_mode & 0o022:
-                raise UnsafeFile(errno.EPERM, f"is writable by group or others (mode {st.st_mode & 0o7777:04o}); "
-                                 f"chmod go-w {name}, {TRUST_MEND}", name)
+        # a file we have just made is ours and 0600: only its kind needs judging
+        check_backing(os.fstat(fd), name, trust_foreign=trust_foreign or created, allow_block=allow_block)
     except BaseException:
         os.close(fd)
         raise

@@ -11,12 +11,12 @@ import dataclasses
 import difflib
 import os
 import socket
-import stat
 import tomllib
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
+from openvsan.block.file import UnsafeFile, check_backing
 from openvsan.node.specs import (
     DEFAULT_AUTH_DELAY_MAX,
     DEFAULT_AUTH_LOCKOUT_FAILURES,
@@ -778,31 +778,18 @@ def exposed_secrets(cfg: NodeConfig) -> str | None:
     return f"{cfg.source} is readable by others and holds secrets; chmod 600 {cfg.source}"
 
 
-TRUST = "or set [node] trust_foreign_files = true"
-
-
 def _check_file(key: str, path: Path, trust: bool, *, block: bool = True) -> None:
-    """A device file already there that is a symlink, someone else's, or writable by others: refused here, before
-    anything starts, in the words FileDevice uses at open (block/file.py open_backing)."""
+    """A device file already there that FileDevice or RamDevice would refuse at open (block/file.py
+    check_backing): refused here, before anything starts, in the same words."""
     try:
         st = path.lstat()
     except FileNotFoundError:
         return   # made at start, 0600, with O_EXCL
     except OSError as e:
         raise ConfigError(f"{key}: cannot look at {path}: {e.strerror}") from None
-    if stat.S_ISLNK(st.st_mode):
-        raise ConfigError(f"{key}: {path} is a symbolic link; name the file it points to, not the link")
-    if stat.S_ISBLK(st.st_mode) and block:
-        return   # a disk is root:disk 0660 as a rule: no owner check, only no symlink
-    if not stat.S_ISREG(st.st_mode):
-        what = "neither a regular file nor a block device" if block else "not a regular file"
-        raise ConfigError(f"{key}: {path} is {what}")
-    if trust:
-        return
-    euid = os.geteuid()
-    if st.st_uid != euid:
-        raise ConfigError(f"{key}: {path} is owned by uid {st.st_uid}, not by the serving user (uid {euid}); "
-                          f"chown {euid} {path} if it is ours, {TRUST}")
-    if st.st_mode & 0o022:
-        raise ConfigError(f"{key}: {path} is writable by group or others (mode {st.st_mode & 0o7777:04o}); "
-                          f"chmod go-w {path}, {TRUST}")
+    try:
+        check_backing(st, str(path), trust_foreign=trust, allow_block=block)
+    except UnsafeFile as e:
+        raise ConfigError(f"{key}: {e.filename} {e.strerror}") from None
+    except ValueError as e:
+        raise ConfigError(f"{key}: {e}") from None
