@@ -128,9 +128,10 @@ def test_lockout_after_failures(vsan: Callable[..., VsanServer]) -> None:
     async def main() -> None:
         for _ in range(2):
             assert "authentication failed" in await refused(server, UNI, WRONG)
-        # locked out: the right secret is not even looked at
-        assert "authentication failed" in await refused(server, UNI, UNI_SECRET)
+        # locked out: the right secret is not even looked at, however often it is tried
+        for _ in range(3):
+            assert "authentication failed" in await refused(server, UNI, UNI_SECRET)
         await roundtrip(server, BI, BI_SECRET, CTRL_SECRET, query="")   # another host is not
 
     asyncio.run(main())
-    assert f"host {UNI} is locked out for" in server.log_text()
+    assert server.log_text().count(f"host {UNI} is locked out for") == 1   # when it began, not per try

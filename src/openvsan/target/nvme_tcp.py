@@ -468,8 +468,9 @@ class Connection(BatchedConnection):
             if reply and throttle is not None:
                 verdict = throttle.check(key, time.monotonic())
                 if verdict.locked:
-                    log.warning("%s: host %s is locked out for %.0f s after %d failed DH-HMAC-CHAP attempts",
-                                self.peer, auth.hostnqn, verdict.locked_for, verdict.failures)
+                    # logged once, when the lockout began (below): a guesser's further tries add no lines
+                    log.debug("%s: host %s is locked out for %.0f s more after %d failed DH-HMAC-CHAP attempts",
+                              self.peer, auth.hostnqn, verdict.locked_for, verdict.failures)
                     return Completion(auth.refuse())
                 if verdict.delay:
                     await asyncio.sleep(verdict.delay)
@@ -477,7 +478,10 @@ class Connection(BatchedConnection):
                         return Completion(S.ABORT_REQUESTED)
             comp = Completion(auth.send(sqe, data))
             if reply and auth.step == FAILURE1 and auth.explanation == FAILED and throttle is not None:
-                throttle.failed(key, time.monotonic())
+                after = throttle.failed(key, time.monotonic())
+                if after.started_lockout:
+                    log.warning("%s: host %s is locked out for %.0f s after %d failed DH-HMAC-CHAP attempts",
+                                self.peer, auth.hostnqn, after.locked_for, after.failures)
         if auth.failed:
             log.warning("%s: host %s failed DH-HMAC-CHAP on queue %d of %s: %s", self.peer, auth.hostnqn, self.qid,
                         auth.subnqn, EXPLANATIONS.get(auth.explanation, hex(auth.explanation)))
