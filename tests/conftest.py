@@ -52,8 +52,8 @@ def vsan(tmp_path: Path) -> Iterator[StartVsan]:
 
 @pytest.fixture(autouse=True)
 def _quiet_connection_log() -> None:
-    """Every test starts with no interval open in the rate-limited connection log (target/ratelog.py): a
+    """Every test starts with no interval open in the rate-limited connection log (frontend/ratelog.py): a
     connection an earlier test dropped must not hold back the line this one looks for."""
-    ratelog = sys.modules.get("openvsan.target.ratelog")  # only when loaded: this file imports no openvsan
+    ratelog = sys.modules.get("openvsan.frontend.ratelog")  # only when loaded: this file imports no openvsan
     if ratelog is not None:
         ratelog.connection_log.reset()

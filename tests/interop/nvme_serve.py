@@ -22,8 +22,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
 
 from openvsan.block import RamDevice
-from openvsan.target.config import NvmeNamespaceConfig, NvmeSubsystemConfig
-from openvsan.target.nvme_tcp import NvmeTcpServer
+from openvsan.frontend.config import NvmeNamespaceConfig, NvmeSubsystemConfig
+from openvsan.frontend.nvme_tcp import NvmeTcpServer
 
 UNITS = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
 

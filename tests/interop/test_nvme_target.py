@@ -28,8 +28,8 @@ from nvme_host import (
 from vsan_harness import free_port
 
 from openvsan.block import RamDevice
-from openvsan.target.config import NvmeNamespaceConfig, NvmeSubsystemConfig
-from openvsan.target.nvme_tcp import NvmeTcpServer
+from openvsan.frontend.config import NvmeNamespaceConfig, NvmeSubsystemConfig
+from openvsan.frontend.nvme_tcp import NvmeTcpServer
 
 NQN = "nqn.2026-11.org.openvsan:t0"
 PRIVATE = "nqn.2026-11.org.openvsan:private"

@@ -103,7 +103,7 @@ def _chap_attempt(throttle: AuthThrottle, clock: list[float], secret: str, *, in
 
     from openvsan.protocol.iscsi.keys import parse_text
     from openvsan.protocol.iscsi.login import LoginMachine
-    from openvsan.target.config import ChapCredential
+    from openvsan.frontend.config import ChapCredential
 
     t = FakeTarget(chap=ChapCredential("alice", "secretsecret12"))
     m = LoginMachine(lambda n: t if n == IQN else None, lambda st: 5, throttle=throttle, address=address,

@@ -16,8 +16,8 @@ from openvsan.block.errors import DeviceFailed, MediumError, OutOfRange, ReadOnl
 from openvsan.initiator import open_url
 from openvsan.initiator.nbd import NbdInitiator, parse_nbd_url
 from openvsan.initiator.url import UrlError
-from openvsan.target.config import NbdExportConfig
-from openvsan.target.nbd import NbdServer
+from openvsan.frontend.config import NbdExportConfig
+from openvsan.frontend.nbd import NbdServer
 
 
 def free_port() -> int:

@@ -1,4 +1,4 @@
-"""Adaptive busy polling (target/busypoll.py): windows open on arrival, stretch while commands keep coming,
+"""Adaptive busy polling (frontend/busypoll.py): windows open on arrival, stretch while commands keep coming,
 close when they stop, back off after windows that caught nothing, and end at once when another task wants
 the core. Most tests count context switches with a stand-in that reports none, so a loaded test machine
 does not end their windows early; one test puts a real competitor on the same core."""
@@ -15,8 +15,8 @@ import time
 
 import pytest
 
-from openvsan.target.busypoll import MAX_BACKOFF, BusyPoll
-from openvsan.target.portals import BatchedConnection, PortalServer
+from openvsan.frontend.busypoll import MAX_BACKOFF, BusyPoll
+from openvsan.frontend.portals import BatchedConnection, PortalServer
 
 WINDOW_US = 50_000   # long enough that a loaded test machine's scheduling delays cannot close a window early
 
@@ -138,7 +138,7 @@ def test_a_context_switch_ends_the_window_as_wasted() -> None:
 
 CONTENDED = textwrap.dedent("""
     import asyncio, os, time
-    from openvsan.target.busypoll import BusyPoll
+    from openvsan.frontend.busypoll import BusyPoll
 
     async def main():
         p = BusyPoll(200_000)        # 0.2 s windows: long enough to be preempted in

@@ -15,7 +15,7 @@ from openvsan.protocol.iscsi.framing import PduReader, frame
 from openvsan.protocol.iscsi.initiator_login import InitiatorLogin, LoginConfig, LoginError
 from openvsan.protocol.iscsi.login import LoginMachine
 from openvsan.protocol.scsi import sense as S
-from openvsan.target.config import ChapCredential
+from openvsan.frontend.config import ChapCredential
 
 IQN = "iqn.2026-11.org.openvsan:disk0"
 INIT = "iqn.2026-11.org.openvsan.test:init"

@@ -14,8 +14,8 @@ from openvsan.block.device import Buffer, SyncRead, SyncWrite
 from openvsan.block.ram import RamDevice
 from openvsan.protocol.iscsi.login import LoginState
 from openvsan.protocol.scsi import Lun, ScsiTarget
-from openvsan.target.config import IscsiTargetConfig
-from openvsan.target.iscsi import Connection, IscsiServer
+from openvsan.frontend.config import IscsiTargetConfig
+from openvsan.frontend.iscsi import Connection, IscsiServer
 
 IQN = "iqn.2026-11.org.openvsan:fast"
 BS = 512

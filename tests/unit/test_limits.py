@@ -9,8 +9,8 @@ from collections.abc import Callable
 
 import pytest
 
-from openvsan.target.limits import FD_RESERVE, ConnectionLimits, Ticket, raise_fd_limit, source_address
-from openvsan.target.ratelog import MAX_SOURCES, RateLog
+from openvsan.frontend.limits import FD_RESERVE, ConnectionLimits, Ticket, raise_fd_limit, source_address
+from openvsan.frontend.ratelog import MAX_SOURCES, RateLog
 
 
 def admitted(limits: ConnectionLimits, source: str, fd: int | None = None) -> Ticket:
@@ -91,14 +91,14 @@ def test_raise_fd_limit(caplog: pytest.LogCaptureFixture) -> None:
     low = min(256, hard)
     resource.setrlimit(resource.RLIMIT_NOFILE, (low, hard))
     try:
-        with caplog.at_level(logging.INFO, "openvsan.target"):
+        with caplog.at_level(logging.INFO, "openvsan.frontend"):
             before, after = raise_fd_limit(128)
         assert (before, after) == (low, hard)
         assert resource.getrlimit(resource.RLIMIT_NOFILE)[0] == hard
         msgs = [r.getMessage() for r in caplog.records]
         assert (f"file descriptors: soft limit raised from {low} to {hard}" in msgs) != (low == hard)
         caplog.clear()
-        with caplog.at_level(logging.INFO, "openvsan.target"):
+        with caplog.at_level(logging.INFO, "openvsan.frontend"):
             raise_fd_limit(hard)  # more than the hard limit holds: a warning naming the key
         assert any(r.levelno == logging.WARNING and "[node] max_connections" in r.getMessage()
                    for r in caplog.records)
@@ -230,8 +230,8 @@ def test_accept_failures_are_counted_not_logged_each(caplog: pytest.LogCaptureFi
     import errno
     import os
 
-    from openvsan.target import ratelog
-    from openvsan.target.portals import watch_accept_errors
+    from openvsan.frontend import ratelog
+    from openvsan.frontend.portals import watch_accept_errors
 
     seen: list[dict[str, object]] = []
     loop = asyncio.new_event_loop()
@@ -241,12 +241,12 @@ def test_accept_failures_are_counted_not_logged_each(caplog: pytest.LogCaptureFi
         watch_accept_errors(loop)
         watch_accept_errors(loop)  # a second server on the loop: still one handler
         emfile = OSError(errno.EMFILE, os.strerror(errno.EMFILE))
-        with caplog.at_level(logging.WARNING, "openvsan.target"):
+        with caplog.at_level(logging.WARNING, "openvsan.frontend"):
             for _ in range(50):
                 loop.call_exception_handler({"message": "socket.accept() out of system resource",
                                              "exception": emfile})
             loop.call_exception_handler({"message": "something else"})
-        got = [r.getMessage() for r in caplog.records if r.name == "openvsan.target"]
+        got = [r.getMessage() for r in caplog.records if r.name == "openvsan.frontend"]
         assert got == [f"a portal: accept() failed: {emfile}; listening again in 1 s"]
         assert ratelog.connection_log.total["accept() on a portal: EMFILE"] >= 50
         assert [c["message"] for c in seen] == ["something else"]

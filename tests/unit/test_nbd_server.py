@@ -15,8 +15,8 @@ from openvsan.block import FaultDevice, RamDevice
 from openvsan.block.errors import NoSpace
 from openvsan.protocol.nbd import Cmd, CmdFlag, Errno
 from openvsan.protocol.nbd.wire import IHAVEOPT, REQUEST_MAGIC, Info, Opt, Rep, ReplyType
-from openvsan.target.config import NbdExportConfig
-from openvsan.target.nbd import NbdServer
+from openvsan.frontend.config import NbdExportConfig
+from openvsan.frontend.nbd import NbdServer
 
 MiB = 1 << 20
 
@@ -279,7 +279,7 @@ class CountingDevice(FaultDevice):
 
 
 def test_one_chunk_of_many_requests_keeps_to_the_budget(monkeypatch: pytest.MonkeyPatch) -> None:
-    from openvsan.target import nbd
+    from openvsan.frontend import nbd
 
     monkeypatch.setattr(nbd, "MAX_INFLIGHT_BYTES", 4 * MiB)
 

@@ -31,8 +31,8 @@ from openvsan.protocol.nbd import (
 )
 from openvsan.protocol.nbd.handshake import TlsMode
 from openvsan.protocol.nbd.wire import IHAVEOPT, Info, Opt, Rep
-from openvsan.target.config import NbdExportConfig
-from openvsan.target.nbd import NbdServer, TlsCredentialError, tls_context
+from openvsan.frontend.config import NbdExportConfig
+from openvsan.frontend.nbd import NbdServer, TlsCredentialError, tls_context
 
 MiB = 1 << 20
 OPEN = ExportInfo("open", 8 * MiB, min_block=512)
@@ -254,12 +254,12 @@ def test_forced_tls_while_shutting_down_still_says_tls_reqd() -> None:
 # --- the asyncio server, with a TLS client in process ------------------------------------------------
 @pytest.fixture(autouse=True)
 def fresh_connection_log(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Dropped connections are logged at a bounded rate (target/ratelog.py): each test starts with a quiet one,
+    """Dropped connections are logged at a bounded rate (frontend/ratelog.py): each test starts with a quiet one,
     so the drop it causes is logged whole whatever the tests before it dropped."""
-    from openvsan.target import portals
-    from openvsan.target.ratelog import RateLog
+    from openvsan.frontend import portals
+    from openvsan.frontend.ratelog import RateLog
 
-    monkeypatch.setattr(portals, "connection_log", RateLog(logging.getLogger("openvsan.target")))
+    monkeypatch.setattr(portals, "connection_log", RateLog(logging.getLogger("openvsan.frontend")))
 
 
 @pytest.fixture(scope="module")

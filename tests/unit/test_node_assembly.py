@@ -303,8 +303,8 @@ def test_nvme_section_without_nvme_server_is_one_line(tmp_path: Path, monkeypatc
     real = importlib.import_module
 
     def no_nvme(name: str, *a: Any) -> Any:
-        if name == "openvsan.target.nvme_tcp":
-            raise ModuleNotFoundError("No module named 'openvsan.target.nvme_tcp'")
+        if name == "openvsan.frontend.nvme_tcp":
+            raise ModuleNotFoundError("No module named 'openvsan.frontend.nvme_tcp'")
         return real(name, *a)
 
     monkeypatch.setattr(importlib, "import_module", no_nvme)

@@ -81,7 +81,7 @@ def serve(
     from openvsan.node.logs import setup_logging
     from openvsan.node.node import DataDirLock, Node, NodeError, run
     from openvsan.node.store import Store, StoreError
-    from openvsan.target.limits import raise_fd_limit
+    from openvsan.frontend.limits import raise_fd_limit
 
     if log_level.lower() not in LOG_LEVELS:
         fail(f"--log-level: unknown level {log_level!r}; use one of: {', '.join(LOG_LEVELS)}", EXIT_USAGE)

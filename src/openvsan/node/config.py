@@ -754,7 +754,7 @@ def preflight(cfg: NodeConfig, *, data_dir: Path | None = None) -> None:
                                   "create it")
             _check_file(f"devices[{i}].backing", d.backing, cfg.node.trust_foreign_files, block=False)
     if cfg.nbd_tls is not None:
-        from openvsan.target.nbd import TlsCredentialError, tls_context  # the server's own loader, imported late
+        from openvsan.frontend.nbd import TlsCredentialError, tls_context  # the server's own loader, imported late
         t = cfg.nbd_tls
         try:
             tls_context(t.cert, t.key, t.ca, t.verify_client)

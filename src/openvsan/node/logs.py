@@ -12,7 +12,7 @@ class HumanFormatter(logging.Formatter):
         super().__init__("%(asctime)s %(levelname)-5s %(short)s: %(message)s", datefmt="%Y-%m-%d %H:%M:%S")
 
     def format(self, record: logging.LogRecord) -> str:
-        # openvsan.target.iscsi -> target.iscsi: the package name on every line is noise
+        # openvsan.frontend.iscsi -> target.iscsi: the package name on every line is noise
         record.short = record.name.removeprefix("openvsan.")
         return super().format(record)
 

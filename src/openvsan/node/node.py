@@ -29,8 +29,8 @@ from openvsan.node.specs import DeviceSpec, NbdExportSpec, SubsystemSpec, Target
 from openvsan.node.store import StoredState, VolumeIdentity
 from openvsan.node.values import format_size
 from openvsan.protocol.auth_throttle import AuthThrottle
-from openvsan.target.busypoll import BusyPoll
-from openvsan.target.limits import ConnectionLimits, soft_fd_limit
+from openvsan.frontend.busypoll import BusyPoll
+from openvsan.frontend.limits import ConnectionLimits, soft_fd_limit
 
 log = logging.getLogger("openvsan.node")
 
@@ -80,9 +80,9 @@ class Factories:
         # imported here: the node module stays importable (and testable) on its own
         try:
             from openvsan.protocol.scsi import Lun, ScsiTarget
-            from openvsan.target.config import ChapCredential, IscsiTargetConfig
-            from openvsan.target.iscsi import IscsiServer
-            from openvsan.target.nbd import NbdServer
+            from openvsan.frontend.config import ChapCredential, IscsiTargetConfig
+            from openvsan.frontend.iscsi import IscsiServer
+            from openvsan.frontend.nbd import NbdServer
         except ImportError as e:
             raise NodeError(f"this build cannot serve iSCSI and NBD: {e}") from e
         return cls(Lun, ScsiTarget, IscsiTargetConfig, ChapCredential, IscsiServer, nbd_server=NbdServer)
@@ -91,19 +91,19 @@ class Factories:
 def _real_nvme_server() -> Callable[..., Any]:
     # by name, at run time: the NVMe/TCP target is optional for a node whose config has no [nvme] section
     try:
-        module = importlib.import_module("openvsan.target.nvme_tcp")
+        module = importlib.import_module("openvsan.frontend.nvme_tcp")
     except ImportError as e:
         raise NodeError(f"this build cannot serve NVMe/TCP ({e}); remove the [nvme] section from the config or "
-                        "install an openvsan with openvsan.target.nvme_tcp") from e
+                        "install an openvsan with openvsan.frontend.nvme_tcp") from e
     server: Callable[..., Any] | None = getattr(module, "NvmeTcpServer", None)
     if server is None:
-        raise NodeError("this build cannot serve NVMe/TCP (openvsan.target.nvme_tcp has no NvmeTcpServer); remove "
+        raise NodeError("this build cannot serve NVMe/TCP (openvsan.frontend.nvme_tcp has no NvmeTcpServer); remove "
                         "the [nvme] section from the config")
     return server
 
 
 def _real_nbd_server() -> Callable[[list[Any]], Any]:
-    from openvsan.target.nbd import NbdServer
+    from openvsan.frontend.nbd import NbdServer
     return NbdServer
 
 
@@ -129,7 +129,7 @@ class Node:
     pools: ServedPools = field(init=False)                   # pool name -> ServedPool (node/pools.py)
     control_server: ControlServer | None = None
     busy_poll: BusyPoll | None = None
-    limits: ConnectionLimits | None = None                   # one for all three servers (target/limits.py)
+    limits: ConnectionLimits | None = None                   # one for all three servers (frontend/limits.py)
     auth_throttle: AuthThrottle | None = None                # failed logins per (initiator, address)
 
     def __post_init__(self) -> None:
@@ -258,7 +258,7 @@ class Node:
             alias=t.alias, portal_group_tag=t.portal_group_tag)
 
     def _build_subsystem(self, sub: SubsystemSpec) -> Any:
-        from openvsan.target.config import NvmeNamespaceConfig, NvmeSubsystemConfig
+        from openvsan.frontend.config import NvmeNamespaceConfig, NvmeSubsystemConfig
 
         cfg = self.state.config
         namespaces = [NvmeNamespaceConfig(ns.nsid, self.volumes[ns.volume], ns.volume,
@@ -281,7 +281,7 @@ class Node:
                                   sub.dhchap_hashes, sub.dhchap_dhgroups) for h in sub.hosts}
 
     def _build_nbd_export(self, e: NbdExportSpec) -> Any:
-        from openvsan.target.config import NbdExportConfig
+        from openvsan.frontend.config import NbdExportConfig
 
         read_only = e.read_only or self.state.config.volume(e.volume).read_only
         return NbdExportConfig(e.name, self.volumes[e.volume], [(p.host, p.port) for p in e.portals],
@@ -293,7 +293,7 @@ class Node:
         t = self.state.config.nbd_tls
         if t is None:
             return {}
-        from openvsan.target.nbd import TlsCredentialError, tls_context
+        from openvsan.frontend.nbd import TlsCredentialError, tls_context
 
         try:
             ctx = tls_context(t.cert, t.key, t.ca, t.verify_client)

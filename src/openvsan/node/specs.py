@@ -27,7 +27,7 @@ DHCHAP_DHGROUPS = ("null", "ffdhe2048", "ffdhe3072", "ffdhe4096", "ffdhe6144", "
 class NodeSettings:
     name: str
     data_dir: Path | None = None
-    poll_us: int = DEFAULT_POLL_US  # adaptive busy-poll window after each command (target/busypoll.py); 0: off
+    poll_us: int = DEFAULT_POLL_US  # adaptive busy-poll window after each command (frontend/busypoll.py); 0: off
     max_connections: int = DEFAULT_MAX_CONNECTIONS            # every protocol's connections together
     max_unauthenticated: int = DEFAULT_MAX_UNAUTHENTICATED    # connections that have not logged in, all sources
     max_unauthenticated_per_source: int = DEFAULT_MAX_UNAUTHENTICATED_PER_SOURCE   # ... from one address

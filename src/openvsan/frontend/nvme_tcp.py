@@ -45,8 +45,8 @@ from openvsan.protocol.nvme_tcp.queue import (
     TcpQueue,
     Terminated,
 )
-from openvsan.target.config import NvmeSubsystemConfig
-from openvsan.target.portals import BatchedConnection, PortalServer
+from openvsan.frontend.config import NvmeSubsystemConfig
+from openvsan.frontend.portals import BatchedConnection, PortalServer
 
 log = logging.getLogger("openvsan.nvme")
 _CAPSULE_CMD = int(PduType.CAPSULE_CMD)
@@ -191,7 +191,7 @@ class Connection(BatchedConnection):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
         if self._closed:
-            return  # refused: over a connection limit (target/limits.py)
+            return  # refused: over a connection limit (frontend/limits.py)
         self.server.connections.add(self)
         self._timer = asyncio.get_running_loop().call_later(IC_TIMEOUT, self._setup_deadline)
 

@@ -11,11 +11,11 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from openvsan.netio import Buffer, WriteBatcher
-from openvsan.target.busypoll import BusyPoll
-from openvsan.target.limits import ConnectionLimits, Ticket, source_address
-from openvsan.target.ratelog import connection_log
+from openvsan.frontend.busypoll import BusyPoll
+from openvsan.frontend.limits import ConnectionLimits, Ticket, source_address
+from openvsan.frontend.ratelog import connection_log
 
-log = logging.getLogger("openvsan.target")
+log = logging.getLogger("openvsan.frontend")
 T = TypeVar("T")
 
 RUNNING_WRITE_BUDGET = 64 * 1024 * 1024   # write data of commands at the device: beyond it, reading pauses
@@ -157,7 +157,7 @@ class BatchedConnection(asyncio.Protocol):
 
     def dropped(self, kind: str, detail: str = "") -> None:
         """Log that this connection is being closed for `kind` (a phrase the same for every connection
-        dropped for it), at most one line per interval and kind with the counts (target/ratelog.py)."""
+        dropped for it), at most one line per interval and kind with the counts (frontend/ratelog.py)."""
         what = f"{kind}: {detail}" if detail else kind
         connection_log.event(f"{self.kind}: {kind}", self.source, f"{self.peer}: {what}; closing the connection",
                              detail=detail)

@@ -119,4 +119,4 @@ class RateLog:
 
 
 # the node's one instance: every protocol server's connection events share its intervals
-connection_log = RateLog(logging.getLogger("openvsan.target"))
+connection_log = RateLog(logging.getLogger("openvsan.frontend"))

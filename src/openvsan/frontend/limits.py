@@ -12,7 +12,7 @@ import logging
 import resource
 from collections.abc import Callable
 
-log = logging.getLogger("openvsan.target")
+log = logging.getLogger("openvsan.frontend")
 
 # descriptors kept for what is not a connection: device and member files, state.db, listening and control
 # sockets, and the accept of a connection that is then refused

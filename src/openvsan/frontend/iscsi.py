@@ -29,9 +29,9 @@ from openvsan.protocol.iscsi.login import (
 from openvsan.protocol.iscsi.sequencing import WriteTransfer, data_in_segments
 from openvsan.protocol.scsi import Nexus, ScsiResult
 from openvsan.protocol.scsi.sense import ABORTED_COMMAND, CHECK_CONDITION, GOOD, ILLEGAL_REQUEST, build_sense
-from openvsan.target.config import IscsiTargetConfig
-from openvsan.target.iscsi_session import Session, Task
-from openvsan.target.portals import BatchedConnection, PortalServer
+from openvsan.frontend.config import IscsiTargetConfig
+from openvsan.frontend.iscsi_session import Session, Task
+from openvsan.frontend.portals import BatchedConnection, PortalServer
 
 log = logging.getLogger("openvsan.iscsi")
 
@@ -180,7 +180,7 @@ class Connection(BatchedConnection):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
         if self._closed:
-            return  # refused: over a connection limit (target/limits.py)
+            return  # refused: over a connection limit (frontend/limits.py)
         self.server.connections.add(self)
         loop = asyncio.get_running_loop()
         self._last_rx = self._connected = loop.time()

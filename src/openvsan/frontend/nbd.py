@@ -42,8 +42,8 @@ from openvsan.protocol.nbd import (
     StartTls,
 )
 from openvsan.protocol.nbd.events import DEFAULT_MAX_PAYLOAD, Buffer
-from openvsan.target.config import NbdExportConfig
-from openvsan.target.portals import BatchedConnection, PortalServer
+from openvsan.frontend.config import NbdExportConfig
+from openvsan.frontend.portals import BatchedConnection, PortalServer
 
 log = logging.getLogger("openvsan.nbd")
 
@@ -224,7 +224,7 @@ class Connection(BatchedConnection):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)  # TCP_NODELAY: proto.md "Protocol phases" asks both ends for it
         if self._closed:
-            return  # refused: over a connection limit (target/limits.py)
+            return  # refused: over a connection limit (frontend/limits.py)
         sock = transport.get_extra_info("socket")
         if sock is not None:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)

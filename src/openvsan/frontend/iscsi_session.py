@@ -15,8 +15,8 @@ from openvsan.protocol.scsi import Nexus
 
 if TYPE_CHECKING:
     from openvsan.protocol.scsi import Lun
-    from openvsan.target.config import IscsiTargetConfig
-    from openvsan.target.iscsi import Connection
+    from openvsan.frontend.config import IscsiTargetConfig
+    from openvsan.frontend.iscsi import Connection
 
 
 @dataclass(eq=False, slots=True)
