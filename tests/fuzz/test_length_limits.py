@@ -20,6 +20,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from openvsan.block.ram import RamDevice
+from openvsan.frontend.config import IscsiTargetConfig
+from openvsan.frontend.iscsi import OUR_MRDSL, Connection, IscsiServer
 from openvsan.protocol.iscsi.framing import (
     HARD_MAX_AHS,
     HARD_MAX_DSL,
@@ -35,8 +37,6 @@ from openvsan.protocol.nbd.wire import IHAVEOPT, OPTION
 from openvsan.protocol.nvme_tcp.pdu import CH, Fes, PduType
 from openvsan.protocol.nvme_tcp.queue import CapsuleCommand, DataReceived, Established, TcpQueue, Terminated
 from openvsan.protocol.scsi import Lun, ScsiTarget
-from openvsan.frontend.config import IscsiTargetConfig
-from openvsan.frontend.iscsi import OUR_MRDSL, Connection, IscsiServer
 
 MIB = 1 << 20
 # every length class is a case of its own; hypothesis varies how the header and data are cut
@@ -415,8 +415,8 @@ def write10_pdu(itt: int, cmdsn: int, lba: int, data: bytes) -> bytes:
 
 def test_iscsi_reading_pauses_while_write_data_waits_on_the_device(monkeypatch: pytest.MonkeyPatch) -> None:
     """Past RUNNING_WRITE_BUDGET of write data at the device, reading pauses; it resumes once half drained."""
-    from openvsan.protocol.iscsi.login import LoginState
     from openvsan.frontend import portals
+    from openvsan.protocol.iscsi.login import LoginState
 
     monkeypatch.setattr(portals, "RUNNING_WRITE_BUDGET", 64 * 1024)
 
@@ -449,10 +449,10 @@ def test_iscsi_reading_pauses_while_write_data_waits_on_the_device(monkeypatch: 
 
 def test_nvme_reading_pauses_while_write_data_waits_on_the_device(monkeypatch: pytest.MonkeyPatch) -> None:
     """The same budget on an NVMe/TCP I/O queue: in-capsule writes waiting on a slow device pause reading."""
-    from openvsan.protocol.nvme import host_commands as HC
-    from openvsan.protocol.nvme_tcp import host_pdus as H
     from openvsan.frontend import nvme_tcp, portals
     from openvsan.frontend.config import NvmeNamespaceConfig, NvmeSubsystemConfig
+    from openvsan.protocol.nvme import host_commands as HC
+    from openvsan.protocol.nvme_tcp import host_pdus as H
 
     monkeypatch.setattr(portals, "RUNNING_WRITE_BUDGET", 16 * 1024)
     nqn, host = "nqn.2026-11.org.openvsan:limits", "nqn.2026-11.org.openvsan:host"

@@ -17,11 +17,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from openvsan.frontend.config import ChapCredential
 from openvsan.protocol.iscsi.chap import ALGORITHMS, response
 from openvsan.protocol.iscsi.framing import PduReader
 from openvsan.protocol.iscsi.login import LoginMachine, LoginResult, LoginState
 from openvsan.protocol.iscsi.pdu import Pdu
-from openvsan.frontend.config import ChapCredential
 
 TARGET = "iqn.2026-11.org.openvsan:fuzz"
 CHAP_TARGET = "iqn.2026-11.org.openvsan:chap"

@@ -101,9 +101,9 @@ def _chap_attempt(throttle: AuthThrottle, clock: list[float], secret: str, *, in
 
     from test_iscsi_login import IQN, FakeTarget, login_pdu
 
+    from openvsan.frontend.config import ChapCredential
     from openvsan.protocol.iscsi.keys import parse_text
     from openvsan.protocol.iscsi.login import LoginMachine
-    from openvsan.frontend.config import ChapCredential
 
     t = FakeTarget(chap=ChapCredential("alice", "secretsecret12"))
     m = LoginMachine(lambda n: t if n == IQN else None, lambda st: 5, throttle=throttle, address=address,

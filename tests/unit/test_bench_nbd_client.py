@@ -13,11 +13,11 @@ from openvsan.bench.engine import Plan, Worker
 from openvsan.bench.profiles import custom_job
 from openvsan.block import FaultDevice, RamDevice
 from openvsan.block.errors import DeviceFailed, MediumError, OutOfRange, ReadOnly
+from openvsan.frontend.config import NbdExportConfig
+from openvsan.frontend.nbd import NbdServer
 from openvsan.initiator import open_url
 from openvsan.initiator.nbd import NbdInitiator, parse_nbd_url
 from openvsan.initiator.url import UrlError
-from openvsan.frontend.config import NbdExportConfig
-from openvsan.frontend.nbd import NbdServer
 
 
 def free_port() -> int:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import pytest
 
+from openvsan.frontend.config import ChapCredential
 from openvsan.initiator import scsi as X
 from openvsan.initiator.url import UrlError, parse_url
 from openvsan.protocol.iscsi import initiator_pdus as Q
@@ -15,7 +16,6 @@ from openvsan.protocol.iscsi.framing import PduReader, frame
 from openvsan.protocol.iscsi.initiator_login import InitiatorLogin, LoginConfig, LoginError
 from openvsan.protocol.iscsi.login import LoginMachine
 from openvsan.protocol.scsi import sense as S
-from openvsan.frontend.config import ChapCredential
 
 IQN = "iqn.2026-11.org.openvsan:disk0"
 INIT = "iqn.2026-11.org.openvsan.test:init"

@@ -12,10 +12,10 @@ from typing import Any
 
 from openvsan.block.device import Buffer, SyncRead, SyncWrite
 from openvsan.block.ram import RamDevice
-from openvsan.protocol.iscsi.login import LoginState
-from openvsan.protocol.scsi import Lun, ScsiTarget
 from openvsan.frontend.config import IscsiTargetConfig
 from openvsan.frontend.iscsi import Connection, IscsiServer
+from openvsan.protocol.iscsi.login import LoginState
+from openvsan.protocol.scsi import Lun, ScsiTarget
 
 IQN = "iqn.2026-11.org.openvsan:fast"
 BS = 512

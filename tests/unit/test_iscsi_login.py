@@ -6,11 +6,11 @@ from dataclasses import dataclass
 
 import pytest
 
+from openvsan.frontend.config import ChapCredential
 from openvsan.protocol.iscsi import pdu as P
 from openvsan.protocol.iscsi.framing import PduReader
 from openvsan.protocol.iscsi.keys import encode_text, parse_text
 from openvsan.protocol.iscsi.login import LoginFailed, LoginMachine, Status
-from openvsan.frontend.config import ChapCredential
 
 IQN = "iqn.2026-11.org.openvsan:disk0"
 INIT = "iqn.2026-11.org.openvsan.test:init"

@@ -13,10 +13,10 @@ import pytest
 
 from openvsan.block import FaultDevice, RamDevice
 from openvsan.block.errors import NoSpace
-from openvsan.protocol.nbd import Cmd, CmdFlag, Errno
-from openvsan.protocol.nbd.wire import IHAVEOPT, REQUEST_MAGIC, Info, Opt, Rep, ReplyType
 from openvsan.frontend.config import NbdExportConfig
 from openvsan.frontend.nbd import NbdServer
+from openvsan.protocol.nbd import Cmd, CmdFlag, Errno
+from openvsan.protocol.nbd.wire import IHAVEOPT, REQUEST_MAGIC, Info, Opt, Rep, ReplyType
 
 MiB = 1 << 20
 

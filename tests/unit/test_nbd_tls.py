@@ -19,6 +19,8 @@ from test_nbd_codec import go_data, meta_data, option, option_replies, sent
 from tls_pki import CLIENT_SUBJECT, Pki, make_pki
 
 from openvsan.block import RamDevice
+from openvsan.frontend.config import NbdExportConfig
+from openvsan.frontend.nbd import NbdServer, TlsCredentialError, tls_context
 from openvsan.node.config import ConfigError, parse_config, preflight
 from openvsan.protocol.nbd import (
     Close,
@@ -31,8 +33,6 @@ from openvsan.protocol.nbd import (
 )
 from openvsan.protocol.nbd.handshake import TlsMode
 from openvsan.protocol.nbd.wire import IHAVEOPT, Info, Opt, Rep
-from openvsan.frontend.config import NbdExportConfig
-from openvsan.frontend.nbd import NbdServer, TlsCredentialError, tls_context
 
 MiB = 1 << 20
 OPEN = ExportInfo("open", 8 * MiB, min_block=512)

@@ -78,10 +78,10 @@ def serve(
 ) -> None:
     """Serve what CONFIG declares until SIGTERM or SIGINT, then drain, flush and exit 0."""
     # imported here so `vsan --version` and `vsan config check` stay quick
+    from openvsan.frontend.limits import raise_fd_limit
     from openvsan.node.logs import setup_logging
     from openvsan.node.node import DataDirLock, Node, NodeError, run
     from openvsan.node.store import Store, StoreError
-    from openvsan.frontend.limits import raise_fd_limit
 
     if log_level.lower() not in LOG_LEVELS:
         fail(f"--log-level: unknown level {log_level!r}; use one of: {', '.join(LOG_LEVELS)}", EXIT_USAGE)

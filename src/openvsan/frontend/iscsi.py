@@ -12,6 +12,9 @@ import logging
 import struct
 from collections.abc import Sequence
 
+from openvsan.frontend.config import IscsiTargetConfig
+from openvsan.frontend.iscsi_session import Session, Task
+from openvsan.frontend.portals import BatchedConnection, PortalServer
 from openvsan.netio import start_eagerly
 from openvsan.protocol.auth_throttle import AuthThrottle
 from openvsan.protocol.iscsi import pdu as P
@@ -29,9 +32,6 @@ from openvsan.protocol.iscsi.login import (
 from openvsan.protocol.iscsi.sequencing import WriteTransfer, data_in_segments
 from openvsan.protocol.scsi import Nexus, ScsiResult
 from openvsan.protocol.scsi.sense import ABORTED_COMMAND, CHECK_CONDITION, GOOD, ILLEGAL_REQUEST, build_sense
-from openvsan.frontend.config import IscsiTargetConfig
-from openvsan.frontend.iscsi_session import Session, Task
-from openvsan.frontend.portals import BatchedConnection, PortalServer
 
 log = logging.getLogger("openvsan.iscsi")
 

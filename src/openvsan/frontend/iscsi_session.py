@@ -14,9 +14,9 @@ from openvsan.protocol.iscsi.sequencing import WriteTransfer, sn_in_window, sn_l
 from openvsan.protocol.scsi import Nexus
 
 if TYPE_CHECKING:
-    from openvsan.protocol.scsi import Lun
     from openvsan.frontend.config import IscsiTargetConfig
     from openvsan.frontend.iscsi import Connection
+    from openvsan.protocol.scsi import Lun
 
 
 @dataclass(eq=False, slots=True)

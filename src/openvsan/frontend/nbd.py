@@ -28,6 +28,8 @@ from openvsan.block.errors import (
     OutOfRange,
     ReadOnly,
 )
+from openvsan.frontend.config import NbdExportConfig
+from openvsan.frontend.portals import BatchedConnection, PortalServer
 from openvsan.netio import start_eagerly
 from openvsan.protocol.nbd import (
     Close,
@@ -42,8 +44,6 @@ from openvsan.protocol.nbd import (
     StartTls,
 )
 from openvsan.protocol.nbd.events import DEFAULT_MAX_PAYLOAD, Buffer
-from openvsan.frontend.config import NbdExportConfig
-from openvsan.frontend.portals import BatchedConnection, PortalServer
 
 log = logging.getLogger("openvsan.nbd")
 

@@ -13,6 +13,8 @@ import struct
 import time
 from collections.abc import Sequence
 
+from openvsan.frontend.config import NvmeSubsystemConfig
+from openvsan.frontend.portals import BatchedConnection, PortalServer
 from openvsan.netio import start_eagerly
 from openvsan.protocol.auth_throttle import AuthThrottle
 from openvsan.protocol.nvme import status as S
@@ -45,8 +47,6 @@ from openvsan.protocol.nvme_tcp.queue import (
     TcpQueue,
     Terminated,
 )
-from openvsan.frontend.config import NvmeSubsystemConfig
-from openvsan.frontend.portals import BatchedConnection, PortalServer
 
 log = logging.getLogger("openvsan.nvme")
 _CAPSULE_CMD = int(PduType.CAPSULE_CMD)

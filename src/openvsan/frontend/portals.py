@@ -10,10 +10,10 @@ import socket
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-from openvsan.netio import Buffer, WriteBatcher
 from openvsan.frontend.busypoll import BusyPoll
 from openvsan.frontend.limits import ConnectionLimits, Ticket, source_address
 from openvsan.frontend.ratelog import connection_log
+from openvsan.netio import Buffer, WriteBatcher
 
 log = logging.getLogger("openvsan.frontend")
 T = TypeVar("T")

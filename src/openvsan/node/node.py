@@ -23,14 +23,14 @@ from pathlib import Path
 from typing import Any, Self
 
 from openvsan.block import BlockDevice, FileDevice, NullDevice, RamDevice
+from openvsan.frontend.busypoll import BusyPoll
+from openvsan.frontend.limits import ConnectionLimits, soft_fd_limit
 from openvsan.node.control import ControlServer, RequestError, socket_path
 from openvsan.node.pools import PoolSetupError, ServedPools, flush_and_close, why
 from openvsan.node.specs import DeviceSpec, NbdExportSpec, SubsystemSpec, TargetSpec, VolumeSpec
 from openvsan.node.store import StoredState, VolumeIdentity
 from openvsan.node.values import format_size
 from openvsan.protocol.auth_throttle import AuthThrottle
-from openvsan.frontend.busypoll import BusyPoll
-from openvsan.frontend.limits import ConnectionLimits, soft_fd_limit
 
 log = logging.getLogger("openvsan.node")
 
@@ -79,10 +79,10 @@ class Factories:
     def default(cls) -> Factories:
         # imported here: the node module stays importable (and testable) on its own
         try:
-            from openvsan.protocol.scsi import Lun, ScsiTarget
             from openvsan.frontend.config import ChapCredential, IscsiTargetConfig
             from openvsan.frontend.iscsi import IscsiServer
             from openvsan.frontend.nbd import NbdServer
+            from openvsan.protocol.scsi import Lun, ScsiTarget
         except ImportError as e:
             raise NodeError(f"this build cannot serve iSCSI and NBD: {e}") from e
         return cls(Lun, ScsiTarget, IscsiTargetConfig, ChapCredential, IscsiServer, nbd_server=NbdServer)
