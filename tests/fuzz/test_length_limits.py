@@ -19,6 +19,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from openvsan.block import Capabilities
 from openvsan.block.ram import RamDevice
 from openvsan.frontend.config import IscsiTargetConfig
 from openvsan.frontend.iscsi import OUR_MRDSL, Connection, IscsiServer
@@ -37,6 +38,7 @@ from openvsan.protocol.nbd.wire import IHAVEOPT, OPTION
 from openvsan.protocol.nvme_tcp.pdu import CH, Fes, PduType
 from openvsan.protocol.nvme_tcp.queue import CapsuleCommand, DataReceived, Established, TcpQueue, Terminated
 from openvsan.protocol.scsi import Lun, ScsiTarget
+from openvsan.volume import Volume
 
 MIB = 1 << 20
 # every length class is a case of its own; hypothesis varies how the header and data are cut
@@ -190,7 +192,7 @@ IQN = "iqn.2026-11.org.openvsan:limits"
 
 
 def iscsi_connection() -> tuple[Connection, Wire]:
-    unit = Lun(RamDevice(64, 512), name="d", uuid=uuid.UUID(int=1), serial="s")
+    unit = Lun(Volume(RamDevice(64, 512), name="d", uuid=uuid.UUID(int=1), serial="s"))
     srv = IscsiServer([IscsiTargetConfig(IQN, ScsiTarget(IQN, {0: unit}), [("127.0.0.1", 3260)])])
     c = Connection(srv, ("127.0.0.1", 3260))
     w = Wire()
@@ -377,6 +379,7 @@ class Gated:
     def __init__(self, inner: RamDevice) -> None:
         self.inner = inner
         self.block_size, self.num_blocks = inner.block_size, inner.num_blocks
+        self.capabilities = Capabilities()   # no fast path
         self.gate = asyncio.Event()
 
     async def write(self, lba: int, data: Any, *, fua: bool = False) -> None:
@@ -422,7 +425,7 @@ def test_iscsi_reading_pauses_while_write_data_waits_on_the_device(monkeypatch: 
 
     async def go() -> None:
         dev = Gated(RamDevice(1024, 512))
-        unit = Lun(dev, name="d", uuid=uuid.UUID(int=1), serial="s")  # type: ignore[arg-type]
+        unit = Lun(Volume(dev, name="d", uuid=uuid.UUID(int=1), serial="s"))  # type: ignore[arg-type]
         t = IscsiTargetConfig(IQN, ScsiTarget(IQN, {0: unit}), [("127.0.0.1", 3260)])
         srv = IscsiServer([t])
         c = Connection(srv, ("127.0.0.1", 3260))
@@ -462,7 +465,7 @@ def test_nvme_reading_pauses_while_write_data_waits_on_the_device(monkeypatch: p
 
     async def go() -> None:
         dev = Gated(RamDevice(1024, 512))
-        ns = NvmeNamespaceConfig(1, dev, "d", uuid.UUID(int=2))  # type: ignore[arg-type]
+        ns = NvmeNamespaceConfig(1, Volume(dev, name="d", uuid=uuid.UUID(int=2)))  # type: ignore[arg-type]
         srv = nvme_tcp.NvmeTcpServer([NvmeSubsystemConfig(nqn, [ns], [("127.0.0.1", 4420)])])
         hostid = bytes(range(16))
         conns = []

@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
 from openvsan.block import RamDevice
 from openvsan.frontend.config import NvmeNamespaceConfig, NvmeSubsystemConfig
 from openvsan.frontend.nvme_tcp import NvmeTcpServer
+from openvsan.volume import Volume
 
 UNITS = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
 
@@ -39,7 +40,7 @@ async def main(args: argparse.Namespace) -> None:
     nss = []
     for i in range(args.namespaces):
         dev = RamDevice(size_of(args.size) // args.block_size, args.block_size)
-        nss.append(NvmeNamespaceConfig(i + 1, dev, f"ram{i}", uuid.uuid5(uuid.NAMESPACE_URL, f"{args.nqn}/{i}")))
+        nss.append(NvmeNamespaceConfig(i + 1, Volume(dev, name=f"ram{i}", uuid=uuid.uuid5(uuid.NAMESPACE_URL, f"{args.nqn}/{i}"))))
     sub = NvmeSubsystemConfig(args.nqn, nss, [(args.host, args.port)], allowed_hosts=args.allow_host or None,
                               serial="openvsan-test")
     server = NvmeTcpServer([sub])

@@ -30,6 +30,7 @@ from vsan_harness import free_port
 from openvsan.block import RamDevice
 from openvsan.frontend.config import NvmeNamespaceConfig, NvmeSubsystemConfig
 from openvsan.frontend.nvme_tcp import NvmeTcpServer
+from openvsan.volume import Volume
 
 NQN = "nqn.2026-11.org.openvsan:t0"
 PRIVATE = "nqn.2026-11.org.openvsan:private"
@@ -41,10 +42,10 @@ def run(coro: Callable[[NvmeTcpServer, int], Coroutine[Any, Any, None]], caplog:
     async def main() -> None:
         port = free_port()
         subs = [
-            NvmeSubsystemConfig(NQN, [NvmeNamespaceConfig(1, RamDevice(65536, BS), "v0", uuid.uuid4()),
-                                      NvmeNamespaceConfig(2, RamDevice(8192, 4096), "v1", uuid.uuid4())],
+            NvmeSubsystemConfig(NQN, [NvmeNamespaceConfig(1, Volume(RamDevice(65536, BS), name="v0", uuid=uuid.uuid4())),
+                                      NvmeNamespaceConfig(2, Volume(RamDevice(8192, 4096), name="v1", uuid=uuid.uuid4()))],
                                 [("127.0.0.1", port)]),
-            NvmeSubsystemConfig(PRIVATE, [NvmeNamespaceConfig(1, RamDevice(1024, BS), "v2", uuid.uuid4())],
+            NvmeSubsystemConfig(PRIVATE, [NvmeNamespaceConfig(1, Volume(RamDevice(1024, BS), name="v2", uuid=uuid.uuid4()))],
                                 [("127.0.0.1", port)], allowed_hosts=["nqn.2014-08.org.example:only"]),
         ]
         server = NvmeTcpServer(subs, **kw)

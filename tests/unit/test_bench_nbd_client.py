@@ -18,6 +18,7 @@ from openvsan.frontend.nbd import NbdServer
 from openvsan.initiator import open_url
 from openvsan.initiator.nbd import NbdInitiator, parse_nbd_url
 from openvsan.initiator.url import UrlError
+from openvsan.volume import Volume
 
 
 def free_port() -> int:
@@ -29,7 +30,7 @@ def free_port() -> int:
 @asynccontextmanager
 async def serving(dev: FaultDevice, *, read_only: bool = False) -> AsyncIterator[int]:
     port = free_port()
-    server = NbdServer([NbdExportConfig("disk0", dev, [("127.0.0.1", port)], read_only=read_only)])
+    server = NbdServer([NbdExportConfig("disk0", Volume(dev, name="disk0"), [("127.0.0.1", port)], read_only=read_only)])
     await server.start()
     try:
         yield port

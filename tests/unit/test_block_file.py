@@ -10,6 +10,7 @@ import pytest
 
 from openvsan.block import BlockDevice, DeviceFailed, FileDevice, OutOfRange
 from openvsan.block import file as file_mod
+from openvsan.volume import Volume
 
 MiB = 1 << 20
 
@@ -58,8 +59,9 @@ def test_write_read_roundtrip_and_reopen(tmp_path: Path) -> None:
 
 
 def test_bounds_and_alignment(tmp_path: Path) -> None:
+    """Checked once, by the volume over the file (volume/volume.py), not again by the file device."""
     async def go() -> None:
-        dev = FileDevice(tmp_path / "d", size=8 * 512)
+        dev = Volume(FileDevice(tmp_path / "d", size=8 * 512), name="v")
         with pytest.raises(OutOfRange):
             await dev.read(7, 2)
         with pytest.raises(OutOfRange):
@@ -69,7 +71,7 @@ def test_bounds_and_alignment(tmp_path: Path) -> None:
         with pytest.raises(ValueError):
             await dev.write(0, bytes(100))
         assert await dev.read(8, 0) == b""
-        await dev.close()
+        await dev.device.close()
 
     run(go())
 

@@ -7,6 +7,7 @@ import asyncio
 import pytest
 
 from openvsan.block import BlockDevice, NullDevice, OutOfRange
+from openvsan.volume import Volume
 
 
 def test_null_device() -> None:
@@ -16,12 +17,13 @@ def test_null_device() -> None:
         await dev.write(0, b"\xff" * 8192, fua=True)
         assert bytes(await dev.read(0, 2)) == bytes(8192)
         assert len(await dev.read(10, 1)) == 4096
+        vol = Volume(dev, name="v")   # bounds and alignment: checked by the volume
         with pytest.raises(OutOfRange):
-            await dev.read(999, 2)
+            await vol.read(999, 2)
         with pytest.raises(OutOfRange):
-            await dev.write(1000, bytes(4096))
+            await vol.write(1000, bytes(4096))
         with pytest.raises(ValueError):
-            await dev.write(0, bytes(10))
+            await vol.write(0, bytes(10))
         await dev.unmap(0, 1000)
         await dev.write_zeroes(0, 1)
         await dev.flush()

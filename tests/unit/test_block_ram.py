@@ -6,6 +6,7 @@ import pytest
 
 from openvsan.block import OutOfRange
 from openvsan.block.ram import RamDevice
+from openvsan.volume import Volume
 
 
 @pytest.fixture(params=["anonymous", "shm"])
@@ -44,7 +45,7 @@ def test_backing_file_survives_reopen(tmp_path):
         d = RamDevice(64, backing=path)
         assert await d.read(5, 1) == b"x" * 512
         with pytest.raises(OutOfRange):
-            await d.read(63, 2)
+            await Volume(d, name="v").read(63, 2)
         await d.close()
     try:
         asyncio.run(go())

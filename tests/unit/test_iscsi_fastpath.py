@@ -16,6 +16,7 @@ from openvsan.frontend.config import IscsiTargetConfig
 from openvsan.frontend.iscsi import Connection, IscsiServer
 from openvsan.protocol.iscsi.login import LoginState
 from openvsan.protocol.scsi import Lun, ScsiTarget
+from openvsan.volume import Volume
 
 IQN = "iqn.2026-11.org.openvsan:fast"
 BS = 512
@@ -55,11 +56,12 @@ class Wire:
 
 
 class AsyncOnly:
-    """The same RAM, without SyncRead/SyncWrite: every command takes the normal path."""
+    """The same RAM, without a fast path (capabilities say so): every command takes the normal path."""
 
     def __init__(self, inner: RamDevice) -> None:
         self.inner = inner
         self.block_size, self.num_blocks = inner.block_size, inner.num_blocks
+        self.capabilities = inner.capabilities.but(sync_read=False, sync_write=False)
 
     def __getattr__(self, name: str) -> Any:
         if name in ("read_now", "write_now"):
@@ -108,7 +110,7 @@ def rw(op: int, lba: int, n: int, flags: int = 0) -> bytes:
 
 
 async def run(device: Any, stream: list[bytes], *, setup: Any = None) -> tuple[bytes, Connection]:
-    unit = Lun(device, name="d", uuid=uuid.UUID(int=1), serial="s")
+    unit = Lun(Volume(device, name="d", uuid=uuid.UUID(int=1), serial="s"))
     t = IscsiTargetConfig(IQN, ScsiTarget(IQN, {0: unit}), [("127.0.0.1", 3260)])
     srv = IscsiServer([t])
     c = Connection(srv, ("127.0.0.1", 3260))

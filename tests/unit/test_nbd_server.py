@@ -17,6 +17,7 @@ from openvsan.frontend.config import NbdExportConfig
 from openvsan.frontend.nbd import NbdServer
 from openvsan.protocol.nbd import Cmd, CmdFlag, Errno
 from openvsan.protocol.nbd.wire import IHAVEOPT, REQUEST_MAGIC, Info, Opt, Rep, ReplyType
+from openvsan.volume import Volume
 
 MiB = 1 << 20
 
@@ -100,7 +101,7 @@ class Client:
 @asynccontextmanager
 async def serving(*exports: tuple[str, Any, bool], **kw: Any) -> AsyncIterator[tuple[NbdServer, int]]:
     port = free_port()
-    server = NbdServer([NbdExportConfig(name, dev, [("127.0.0.1", port)], read_only=ro, description=name.upper())
+    server = NbdServer([NbdExportConfig(name, Volume(dev, name=name), [("127.0.0.1", port)], read_only=ro, description=name.upper())
                         for name, dev, ro in exports], **kw)
     await server.start()
     try:
@@ -257,7 +258,7 @@ def test_port_in_use_names_the_address() -> None:
             s.bind(("127.0.0.1", 0))
             s.listen()
             port = s.getsockname()[1]
-            server = NbdServer([NbdExportConfig("d", RamDevice(8, 512), [("127.0.0.1", port)])])
+            server = NbdServer([NbdExportConfig("d", Volume(RamDevice(8, 512), name="d"), [("127.0.0.1", port)])])
             with pytest.raises(OSError, match=f"cannot listen on 127.0.0.1:{port}"):
                 await server.start()
 

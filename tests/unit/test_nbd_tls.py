@@ -33,6 +33,7 @@ from openvsan.protocol.nbd import (
 )
 from openvsan.protocol.nbd.handshake import TlsMode
 from openvsan.protocol.nbd.wire import IHAVEOPT, Info, Opt, Rep
+from openvsan.volume import Volume
 
 MiB = 1 << 20
 OPEN = ExportInfo("open", 8 * MiB, min_block=512)
@@ -341,7 +342,7 @@ async def serving(exports: list[tuple[str, str]], ctx: ssl.SSLContext | None, po
 
     port = free_port()
     port_holder.append(port)
-    server = NbdServer([NbdExportConfig(name, RamDevice(2048, 512), [("127.0.0.1", port)], tls=mode)
+    server = NbdServer([NbdExportConfig(name, Volume(RamDevice(2048, 512), name=name), [("127.0.0.1", port)], tls=mode)
                         for name, mode in exports], ssl_context=ctx, **kw)
     await server.start()
     return server
@@ -479,7 +480,7 @@ def test_server_tls_handshake_counts_against_the_handshake_timeout(pki: Pki, loo
 
 def test_server_without_credentials_refuses_tls_exports() -> None:
     with pytest.raises(ValueError, match="disk0: tls = 'require' needs the server's TLS credentials"):
-        NbdServer([NbdExportConfig("disk0", RamDevice(8, 512), [("127.0.0.1", 1)], tls="require")])
+        NbdServer([NbdExportConfig("disk0", Volume(RamDevice(8, 512), name="disk0"), [("127.0.0.1", 1)], tls="require")])
 
 
 # --- credentials and config ---------------------------------------------------------------------------

@@ -19,8 +19,8 @@ from openvsan.node.store import Store
 
 
 class FakeLun:
-    def __init__(self, device: Any, **kw: Any) -> None:
-        self.device = device
+    def __init__(self, volume: Any, **kw: Any) -> None:
+        self.volume = volume
         self.kw = kw
 
 
@@ -32,7 +32,7 @@ class FakeScsiTarget:
     async def flush_all(self) -> None:
         self.flushed += 1
         for lun in self.luns.values():
-            await lun.device.flush()
+            await lun.volume.flush()
 
 
 class FakeTargetConfig:
@@ -113,10 +113,11 @@ def test_assembly(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
         lun0, lun3 = a.scsi.luns[0], a.scsi.luns[3]
         assert b.scsi.luns[0] is lun0  # one Lun per volume, shared: one PR state, one identity
         ident = node.state.identities["disk0"]
-        assert lun0.kw == {"name": "disk0", "uuid": ident.uuid, "serial": ident.serial, "read_only": False,
-                           "pr_state_path": tmp_path / "data" / "pr" / "disk0.json"}
-        assert lun3.kw["read_only"] is True and lun3.device is node.devices["f0"]
-        await lun0.device.write(0, b"x" * 512)
+        assert lun0.kw == {"read_only": False, "pr_state_path": tmp_path / "data" / "pr" / "disk0.json"}
+        # the LU's identity is its volume's, kept by the store
+        assert (lun0.volume.name, lun0.volume.uuid, lun0.volume.serial) == ("disk0", ident.uuid, ident.serial)
+        assert lun3.kw["read_only"] is True and lun3.volume.device is node.devices["f0"]
+        await lun0.volume.write(0, b"x" * 512)
         await node.stop()
         assert server.events == ["start", "stop"]
         assert a.scsi.flushed == 1 and b.scsi.flushed == 1
@@ -262,11 +263,11 @@ def test_one_volume_on_three_protocols(tmp_path: Path, caplog: pytest.LogCapture
         assert sub.allowed_hosts == ["nqn.2014-08.org.nvmexpress:uuid:0c9a1d3e-1234-4567-89ab-0123456789ab"]
         assert len(sub.serial) == 20 and sub.serial.isascii() and sub.model == "openvsan"
         ns1, ns2 = sub.namespaces
-        assert (ns1.nsid, ns1.name, ns1.read_only) == (1, "disk0", False) and ns2.read_only
-        assert ns1.device is node.volumes["disk0"] and ns1.uuid == node.state.identities["disk0"].uuid
+        assert (ns1.nsid, ns1.volume.name, ns1.read_only) == (1, "disk0", False) and ns2.read_only
+        assert ns1.volume is node.volumes["disk0"] and ns1.volume.uuid == node.state.identities["disk0"].uuid
         e0, e1, ro = nbd.targets
         assert (e0.name, e0.portals, e0.read_only) == ("disk0", [("127.0.0.1", 10809)], False)
-        assert e0.device is node.volumes["disk0"] is ns1.device  # one volume, one device, every protocol
+        assert e0.volume is node.volumes["disk0"] is ns1.volume  # one volume handle for every protocol
         assert e1.read_only and ro.read_only and ro.portals == [("127.0.0.1", 10810)]
         await node.stop()
         assert nvme.events == nbd.events == ["start", "stop"] and node.devices == {}

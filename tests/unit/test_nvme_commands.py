@@ -24,6 +24,7 @@ from openvsan.protocol.nvme.subsystem import (
     Port,
     Subsystem,
 )
+from openvsan.volume import Volume
 
 NQN = "nqn.2026-11.org.openvsan:test"
 UUID = uuid.UUID("12345678-1234-5678-9abc-def012345678")
@@ -43,7 +44,7 @@ def run(coro):  # type: ignore[no-untyped-def]
 
 def make(bs: int = 512, blocks: int = 2048, allowed: list[str] | None = None, device=None):  # type: ignore[no-untyped-def]
     dev = device or RamDevice(blocks, bs)
-    sub = Subsystem(NQN, [Namespace(1, dev, "vol", UUID)], allowed_hosts=allowed, serial="SN1")
+    sub = Subsystem(NQN, [Namespace(1, Volume(dev, name="vol", uuid=UUID))], allowed_hosts=allowed, serial="SN1")
     clock = Clock()
     fabric = Fabric([sub], {NQN: [Port(1, "192.0.2.1", 4420), Port(2, "192.0.2.2", 4420)]}, clock=clock)
     return fabric, sub, clock
@@ -218,7 +219,7 @@ def test_log_pages_and_async_events() -> None:
         assert c2 is not None and c2.dw0 == 0x02 | (0x03 << 8) | (0x0C << 16)
         # namespace change: changed namespace list
         assert await ctrl.admin(Sqe(sqe(0x0C, 79)), b"") is None
-        sub.add_namespace(Namespace(2, RamDevice(64, 512), "vol2", uuid.uuid4()))
+        sub.add_namespace(Namespace(2, Volume(RamDevice(64, 512), name="vol2", uuid=uuid.uuid4())))
         assert events[-1] == (79, 0x02 | (0x04 << 16))   # notice, NS attribute changed, log 04h
         chl = (await admin(ctrl, sqe(0x02, 1, 0, cdw10=0x04 | (1023 << 16), sgl_len=(1023 + 1) * 4))).data
         assert chl is not None and struct.unpack_from("<II", chl) == (2, 0)

@@ -22,6 +22,7 @@ from openvsan.protocol.scsi import (
     ScsiTarget,
     parse_sense,
 )
+from openvsan.volume import Volume
 
 BLOCKS = 4096
 IQN = "iqn.2026-11.org.openvsan:test"
@@ -31,7 +32,7 @@ NX = Nexus("iqn.2026-11.org.openvsan.test:init1", 0x23D000000001, IQN)
 class Harness:
     def __init__(self, **lun_kw: Any) -> None:
         self.dev = lun_kw.pop("device", None) or RamDevice(BLOCKS)
-        self.lun = Lun(self.dev, name="disk0", uuid=uuid.UUID(int=0x1234), serial="SER0", **lun_kw)
+        self.lun = Lun(Volume(self.dev, name="disk0", uuid=uuid.UUID(int=0x1234), serial="SER0"), **lun_kw)
         self.target = ScsiTarget(IQN, {0: self.lun})
 
     def run(self, cdb: bytes | list[int], data: bytes = b"", nexus: Nexus = NX, lun: int = 0) -> ScsiResult:
@@ -104,7 +105,7 @@ def test_unknown_opcode_and_absent_lun(h: Harness) -> None:
 
 
 def test_report_luns() -> None:
-    luns = {n: Lun(RamDevice(64), name=f"d{n}", uuid=uuid.uuid4(), serial=str(n)) for n in (0, 3, 300)}
+    luns = {n: Lun(Volume(RamDevice(64), name=f"d{n}", uuid=uuid.uuid4(), serial=str(n))) for n in (0, 3, 300)}
     t = ScsiTarget(IQN, luns)
     r = asyncio.run(t.execute(7, bytes([0xA0, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0]), memoryview(b""), NX))
     assert r.status == GOOD

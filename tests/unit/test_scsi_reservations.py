@@ -19,6 +19,7 @@ from openvsan.protocol.scsi import (
     ScsiTarget,
     parse_sense,
 )
+from openvsan.volume import Volume
 
 IQN = "iqn.2026-11.org.openvsan:test"
 A = Nexus("iqn.2026-11.org.openvsan.test:a", 1, IQN)
@@ -27,7 +28,7 @@ C = Nexus("iqn.2026-11.org.openvsan.test:a", 3, IQN)   # same initiator as A, an
 
 
 def make(pr_path: pathlib.Path | None = None) -> ScsiTarget:
-    lun = Lun(RamDevice(256), name="d", uuid=uuid.UUID(int=7), serial="S", pr_state_path=pr_path)
+    lun = Lun(Volume(RamDevice(256), name="d", uuid=uuid.UUID(int=7), serial="S"), pr_state_path=pr_path)
     return ScsiTarget(IQN, {0: lun})
 
 
@@ -185,14 +186,14 @@ def test_compare_and_write_is_atomic_against_writes() -> None:
     bs = 512
 
     async def main() -> None:
-        await lun.device.write(0, b"\0" * bs)
-        slow_read = lun.device.read
+        await lun.volume.write(0, b"\0" * bs)
+        slow_read = lun.volume.read
 
         async def read(lba: int, blocks: int) -> bytes:
             data = await slow_read(lba, blocks)
             await asyncio.sleep(0)   # give writers a chance to slip in between read and write
             return bytes(data)
-        lun.device.read = read  # type: ignore[method-assign]
+        lun.volume.read = read  # type: ignore[method-assign]
         caw = struct.pack(">BBQ3xBBB", 0x89, 0, 0, 1, 0, 0)
         wr = bytes((0x2A, 0, 0, 0, 0, 0, 0, 0, 1, 0))
         winners = 0
@@ -200,7 +201,7 @@ def test_compare_and_write_is_atomic_against_writes() -> None:
         async def cas(i: int) -> None:
             nonlocal winners
             while True:
-                cur = bytes(await lun.device.read(0, 1))
+                cur = bytes(await lun.volume.read(0, 1))
                 r = await t.execute(0, caw, memoryview(cur + bytes([i]) * bs), A)
                 if r.status == GOOD:
                     winners += 1

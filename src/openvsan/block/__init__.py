@@ -1,9 +1,11 @@
-"""Block layer: the BlockDevice interface, typed errors and the leaf devices."""
+"""Block layer: the BlockDevice interface, capabilities, the Layer base, typed errors and the leaf devices."""
 
+from openvsan.block.capabilities import Capabilities
 from openvsan.block.device import BlockDevice, Buffer, check_range
 from openvsan.block.errors import BlockError, Busy, DeviceFailed, MediumError, NoSpace, OutOfRange, ReadOnly
 from openvsan.block.fault import FaultDevice, FaultRule
 from openvsan.block.file import FileDevice
+from openvsan.block.layer import Layer
 from openvsan.block.null import NullDevice
 from openvsan.block.ram import RamDevice
 
@@ -12,10 +14,12 @@ __all__ = [
     "BlockError",
     "Buffer",
     "Busy",
+    "Capabilities",
     "DeviceFailed",
     "FaultDevice",
     "FaultRule",
     "FileDevice",
+    "Layer",
     "MediumError",
     "NoSpace",
     "NullDevice",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol, runtime_checkable
 
+from openvsan.block.capabilities import Capabilities
 from openvsan.block.errors import OutOfRange
 
 Buffer = bytes | bytearray | memoryview
@@ -11,8 +12,15 @@ Buffer = bytes | bytearray | memoryview
 
 @runtime_checkable
 class BlockDevice(Protocol):
-    block_size: int  # logical block, 512 or 4096
-    num_blocks: int
+    # read-only here, so that a Layer's properties (block/layer.py) satisfy it as well as plain attributes
+    @property
+    def block_size(self) -> int: ...  # logical block, 512 or 4096
+
+    @property
+    def num_blocks(self) -> int: ...
+
+    @property
+    def capabilities(self) -> Capabilities: ...  # what it can do besides this interface
 
     async def read(self, lba: int, blocks: int) -> Buffer: ...
 
@@ -30,14 +38,14 @@ class BlockDevice(Protocol):
 
 
 def check_range(dev: BlockDevice, lba: int, blocks: int) -> None:
-    """Bounds check, done once at the export edge (STYLE.md §2) and by leaf devices."""
+    """Bounds check, done once, at the volume (volume/volume.py; STYLE.md §2), not again in the layers."""
     if lba < 0 or blocks < 0 or lba + blocks > dev.num_blocks:
         raise OutOfRange(f"lba {lba} + {blocks} blocks beyond {dev.num_blocks}")
 
 
 @runtime_checkable
 class SyncRead(Protocol):
-    """What a device may offer besides BlockDevice when it can often answer a read at once: read_now is done
+    """What a device with capabilities.sync_read offers besides BlockDevice: read_now is done
     in the caller's turn of the event loop, with no coroutine, or declines (None: use read()). Frontends use
     it for plain reads (no Task, no await). The caller has checked the range.
 
@@ -50,7 +58,7 @@ class SyncRead(Protocol):
 
 @runtime_checkable
 class SyncWrite(Protocol):
-    """write_now: a write done in the caller's turn, as durable on return as `write(..., fua=True)` would make
+    """What a device with capabilities.sync_write offers. write_now: a write done in the caller's turn, as durable on return as `write(..., fua=True)` would make
     it, or declined (False, nothing written: use write()). The caller has checked the range."""
 
     def write_now(self, lba: int, data: Buffer) -> bool: ...

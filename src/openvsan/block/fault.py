@@ -56,6 +56,10 @@ class FaultDevice:
         self.pending: dict[int, bytes] = {}  # lba -> block, written but not yet durable
         self.reads = self.writes = self.flushes = 0
         self._writeback_sync: dict[int, bytes] = {}
+        # no fast path: every request goes where a fault can be injected
+        self.capabilities = inner.capabilities.but(sync_read=False, sync_write=False,
+                                                   volatile_cache=volatile_cache or inner.capabilities.volatile_cache,
+                                                   resizable=False)
 
     # --- what a test sets up --------------------------------------------------------------------
 

@@ -14,7 +14,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
 
-from openvsan.block.device import Buffer, check_range
+from openvsan.block.capabilities import Capabilities
+from openvsan.block.device import Buffer
 from openvsan.block.errors import DeviceFailed, MediumError, NoSpace
 
 T = TypeVar("T")
@@ -199,6 +200,10 @@ class FileDevice:
         self.memory_backed = (not direct and not self.is_block_device
                               and fs_type(os.fstat(self._fd).st_dev) in MEMORY_FS)
         self._closed = False
+        # a regular file on a disk holds written data in the page cache until a sync: a volatile cache
+        self.capabilities = Capabilities(
+            sync_read=self.memory_backed or bool(self._nowait), sync_write=self.memory_backed,
+            volatile_cache=not self.memory_backed, resizable=not self.is_block_device)
 
     def _probe_direct(self) -> None:
         # O_DIRECT needs the I/O size to be a multiple of the medium's logical block; find out now, not on
@@ -336,7 +341,6 @@ class FileDevice:
     # --- BlockDevice ----------------------------------------------------------------------------
 
     async def read(self, lba: int, blocks: int) -> Buffer:
-        check_range(self, lba, blocks)
         if blocks == 0:
             return b""
         bs = self.block_size
@@ -345,9 +349,6 @@ class FileDevice:
     async def write(self, lba: int, data: Buffer, *, fua: bool = False) -> None:
         bs = self.block_size
         n = memoryview(data).nbytes
-        if n % bs:
-            raise ValueError(f"write of {n} bytes is not a multiple of the block size {bs}")
-        check_range(self, lba, n // bs)
         if n == 0:
             if fua:
                 await self.flush()
@@ -363,10 +364,16 @@ class FileDevice:
         await self.write_zeroes(lba, blocks)
 
     async def write_zeroes(self, lba: int, blocks: int) -> None:
-        check_range(self, lba, blocks)
         if blocks:
             bs = self.block_size
             await self._run(self._zero, lba * bs, blocks * bs)
+
+    async def resize(self, num_blocks: int) -> None:
+        """A regular file grows sparse (or is cut short); a block device keeps the size it has."""
+        if self.is_block_device:
+            raise ValueError(f"{self.path} is a block device: its size is the disk's")
+        await self._run(os.ftruncate, self._fd, num_blocks * self.block_size)
+        self.num_blocks = num_blocks
 
     async def close(self) -> None:
         if self._closed:

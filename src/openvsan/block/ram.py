@@ -6,7 +6,8 @@ import mmap
 import os
 from typing import Any
 
-from openvsan.block.device import Buffer, check_range
+from openvsan.block.capabilities import Capabilities
+from openvsan.block.device import Buffer
 from openvsan.block.file import open_backing
 
 LEND_AT = 64 * 1024   # read_now lends a view of the memory from this size up
@@ -47,12 +48,12 @@ class RamDevice:
             os.ftruncate(self._fd, size)
         self._mem: mmap.mmap = mmap.mmap(self._fd, size)
         self._view = memoryview(self._mem)
+        self.capabilities = Capabilities(sync_read=True, sync_write=True, resizable=True)
 
     # Reads go through pread, not the mapping: reading a never-written page through a shared mapping
     # faults in a fresh zeroed page (memory the disk then holds for nothing), pread copies zeros and
     # allocates nothing. Writes go through the mapping.
     async def read(self, lba: int, blocks: int) -> Buffer:
-        check_range(self, lba, blocks)
         bs = self.block_size
         return os.pread(self._fd, blocks * bs, lba * bs)
 
@@ -79,11 +80,7 @@ class RamDevice:
 
     async def write(self, lba: int, data: Buffer, *, fua: bool = False) -> None:
         bs = self.block_size
-        n = len(data)
-        if n % bs:
-            raise ValueError(f"write of {n} bytes is not a multiple of the block size {bs}")
-        check_range(self, lba, n // bs)
-        self._view[lba * bs:lba * bs + n] = data
+        self._view[lba * bs:lba * bs + len(data)] = data
 
     async def flush(self) -> None:
         # RAM (or tmpfs) is as durable as it gets: the promise is "survives the process", which it does.
@@ -93,7 +90,6 @@ class RamDevice:
         await self.write_zeroes(lba, blocks)
 
     async def write_zeroes(self, lba: int, blocks: int) -> None:
-        check_range(self, lba, blocks)
         bs = self.block_size
         start, end = lba * bs, (lba + blocks) * bs
         page = mmap.PAGESIZE
@@ -111,6 +107,21 @@ class RamDevice:
                 return
         self._view[start:end] = bytes(end - start)
 
+    async def resize(self, num_blocks: int) -> None:
+        """Grow or shrink the memory file and map it anew. A view still lent from the old mapping keeps it
+        alive until its send is done; both map the same pages."""
+        size = num_blocks * self.block_size
+        os.ftruncate(self._fd, size)
+        old_mem, old_view = self._mem, self._view
+        self._mem = mmap.mmap(self._fd, size)
+        self._view = memoryview(self._mem)
+        self.num_blocks = num_blocks
+        old_view.release()
+        try:
+            old_mem.close()
+        except BufferError:
+            pass  # lent: it goes when the last view does
+
     async def close(self) -> None:
         self._view.release()
         try:
@@ -120,6 +131,11 @@ class RamDevice:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
+
+    @classmethod
+    def from_config(cls, cfg: dict[str, Any]) -> RamDevice:
+        bs = cfg.get("block_size", 512)
+        return cls(cfg["size"] // bs, bs, backing=cfg.get("backing"), name=cfg.get("name", "ram"))
 
     def to_config(self) -> dict[str, Any]:
         cfg: dict[str, Any] = {"type": "ram", "name": self.name, "size": self.num_blocks * self.block_size,

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from openvsan.block.device import BlockDevice
     from openvsan.protocol.nvme.auth import HostPolicy
     from openvsan.protocol.scsi.target import ScsiTarget
+    from openvsan.volume import Volume
 
 
 @dataclass(frozen=True)
@@ -34,9 +33,7 @@ class IscsiTargetConfig:
 @dataclass
 class NvmeNamespaceConfig:
     nsid: int                            # 1-based namespace ID
-    device: BlockDevice                  # the volume behind it
-    name: str                            # volume name
-    uuid: uuid.UUID                      # stable identity: NGUID/EUI64/UUID derive from it
+    volume: Volume                       # behind it; NGUID/EUI64/UUID derive from its uuid
     read_only: bool = False
 
 
@@ -56,7 +53,7 @@ class NvmeSubsystemConfig:
 @dataclass
 class NbdExportConfig:
     name: str                            # export name clients ask for (NBD_OPT_GO / INFO)
-    device: BlockDevice
+    volume: Volume
     portals: list[tuple[str, int]]       # where it is served (default port 10809)
     read_only: bool = False
     description: str = ""

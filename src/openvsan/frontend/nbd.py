@@ -20,7 +20,6 @@ from collections import deque
 from collections.abc import Sequence
 from pathlib import Path
 
-from openvsan.block.device import SyncRead, SyncWrite
 from openvsan.block.errors import (
     BlockError,
     MediumError,
@@ -58,10 +57,10 @@ MAX_EARLY_TLS_DATA = 256 * 1024
 
 
 def export_info(e: NbdExportConfig) -> ExportInfo:
-    bs = e.device.block_size
+    bs = e.volume.block_size
     # proto.md "Size constraints": the device's block is the smallest unit we can write without a
     # read-modify-write, so it is the minimum block size we ask clients to keep to
-    return ExportInfo(e.name, e.device.num_blocks * bs, min_block=bs, preferred_block=max(4096, bs),
+    return ExportInfo(e.name, e.volume.num_blocks * bs, min_block=bs, preferred_block=max(4096, bs),
                       max_payload=DEFAULT_MAX_PAYLOAD, read_only=e.read_only, description=e.description)
 
 
@@ -406,23 +405,23 @@ class Connection(BatchedConnection):
 
     def _done_now(self, req: Request) -> bool:
         """A read or write (checked already by the protocol layer) done at once by a device that can
-        (block/device.py SyncRead / SyncWrite) and answered here; False: nothing was done, the request runs
+        (Volume.read_now / write_now) and answered here; False: nothing was done, the request runs
         the normal way. A SyncWrite write is durable on return, so FUA needs nothing more."""
         assert self.export is not None
-        dev = self.export.device
-        bs = dev.block_size
+        vol = self.export.volume
+        bs = vol.block_size
         if not req.length or req.offset % bs or req.length % bs:
             return False
-        if req.cmd == Cmd.READ and isinstance(dev, SyncRead):
-            data = dev.read_now(req.offset // bs, req.length // bs)
+        if req.cmd == Cmd.READ:
+            data = vol.read_now(req.offset // bs, req.length // bs)
             if data is None:
                 return False
             self.send(self.conn.reply(req, data))
             if not isinstance(data, bytes):
                 self._batch.flush()  # a lent view leaves before a later request of this read can write there
             return True
-        if req.cmd == Cmd.WRITE and isinstance(dev, SyncWrite) and req.payload is not None:
-            if not dev.write_now(req.offset // bs, req.payload):
+        if req.cmd == Cmd.WRITE and req.payload is not None:
+            if not vol.write_now(req.offset // bs, req.payload):
                 return False
             self.send(self.conn.reply(req))
             return True
@@ -447,7 +446,7 @@ class Connection(BatchedConnection):
 
     async def _run(self, req: Request) -> list[Buffer]:
         assert self.export is not None
-        dev = self.export.device
+        dev = self.export.volume
         bs = dev.block_size
         lba, blocks = req.offset // bs, req.length // bs
         cmd = req.cmd
@@ -508,7 +507,7 @@ def _errno(req: Request, e: BlockError, export: NbdExportConfig | None) -> tuple
         return (Errno.ENOSPC if req.cmd in (Cmd.WRITE, Cmd.WRITE_ZEROES) else Errno.EINVAL), None
     if isinstance(e, MediumError) and e.lba is not None and export is not None:
         # NBD_REPLY_TYPE_ERROR_OFFSET: the offset MUST lie within the request
-        offset = e.lba * export.device.block_size
+        offset = e.lba * export.volume.block_size
         if req.offset <= offset < req.offset + req.length:
             return Errno.EIO, offset
     # MediumError, DeviceFailed, Busy (NBD has no "try again") and anything newer

@@ -86,7 +86,7 @@ class NvmeTcpServer(PortalServer):
         self.listen: dict[tuple[str, int], None] = {}
         self.portals_of: dict[str, list[tuple[str, int]]] = {}
         for c in self.configs:
-            nss = [Namespace(n.nsid, n.device, n.name, n.uuid, n.read_only) for n in c.namespaces]
+            nss = [Namespace(n.nsid, n.volume, n.read_only) for n in c.namespaces]
             subs.append(Subsystem(c.nqn, nss, allowed_hosts=c.allowed_hosts, serial=c.serial, model=c.model,
                                   dhchap_hosts=c.dhchap_hosts))
             listen = [(h, int(p)) for h, p in c.portals]

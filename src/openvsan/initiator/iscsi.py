@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from openvsan.block.capabilities import Capabilities
 from openvsan.block.device import Buffer, check_range
 from openvsan.block.errors import BlockError, DeviceFailed
 from openvsan.initiator import scsi as X
@@ -185,6 +186,7 @@ class IscsiInitiator:
         self.sessions = [IscsiSession(host, port, target, self.opts, i) for i in range(self.opts.queues)]
         self.block_size = 512
         self.num_blocks = 0
+        self.capabilities = Capabilities(volatile_cache=True)  # the remote end may cache writes until flush
         self.inquiry: X.Inquiry | None = None
         self.capacity: X.Capacity | None = None
         self.limits = X.BlockLimits()

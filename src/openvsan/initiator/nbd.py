@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import parse_qsl, unquote
 
+from openvsan.block.capabilities import Capabilities
 from openvsan.block.device import Buffer, check_range
 from openvsan.block.errors import BlockError, DeviceFailed, MediumError, NoSpace, OutOfRange, ReadOnly
 from openvsan.initiator.url import UrlError
@@ -229,6 +230,7 @@ class NbdInitiator:
         self.export = export
         self.block_size = 512 if export.min_block <= 512 else 4096
         self.num_blocks = export.size // self.block_size
+        self.capabilities = Capabilities(volatile_cache=True)  # the remote end may cache writes until flush
         self.max_io_blocks = max(1, min(export.max_payload, DEFAULT_MAX_PAYLOAD) // self.block_size)
         self._rr = itertools.cycle(range(len(conns)))
 

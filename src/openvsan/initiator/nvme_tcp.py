@@ -17,6 +17,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from openvsan.block.capabilities import Capabilities
 from openvsan.block.device import Buffer, check_range
 from openvsan.block.errors import BlockError, Busy, DeviceFailed, MediumError, NoSpace, OutOfRange, ReadOnly
 from openvsan.initiator.iscsi_conn import ConnectionLost
@@ -309,6 +310,7 @@ class NvmeTcpInitiator:
         self.closed = False
         self.block_size = 512
         self.num_blocks = 0
+        self.capabilities = Capabilities(volatile_cache=True)  # the remote end may cache writes until flush
         self.ns: C.IdentifyNamespace | None = None
         self.max_io_blocks = 1
 

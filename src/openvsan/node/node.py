@@ -31,6 +31,8 @@ from openvsan.node.specs import DeviceSpec, NbdExportSpec, SubsystemSpec, Target
 from openvsan.node.store import StoredState, VolumeIdentity
 from openvsan.node.values import format_size
 from openvsan.protocol.auth_throttle import AuthThrottle
+from openvsan.volume import Volume
+from openvsan.volume.registry import build_stack
 
 log = logging.getLogger("openvsan.node")
 
@@ -57,9 +59,10 @@ def open_device(spec: DeviceSpec, *, trust_foreign: bool = False) -> BlockDevice
     raise NodeError(f"device {spec.name}: unknown type {spec.type!r}")
 
 
-def open_volume(spec: VolumeSpec, device: BlockDevice) -> BlockDevice:
-    # The seam for the volume stack (thin, cache, crypt, QoS...): today a volume is its device (or its pool).
-    return device
+def open_volume(spec: VolumeSpec, device: BlockDevice, identity: VolumeIdentity) -> Volume:
+    """The volume's handle over its stack: the layers its spec names (QoS, later thin, cache, crypt) over its
+    device or pool (volume/registry.py)."""
+    return Volume(build_stack(device, spec.layers), name=spec.name, uuid=identity.uuid, serial=identity.serial)
 
 
 @dataclass
@@ -118,7 +121,7 @@ class Node:
     data_dir: Path
     factories: Factories | None = None
     devices: dict[str, BlockDevice] = field(default_factory=dict)
-    volumes: dict[str, BlockDevice] = field(default_factory=dict)
+    volumes: dict[str, Volume] = field(default_factory=dict)
     luns: dict[str, Any] = field(default_factory=dict)       # volume name -> Lun (shared by its targets)
     targets: list[Any] = field(default_factory=list)         # IscsiTargetConfig
     server: Any = None                                       # the iSCSI server
@@ -156,7 +159,7 @@ class Node:
                 raise NodeError(str(e)) from None
             for vspec in cfg.volumes:
                 base = self.pools[vspec.pool].pool if vspec.pool is not None else self.devices[str(vspec.device)]
-                self.volumes[vspec.name] = open_volume(vspec, base)
+                self.volumes[vspec.name] = open_volume(vspec, base, self.state.identities[vspec.name])
             pr_dir = self.data_dir / "pr"
             pr_dir.mkdir(mode=0o700, exist_ok=True)
             for t in cfg.targets:
@@ -243,9 +246,7 @@ class Node:
         for x in t.luns:
             if x.volume not in self.luns:
                 vspec = self.state.config.volume(x.volume)
-                ident: VolumeIdentity = self.state.identities[x.volume]
-                self.luns[x.volume] = f.lun(self.volumes[x.volume], name=x.volume, uuid=ident.uuid,
-                                            serial=ident.serial, read_only=vspec.read_only,
+                self.luns[x.volume] = f.lun(self.volumes[x.volume], read_only=vspec.read_only,
                                             pr_state_path=pr_dir / f"{x.volume}.json")
             luns[x.lun] = self.luns[x.volume]
         return f.target_config(
@@ -261,9 +262,7 @@ class Node:
         from openvsan.frontend.config import NvmeNamespaceConfig, NvmeSubsystemConfig
 
         cfg = self.state.config
-        namespaces = [NvmeNamespaceConfig(ns.nsid, self.volumes[ns.volume], ns.volume,
-                                          self.state.identities[ns.volume].uuid,
-                                          read_only=cfg.volume(ns.volume).read_only)
+        namespaces = [NvmeNamespaceConfig(ns.nsid, self.volumes[ns.volume], read_only=cfg.volume(ns.volume).read_only)
                       for ns in sub.namespaces]
         return NvmeSubsystemConfig(
             sub.nqn, namespaces, [(p.host, p.port) for p in sub.portals],
@@ -349,6 +348,8 @@ class Node:
         """Close the pools (clean: flushed, superblocks marked clean; they close their members), then the
         devices no pool holds."""
         await self._stop_control()
+        for vol in self.volumes.values():
+            await vol.close()   # its layers; the devices below are closed next
         closed = await self.pools.close()
         for name, dev in reversed(list(self.devices.items())):
             if id(dev) in closed:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from openvsan.node.values import Portal
 
@@ -66,6 +67,11 @@ class VolumeSpec:
     device: str | None              # None: the volume lives on `pool`
     read_only: bool = False
     pool: str | None = None
+
+    @property
+    def layers(self) -> list[dict[str, Any]]:
+        """The layer configs of its stack, bottom first (volume/registry.py builds them over the device)."""
+        return []
 
 
 @dataclass(frozen=True)

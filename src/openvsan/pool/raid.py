@@ -36,6 +36,7 @@ from collections.abc import Sequence
 from functools import partial
 from typing import Any
 
+from openvsan.block.capabilities import Capabilities
 from openvsan.block.device import BlockDevice, Buffer, check_range
 from openvsan.block.errors import DeviceFailed
 from openvsan.pool import assembly
@@ -83,6 +84,8 @@ class Pool:
         self.block_size = base.block_size
         self.geo = geo
         self.num_blocks = geo.num_blocks
+        # a write without FUA may sit in a member's cache until flush; no fast path, a fixed size
+        self.capabilities = Capabilities(volatile_cache=True)
         self.data_offset = base.data_offset
         self.members = members
         self.spares = spares

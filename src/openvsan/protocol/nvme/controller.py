@@ -160,7 +160,7 @@ class Controller:
     async def flush_all(self) -> None:
         for ns in list(self.subsystem.namespaces.values()):
             with contextlib.suppress(BlockError):   # shutdown goes on; the device reports its own failure
-                await ns.device.flush()
+                await ns.volume.flush()
 
     # --- keep alive (NVMe-oF 1.1 §3.9 / Base 2.0 §3.9) -------------------------------------------------
     def keep_alive(self) -> None:

@@ -93,7 +93,7 @@ def controller(ctrl: Controller) -> bytes:
 
 def namespace(ns: Namespace, sub: Subsystem, ctrl: Controller) -> bytes:
     """Identify Namespace, NVM command set (NVM Command Set 1.0 §4.1.5.1 Figure 97)."""
-    dev = ns.device
+    dev = ns.volume
     b = bytearray(IDENTIFY_SIZE)
     n = dev.num_blocks
     struct.pack_into("<QQQ", b, 0, n, n, n)              # NSZE, NCAP, NUSE

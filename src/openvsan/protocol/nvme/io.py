@@ -51,7 +51,7 @@ def _range(sqe: Sqe, ns: Namespace) -> tuple[int, int, int]:
     """(status, slba, nlb) of a Read/Write/Compare/Write Zeroes: SLBA in CDW10-11, NLB 0's based."""
     slba = sqe.cdw10 | (sqe.cdw11 << 32)
     nlb = (sqe.cdw12 & 0xFFFF) + 1
-    if slba + nlb > ns.device.num_blocks:
+    if slba + nlb > ns.volume.num_blocks:
         return S.LBA_OUT_OF_RANGE, slba, nlb
     return S.SUCCESS, slba, nlb
 
@@ -73,13 +73,13 @@ def read_now(ctrl: Controller, sqe: Sqe) -> Buffer | None:
     """The data of a plain Read from a namespace whose device can answer at once (SyncRead), or None: then
     execute_io must run it, with every check and every status. Side-effect free until it returns data."""
     ns = _fast_namespace(ctrl, sqe)
-    if ns is None or ns.sync_read is None:
+    if ns is None:
         return None
     slba, nlb = sqe.cdw10 | (sqe.cdw11 << 32), (sqe.cdw12 & 0xFFFF) + 1
-    n = nlb * ns.device.block_size
-    if slba + nlb > ns.device.num_blocks or n > MAX_TRANSFER or n != sqe.sgl_len:
+    n = nlb * ns.volume.block_size
+    if slba + nlb > ns.volume.num_blocks or n > MAX_TRANSFER or n != sqe.sgl_len:
         return None
-    buf = ns.sync_read.read_now(slba, nlb)
+    buf = ns.volume.read_now(slba, nlb)
     if buf is None:
         return None
     ctrl.subsystem.read_commands += 1
@@ -91,11 +91,11 @@ def write_now(ctrl: Controller, sqe: Sqe, data: Buffer) -> bool:
     """Do a plain Write with exactly its data at once (durable on return: FUA needs nothing more), or
     return False with nothing written: execute_io must run it."""
     ns = _fast_namespace(ctrl, sqe)
-    if ns is None or ns.sync_write is None or ns.read_only:
+    if ns is None or ns.read_only:
         return False
     slba, nlb = sqe.cdw10 | (sqe.cdw11 << 32), (sqe.cdw12 & 0xFFFF) + 1
-    if (slba + nlb > ns.device.num_blocks or len(data) != nlb * ns.device.block_size
-            or not ns.sync_write.write_now(slba, data)):
+    if (slba + nlb > ns.volume.num_blocks or len(data) != nlb * ns.volume.block_size
+            or not ns.volume.write_now(slba, data)):
         return False
     ctrl.subsystem.write_commands += 1
     ctrl.subsystem.bytes_written += len(data)
@@ -117,7 +117,7 @@ async def execute_io(ctrl: Controller, sqe: Sqe, data: bytes | bytearray | memor
         if st:
             return S.fail(st)
     res = ns.reservations
-    dev = ns.device
+    dev = ns.volume
     try:
         if op == OP_READ:
             # NVM Command Set 1.0 §3.2.4 Read
@@ -188,7 +188,7 @@ async def execute_io(ctrl: Controller, sqe: Sqe, data: bytes | bytearray | memor
 async def _flush_all(ctrl: Controller) -> Completion:
     for ns in list(ctrl.subsystem.namespaces.values()):
         try:
-            await ns.device.flush()
+            await ns.volume.flush()
         except BlockError as e:
             return S.fail(S.block_error_status(e, write=True))
     return S.OK
@@ -199,11 +199,11 @@ async def _compare(ctrl: Controller, sqe: Sqe, ns: Namespace, data: bytes | byte
     st, slba, nlb = _range(sqe, ns)
     if st:
         return S.fail(st)
-    if len(data) != nlb * ns.device.block_size:
+    if len(data) != nlb * ns.volume.block_size:
         return S.fail(S.DATA_SGL_LENGTH_INVALID)
     if ns.reservations.registrants and not ns.reservations.allows(ctrl.hostid, False):
         return S.fail(S.RESERVATION_CONFLICT)
-    have = await ns.device.read(slba, nlb)
+    have = await ns.volume.read(slba, nlb)
     return S.OK if memoryview(have) == memoryview(data) else S.fail(S.COMPARE_FAILURE)
 
 
@@ -220,7 +220,7 @@ async def _dataset_management(ctrl: Controller, sqe: Sqe, ns: Namespace,
     if ns.reservations.registrants and not ns.reservations.allows(ctrl.hostid, True):
         return S.fail(S.RESERVATION_CONFLICT)
     ranges = [_RANGE.unpack_from(data, i * 16) for i in range(nr)]
-    dev = ns.device
+    dev = ns.volume
     for _, nlb, slba in ranges:
         if slba + nlb > dev.num_blocks:
             return S.fail(S.LBA_OUT_OF_RANGE)

@@ -8,8 +8,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from openvsan.block.device import BlockDevice, SyncRead, SyncWrite
 from openvsan.protocol.nvme.reservations import Reservations
+from openvsan.volume import Volume
 
 if TYPE_CHECKING:
     from openvsan.protocol.nvme.auth import HostPolicy
@@ -29,29 +29,28 @@ ANA_STATES = (ANA_OPTIMIZED, ANA_NON_OPTIMIZED, ANA_INACCESSIBLE, ANA_PERSISTENT
 @dataclass
 class Namespace:
     nsid: int
-    device: BlockDevice
-    name: str
-    uuid: uuidlib.UUID
+    volume: Volume
     read_only: bool = False
     ana_group: int = 1
     reservations: Reservations = field(default_factory=Reservations)
-    # the device again, where it can answer reads / writes at once (block/device.py)
-    sync_read: SyncRead | None = field(init=False, default=None)
-    sync_write: SyncWrite | None = field(init=False, default=None)
+    unlisten: Callable[[], None] | None = field(default=None, repr=False)
 
-    def __post_init__(self) -> None:
-        self.sync_read = self.device if isinstance(self.device, SyncRead) else None
-        self.sync_write = self.device if isinstance(self.device, SyncWrite) else None
+    # the namespace's identity is its volume's (Identify Namespace NGUID, EUI64, UUID descriptor)
+    @property
+    def name(self) -> str:
+        return self.volume.name
+
+    @property
+    def uuid(self) -> uuidlib.UUID:
+        return self.volume.uuid
 
     @property
     def nguid(self) -> bytes:
-        """16-byte NGUID: the volume's uuid, stable across restarts (Identify Namespace bytes 104-119)."""
-        return self.uuid.bytes
+        return self.volume.nguid
 
     @property
     def eui64(self) -> bytes:
-        # derived, not a prefix of the NGUID, so the two identifiers never look alike
-        return hashlib.sha256(b"eui64:" + self.uuid.bytes).digest()[:8]
+        return self.volume.eui64
 
 
 class Subsystem:
@@ -84,6 +83,7 @@ class Subsystem:
         self.media_errors = 0
         for ns in self.namespaces.values():
             self.ana_states.setdefault(ns.ana_group, ANA_OPTIMIZED)
+            self._watch(ns)
 
     def allows(self, hostnqn: str) -> bool:
         if hostnqn in self.dhchap_hosts:
@@ -117,13 +117,25 @@ class Subsystem:
             c.ana_changed()
 
     def add_namespace(self, ns: Namespace) -> None:
+        if ns.nsid in self.namespaces:
+            raise ValueError(f"{self.nqn}: namespace {ns.nsid} exists")
         self.namespaces[ns.nsid] = ns
         self.ana_states.setdefault(ns.ana_group, ANA_OPTIMIZED)
+        self._watch(ns)
         self._ns_changed(ns.nsid)
 
-    def remove_namespace(self, nsid: int) -> None:
-        if self.namespaces.pop(nsid, None) is not None:
+    def remove_namespace(self, nsid: int) -> Namespace | None:
+        ns = self.namespaces.pop(nsid, None)
+        if ns is not None:
+            if ns.unlisten is not None:
+                ns.unlisten()
             self._ns_changed(nsid)
+        return ns
+
+    def _watch(self, ns: Namespace) -> None:
+        # a resized volume: Namespace Attribute Changed to every controller (Base 2.0 §5.2 AEN, 5.16.1.5)
+        nsid = ns.nsid
+        ns.unlisten = ns.volume.listen(lambda what: self._ns_changed(nsid) if what == "resized" else None)
 
     def _ns_changed(self, nsid: int) -> None:
         for c in list(self.controllers.values()):

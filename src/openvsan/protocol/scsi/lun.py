@@ -1,4 +1,4 @@
-"""A SCSI logical unit over a BlockDevice: its state (mode pages, reservations, unit attentions, medium)
+"""A SCSI logical unit over a Volume: its state (mode pages, reservations, unit attentions, medium)
 and the dispatch of one command (SAM-5 5.14 order of checks: unit attention, CDB, reservations, medium)."""
 
 from __future__ import annotations
@@ -6,10 +6,9 @@ from __future__ import annotations
 import asyncio
 import pathlib
 import struct
-import uuid as uuidlib
 from collections.abc import Awaitable, Callable, Iterable
 
-from openvsan.block.device import BlockDevice, Buffer, SyncRead, SyncWrite
+from openvsan.block.device import Buffer
 from openvsan.block.errors import BlockError
 from openvsan.protocol.scsi import provisioning, sbc, spc, xcopy
 from openvsan.protocol.scsi.inquiry import BlockLimits
@@ -19,6 +18,7 @@ from openvsan.protocol.scsi.nexus import Nexus
 from openvsan.protocol.scsi.opcodes import COMMANDS, Access, CommandSpec
 from openvsan.protocol.scsi.pr import PersistentReservations
 from openvsan.protocol.scsi.sense import (
+    ASC_CAPACITY_DATA_HAS_CHANGED,
     ASC_INVALID_FIELD_IN_CDB,
     ASC_INVALID_OPCODE,
     ASC_MEDIUM_NOT_PRESENT,
@@ -33,6 +33,7 @@ from openvsan.protocol.scsi.sense import (
     block_error_result,
     build_sense,
 )
+from openvsan.volume import Volume
 
 Handler = Callable[["Lun", bytes, memoryview, Nexus], Awaitable[ScsiResult]]
 DataOutLength = Callable[[bytes, int], int]
@@ -87,16 +88,16 @@ _FAST_WRITE = {op: _fast_entry(op) for op in (0x2A, 0x8A)}
 
 
 class Lun:
-    def __init__(self, device: BlockDevice, *, name: str, uuid: uuidlib.UUID, serial: str,
-                 read_only: bool = False, pr_state_path: pathlib.Path | None = None,
+    def __init__(self, volume: Volume, *, read_only: bool = False, pr_state_path: pathlib.Path | None = None,
                  removable: bool = False) -> None:
-        self.device = device
-        self.name = name
-        self.uuid = uuid
-        self.serial = serial
+        self.volume = volume
+        # the LU's identity is the volume's (VPD 80h serial, 83h NAA and names)
+        self.name = volume.name
+        self.uuid = volume.uuid
+        self.serial = volume.serial
         self.read_only = read_only
         self.removable = removable
-        self.block_size = device.block_size
+        self.block_size = volume.block_size
         # physical block of 4 KiB under 512-byte logical blocks: initiators align to it (SBC-4 6.6.4)
         self.lbppb_exponent = 3 if self.block_size == 512 else 0
         bs = self.block_size
@@ -106,10 +107,9 @@ class Lun:
             max_unmap_lbas=(512 << 20) // bs, max_unmap_descriptors=4096,
             unmap_granularity=1 << self.lbppb_exponent, max_write_same=0xFFFF,
             max_atomic=(1 << 20) // bs, atomic_alignment=0, atomic_granularity=0)
-        # unmapped blocks read back as zeros (LBPRZ), unless the device says otherwise
-        self.lbprz: bool = getattr(device, "unmap_reads_zero", True)
-        self._sync_read: SyncRead | None = device if isinstance(device, SyncRead) else None
-        self._sync_write: SyncWrite | None = device if isinstance(device, SyncWrite) else None
+        # unmapped blocks read back as zeros (LBPRZ), unless the stack says otherwise; re-read on a swap
+        self.lbprz = volume.capabilities.unmap_reads_zero
+        self.unlisten = volume.listen(self._volume_changed)
         self.mode = ModeState()
         self.pr = PersistentReservations(pr_state_path)
         self.pr.load()
@@ -144,34 +144,32 @@ class Lun:
         if len(cdb) < n or int.from_bytes(cdb[:n], "big") & ~mask:
             return 0, 0
         lba, blocks = layout.unpack_from(cdb)
-        if not blocks or lba + blocks > self.device.num_blocks or blocks > self.limits.max_transfer:
+        if not blocks or lba + blocks > self.volume.num_blocks or blocks > self.limits.max_transfer:
             return 0, 0
         return lba, blocks
 
     def read_now(self, cdb: Buffer, nexus: Nexus) -> Buffer | None:
         """The data of a plain READ(10)/(16), read at once, or None: then the command must take execute(),
         which does every check and reports every condition. Side-effect free, so a caller may ask first."""
-        sync = self._sync_read
-        if sync is None or not self._fast_ok(nexus):
+        if not self._fast_ok(nexus):
             return None
         lba, blocks = self._fast_range(_FAST_READ, cdb)
-        return sync.read_now(lba, blocks) if blocks else None
+        return self.volume.read_now(lba, blocks) if blocks else None
 
     def write_now(self, cdb: Buffer, data: Buffer, nexus: Nexus) -> bool:
         """Do a plain WRITE(10)/(16) at once, with exactly the data it asks for; False (nothing written):
         the command must take execute(). FUA needs nothing more: a SyncWrite write is durable on return."""
-        sync = self._sync_write
-        if sync is None or not self._fast_ok(nexus) or self.write_protected or not self.locks.exclusive_idle:
+        if not self._fast_ok(nexus) or self.write_protected or not self.locks.exclusive_idle:
             return False
         lba, blocks = self._fast_range(_FAST_WRITE, cdb)
-        if not blocks or len(data) != blocks * self.block_size or not sync.write_now(lba, data):
+        if not blocks or len(data) != blocks * self.block_size or not self.volume.write_now(lba, data):
             return False
         self.all_deallocated = False
         return True
 
     @property
     def num_blocks(self) -> int:
-        return self.device.num_blocks
+        return self.volume.num_blocks
 
     @property
     def write_protected(self) -> bool:
@@ -203,8 +201,13 @@ class Lun:
 
     def capacity_changed(self) -> None:
         """Call after the device grew or shrank: every nexus gets CAPACITY DATA HAS CHANGED (SBC-4 4.6)."""
-        from openvsan.protocol.scsi.sense import ASC_CAPACITY_DATA_HAS_CHANGED
         self.add_ua_others(ASC_CAPACITY_DATA_HAS_CHANGED, None)
+
+    def _volume_changed(self, what: str) -> None:
+        if what == "resized":
+            self.capacity_changed()
+        elif what == "stack":
+            self.lbprz = self.volume.capabilities.unmap_reads_zero
 
     # ---- resets and nexus loss (SAM-5 6.3, 6.6; SPC-2 5.5.1)
 

@@ -56,7 +56,7 @@ async def _write_same(lun: Lun, cdb: bytes, lba: int, n: int, data: memoryview, 
 
 async def _fill(lun: Lun, lba: int, n: int, block: bytes, *, unmap: bool) -> None:
     """Write one block's content over a range: zeros become unmap/write_zeroes, the rest big chunks."""
-    dev, bs = lun.device, lun.block_size
+    dev, bs = lun.volume, lun.block_size
     if block.count(0) == bs:
         if unmap and lun.lbprz:
             await dev.unmap(lba, n)
@@ -120,7 +120,7 @@ async def unmap(lun: Lun, cdb: bytes, data: memoryview, nexus: Nexus) -> ScsiRes
     for lba, n in ranges:
         token = await lun.locks.acquire(lba, lba + n)
         try:
-            await lun.device.unmap(lba, n)
+            await lun.volume.unmap(lba, n)
         finally:
             lun.locks.release(token)
     return _GOOD
@@ -132,16 +132,15 @@ _SUB = 64 << 10           # zero-filled sub-chunks are taken whole
 
 
 async def get_lba_status(lun: Lun, cdb: bytes, data: memoryview, nexus: Nexus) -> ScsiResult:
-    """GET LBA STATUS (SBC-4 5.6). A device with a map answers from it (lba_status(lba, blocks) ->
+    """GET LBA STATUS (SBC-4 5.6). A stack with extents (capabilities.extents) answers from its map (lba_status(lba, blocks) ->
     [(lba, blocks, status)]); otherwise blocks that read as zero are reported deallocated, which LBPRZ
     makes indistinguishable from real deallocation."""
     lba, alloc = u64(cdb, 2), u32(cdb, 10)
     if lba >= lun.num_blocks:
         raise lba_out_of_range()
     max_desc = max(1, (alloc - 8) // 16)
-    status_fn = getattr(lun.device, "lba_status", None)
-    if status_fn is not None:
-        extents = list(await status_fn(lba, lun.num_blocks - lba))
+    if lun.volume.capabilities.extents:
+        extents = list(await lun.volume.lba_status(lba, lun.num_blocks - lba))  # type: ignore[call-overload]
     elif lun.lbprz and lun.all_deallocated:
         extents = [(lba, lun.num_blocks - lba, 1)]
     elif lun.lbprz:
@@ -170,7 +169,7 @@ async def _zero_extents(lun: Lun, lba: int, max_desc: int) -> list[tuple[int, in
     pos = lba
     while pos < end and len(runs) <= max_desc:
         k = min(per_read, end - pos)
-        buf = bytes(await lun.device.read(pos, k))
+        buf = bytes(await lun.volume.read(pos, k))
         for off in range(0, len(buf), _SUB):
             stop = min(len(buf), off + _SUB)
             if buf.count(0, off, stop) == stop - off:
@@ -210,7 +209,7 @@ async def sanitize(lun: Lun, cdb: bytes, data: memoryview, nexus: Nexus) -> Scsi
         token = await lun.locks.acquire(0, lun.num_blocks, exclusive=True)
         try:
             await _fill(lun, 0, lun.num_blocks, block, unmap=False)
-            await lun.device.flush()
+            await lun.volume.flush()
         finally:
             lun.locks.release(token)
         return _GOOD
@@ -219,8 +218,8 @@ async def sanitize(lun: Lun, cdb: bytes, data: memoryview, nexus: Nexus) -> Scsi
     # BLOCK ERASE and CRYPTOGRAPHIC ERASE: every block deallocated, reads return zeros
     token = await lun.locks.acquire(0, lun.num_blocks, exclusive=True)
     try:
-        await lun.device.unmap(0, lun.num_blocks)
-        await lun.device.flush()
+        await lun.volume.unmap(0, lun.num_blocks)
+        await lun.volume.flush()
         lun.all_deallocated = True
     finally:
         lun.locks.release(token)

@@ -43,7 +43,7 @@ _CHUNK = 8 << 20   # largest buffer built at once by WRITE SAME and the like
 
 def _check_range(lun: Lun, lba: int, n: int) -> None:
     # SBC-4 4.5: also for zero blocks, an LBA past the capacity is out of range
-    if lba + n > lun.device.num_blocks:
+    if lba + n > lun.volume.num_blocks:
         raise lba_out_of_range()
 
 
@@ -86,7 +86,7 @@ async def _read(lun: Lun, lba: int, n: int, lenfield: int) -> ScsiResult:
     if not n:
         return _GOOD
     _check_transfer(lun, n, lenfield)
-    return ScsiResult(GOOD, await lun.device.read(lba, n))
+    return ScsiResult(GOOD, await lun.volume.read(lba, n))
 
 
 async def read6(lun: Lun, cdb: bytes, data: memoryview, nexus: Nexus) -> ScsiResult:
@@ -122,7 +122,7 @@ async def _write(lun: Lun, lba: int, n: int, data: memoryview, fua: bool, lenfie
     token = await lun.locks.acquire(lba, lba + n)
     try:
         lun.all_deallocated = False
-        await lun.device.write(lba, payload, fua=fua or not lun.mode.wce)
+        await lun.volume.write(lba, payload, fua=fua or not lun.mode.wce)
     finally:
         lun.locks.release(token)
     return _GOOD
@@ -165,7 +165,7 @@ async def write_atomic16(lun: Lun, cdb: bytes, data: memoryview, nexus: Nexus) -
     token = await lun.locks.acquire(lba, lba + n, exclusive=True)
     try:
         lun.all_deallocated = False
-        await lun.device.write(lba, payload, fua=bool(cdb[1] & _FUA) or not lun.mode.wce)
+        await lun.volume.write(lba, payload, fua=bool(cdb[1] & _FUA) or not lun.mode.wce)
     finally:
         lun.locks.release(token)
     return _GOOD
@@ -182,7 +182,7 @@ async def _verify(lun: Lun, lba: int, n: int, cdb: bytes, data: memoryview, lenf
         return _GOOD
     _check_transfer(lun, n, lenfield)
     bs = lun.block_size
-    medium = await lun.device.read(lba, n)
+    medium = await lun.volume.read(lba, n)
     if bytchk == 0:  # medium verification only: the read above succeeded
         return _GOOD
     if bytchk == 1:
@@ -254,11 +254,11 @@ async def compare_and_write(lun: Lun, cdb: bytes, data: memoryview, nexus: Nexus
     verify, write = data[:size], data[size:]
     token = await lun.locks.acquire(lba, lba + n, exclusive=True)
     try:
-        current = await lun.device.read(lba, n)
+        current = await lun.volume.read(lba, n)
         if current != verify:
             raise _miscompare(first_difference(current, verify))
         lun.all_deallocated = False
-        await lun.device.write(lba, write, fua=bool(cdb[1] & _FUA) or not lun.mode.wce)
+        await lun.volume.write(lba, write, fua=bool(cdb[1] & _FUA) or not lun.mode.wce)
     finally:
         lun.locks.release(token)
     return _GOOD
@@ -276,10 +276,10 @@ async def orwrite16(lun: Lun, cdb: bytes, data: memoryview, nexus: Nexus) -> Scs
     mask = _data(lun, data, size)
     token = await lun.locks.acquire(lba, lba + n, exclusive=True)
     try:
-        current = await lun.device.read(lba, n)
+        current = await lun.volume.read(lba, n)
         merged = (int.from_bytes(current, "big") | int.from_bytes(mask, "big")).to_bytes(size, "big")
         lun.all_deallocated = False
-        await lun.device.write(lba, merged, fua=bool(cdb[1] & _FUA) or not lun.mode.wce)
+        await lun.volume.write(lba, merged, fua=bool(cdb[1] & _FUA) or not lun.mode.wce)
     finally:
         lun.locks.release(token)
     return _GOOD
@@ -289,7 +289,7 @@ async def orwrite16(lun: Lun, cdb: bytes, data: memoryview, nexus: Nexus) -> Scs
 
 async def _sync(lun: Lun, lba: int, n: int) -> ScsiResult:
     _check_range(lun, lba, n)
-    await lun.device.flush()
+    await lun.volume.flush()
     return _GOOD
 
 

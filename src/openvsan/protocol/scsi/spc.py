@@ -145,7 +145,7 @@ async def start_stop_unit(lun: Lun, cdb: bytes, data: memoryview, nexus: Nexus) 
         if lun.prevent:
             raise ScsiError(ILLEGAL_REQUEST, ASC_MEDIUM_REMOVAL_PREVENTED)
         if not cdb[4] & 0x04:   # NO_FLUSH clear: whatever is cached goes to the medium before it leaves
-            await lun.device.flush()
+            await lun.volume.flush()
         lun.medium_present = bool(start)
     return _GOOD
 

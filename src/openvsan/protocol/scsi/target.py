@@ -114,7 +114,7 @@ class ScsiTarget:
 
     async def flush_all(self) -> None:
         for unit in self.luns.values():
-            await unit.device.flush()
+            await unit.volume.flush()
 
 
 def _clear_ua(unit: Lun, nexus: Nexus, asc: int) -> None:

@@ -138,13 +138,13 @@ async def extended_copy(lun: Lun, cdb: bytes, data: memoryview, nexus: Nexus) ->
         done = 0
         while done < nblocks:
             k = min(per, nblocks - done)
-            chunk = await src.device.read(src_lba + done, k)
+            chunk = await src.volume.read(src_lba + done, k)
             d_lba = dst_lba + done * src.block_size // dst.block_size
             d_n = k * src.block_size // dst.block_size
             token = await dst.locks.acquire(d_lba, d_lba + d_n)
             try:
                 dst.all_deallocated = False
-                await dst.device.write(d_lba, chunk, fua=not dst.mode.wce)
+                await dst.volume.write(d_lba, chunk, fua=not dst.mode.wce)
             finally:
                 dst.locks.release(token)
             done += k

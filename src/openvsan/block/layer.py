@@ -1,0 +1,93 @@
+"""Layer: a pass-through over one device below it (SPDK's passthru vbdev). A layer subclass overrides only
+what it changes; everything else, the fast path and the capabilities included, is the device below's.
+
+A method the subclass does not override is bound straight to the device below at construction, so an empty
+layer costs no call of its own on any path (tests/unit/test_layer.py checks it is byte-identical)."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from openvsan.block.capabilities import Capabilities
+from openvsan.block.device import BlockDevice, Buffer
+
+# the methods forwarded as they are unless a subclass overrides them
+FORWARDED = ("read", "write", "flush", "unmap", "write_zeroes", "read_now", "write_now", "lba_status")
+
+
+class Layer:
+    type_name: ClassVar[str] = "layer"   # its type in a stack config (block/registry.py)
+
+    def __init__(self, below: BlockDevice, *, name: str | None = None) -> None:
+        self.below = below
+        self.name = name or f"{self.type_name}:{getattr(below, 'name', '?')}"
+        cls = type(self)
+        for method in FORWARDED:
+            if getattr(cls, method) is getattr(Layer, method) and hasattr(below, method):
+                setattr(self, method, getattr(below, method))
+
+    # ---- what a layer states: by default, what the device below does
+
+    @property
+    def block_size(self) -> int:
+        return self.below.block_size
+
+    @property
+    def num_blocks(self) -> int:
+        return self.below.num_blocks
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return self.below.capabilities
+
+    # ---- BlockDevice, forwarded (replaced by the device's own bound methods in __init__)
+
+    async def read(self, lba: int, blocks: int) -> Buffer:
+        return await self.below.read(lba, blocks)
+
+    async def write(self, lba: int, data: Buffer, *, fua: bool = False) -> None:
+        await self.below.write(lba, data, fua=fua)
+
+    async def flush(self) -> None:
+        await self.below.flush()
+
+    async def unmap(self, lba: int, blocks: int) -> None:
+        await self.below.unmap(lba, blocks)
+
+    async def write_zeroes(self, lba: int, blocks: int) -> None:
+        await self.below.write_zeroes(lba, blocks)
+
+    def read_now(self, lba: int, blocks: int) -> Buffer | None:
+        fn = getattr(self.below, "read_now", None)
+        return fn(lba, blocks) if fn is not None else None
+
+    def write_now(self, lba: int, data: Buffer) -> bool:
+        fn = getattr(self.below, "write_now", None)
+        return bool(fn(lba, data)) if fn is not None else False
+
+    async def lba_status(self, lba: int, blocks: int) -> Any:
+        return await self.below.lba_status(lba, blocks)  # type: ignore[attr-defined]
+
+    async def resize(self, num_blocks: int) -> None:
+        await self.below.resize(num_blocks)  # type: ignore[attr-defined]
+
+    async def close(self) -> None:
+        """A layer closes itself only; the device below belongs to whoever opened it (the node)."""
+        return
+
+    # ---- its place in the desired state (block/registry.py)
+
+    def layer_config(self) -> dict[str, Any]:
+        """This layer's own settings, without its type (a subclass adds its parameters)."""
+        return {}
+
+    def to_config(self) -> dict[str, Any]:
+        return {"type": self.type_name, **self.layer_config()}
+
+
+def stack_of(top: BlockDevice) -> list[BlockDevice]:
+    """The devices of a stack from the top down to (and with) the device at its bottom."""
+    out = [top]
+    while isinstance(out[-1], Layer):
+        out.append(out[-1].below)
+    return out

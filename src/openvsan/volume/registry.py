@@ -1,0 +1,76 @@
+"""Device and layer types by name, so a volume's stack is data (SPDK save_config): a device config opens the
+device at the bottom, a list of layer configs builds the stack over it, and to_config() gives them back."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+from openvsan.block.device import BlockDevice
+from openvsan.block.layer import Layer, stack_of
+
+DeviceFactory = Callable[[dict[str, Any]], BlockDevice]
+LayerFactory = Callable[[dict[str, Any], BlockDevice], Layer]
+
+DEVICE_TYPES: dict[str, DeviceFactory] = {}
+LAYER_TYPES: dict[str, LayerFactory] = {}
+
+L = TypeVar("L", bound=type[Layer])
+
+# modules whose layers ship with openvsan (each decorates its classes with register_layer)
+BUILTIN_LAYERS: list[str] = []
+
+
+class UnknownType(ValueError):
+    """A config names a device or layer type nobody registered; str() says which and what there is."""
+
+
+def register_device(type_name: str, factory: DeviceFactory) -> None:
+    DEVICE_TYPES[type_name] = factory
+
+
+def register_layer(cls: L) -> L:
+    """Class decorator: a Layer subclass with `type_name` and `from_config(cfg, below)`."""
+    LAYER_TYPES[cls.type_name] = cls.from_config  # type: ignore[attr-defined]
+    return cls
+
+
+def _builtin() -> None:
+    # the leaf devices, and the layers that ship with openvsan, registered on first use (imports stay light)
+    if DEVICE_TYPES and LAYER_TYPES:
+        return
+    from openvsan.block.file import FileDevice
+    from openvsan.block.null import NullDevice
+    from openvsan.block.ram import RamDevice
+
+    DEVICE_TYPES.setdefault("ram", RamDevice.from_config)
+    DEVICE_TYPES.setdefault("file", FileDevice.from_config)
+    DEVICE_TYPES.setdefault("null", NullDevice.from_config)
+    import importlib
+    for module in BUILTIN_LAYERS:
+        importlib.import_module(module)  # each registers its layer types
+
+
+def device_from_config(cfg: dict[str, Any]) -> BlockDevice:
+    _builtin()
+    factory = DEVICE_TYPES.get(str(cfg.get("type")))
+    if factory is None:
+        raise UnknownType(f"unknown device type {cfg.get('type')!r}; known: {', '.join(sorted(DEVICE_TYPES))}")
+    return factory(cfg)
+
+
+def build_stack(base: BlockDevice, layers: Sequence[dict[str, Any]]) -> BlockDevice:
+    """The stack that `layers` (bottom first) describe, over `base`."""
+    _builtin()
+    top = base
+    for cfg in layers:
+        factory = LAYER_TYPES.get(str(cfg.get("type")))
+        if factory is None:
+            raise UnknownType(f"unknown layer type {cfg.get('type')!r}; known: {', '.join(sorted(LAYER_TYPES))}")
+        top = factory(cfg, top)
+    return top
+
+
+def stack_config(top: BlockDevice) -> list[dict[str, Any]]:
+    """The layer configs of a stack, bottom first (the device at the bottom is not among them)."""
+    return [d.to_config() for d in reversed(stack_of(top)[:-1])]
