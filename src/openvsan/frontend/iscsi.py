@@ -87,6 +87,27 @@ class IscsiServer(PortalServer):
         return [t.runner for s in list(self.sessions.values()) + list(self.by_tsih.values())
                 for t in s.tasks.values() if t.runner]
 
+    # --- changes while serving (the node's data plane calls these) ------------------------------------
+    async def add_target(self, t: IscsiTargetConfig) -> None:
+        """Serve one more target, listening on its portals if no other target does yet."""
+        if t.iqn in self.targets:
+            raise ValueError(f"iSCSI target {t.iqn} is already served")
+        self.targets[t.iqn] = t
+        try:
+            await self.sync_portals()
+        except OSError:
+            del self.targets[t.iqn]
+            raise
+
+    async def remove_target(self, iqn: str) -> IscsiTargetConfig:
+        """Stop serving a target: its sessions end (their commands are aborted), its portals close if no
+        other target is on them."""
+        t = self.targets.pop(iqn)
+        for s in [s for s in list(self.by_tsih.values()) if s.target is t]:
+            self.end_session(s, "target removed")
+        await self.sync_portals()
+        return t
+
     # --- directory --------------------------------------------------------------------------------
     def target_on_portal(self, name: str, portal: tuple[str, int]) -> IscsiTargetConfig | None:
         t = self.targets.get(name)

@@ -156,8 +156,6 @@ class NbdServer(PortalServer):
         self.handshake_timeout = handshake_timeout
         self.ssl_context = ssl_context
         self.tasks: set[asyncio.Task[None]] = set()
-        self._on_portal: dict[tuple[str, int], list[ExportInfo]] = {}
-        self._tls_on_portal: dict[tuple[str, int], tuple[bool, frozenset[str]]] = {}
 
     def portals(self) -> list[tuple[str, int]]:
         seen: dict[tuple[str, int], None] = {}
@@ -169,13 +167,35 @@ class NbdServer(PortalServer):
     def make_connection(self, portal: tuple[str, int]) -> Connection:
         return Connection(self, portal)
 
+    def _here(self, portal: tuple[str, int]) -> list[NbdExportConfig]:
+        return [e for e in self.exports.values() if portal in [(h, int(p)) for h, p in e.portals]]
+
     def portal_note(self, portal: tuple[str, int]) -> str:
-        here = [e for e in self.exports.values() if portal in [(h, int(p)) for h, p in e.portals]]
-        self._on_portal[portal] = [export_info(e) for e in here]
-        offered = self.ssl_context is not None and any(e.tls != "off" for e in here)
-        self._tls_on_portal[portal] = (offered, frozenset(e.name for e in here if e.tls == "require"))
-        return ", ".join(x.name + {"off": "", "optional": ": TLS optional", "require": ": TLS required"}[e.tls]
-                         for x, e in zip(self._on_portal[portal], here, strict=True))
+        return ", ".join(e.name + {"off": "", "optional": ": TLS optional", "require": ": TLS required"}[e.tls]
+                         for e in self._here(portal))
+
+    # --- changes while serving (the node's data plane calls these) ------------------------------------
+    async def add_export(self, e: NbdExportConfig) -> None:
+        """Serve one more export; a new client sees it at once (NBD_OPT_LIST, GO), on a new portal too."""
+        if e.name in self.exports:
+            raise ValueError(f"NBD export {e.name} is already served")
+        if e.tls != "off" and self.ssl_context is None:
+            raise ValueError(f"NBD export {e.name}: tls = {e.tls!r} needs the server's TLS credentials")
+        self.exports[e.name] = e
+        try:
+            await self.sync_portals()
+        except OSError:
+            del self.exports[e.name]
+            raise
+
+    async def remove_export(self, name: str) -> NbdExportConfig:
+        """Stop serving an export: clients using it are disconnected (NBD has no way to tell them first)."""
+        e = self.exports.pop(name)
+        for c in list(self.connections):
+            if isinstance(c, Connection) and c.export is e:
+                c.close()
+        await self.sync_portals()
+        return e
 
     def before_drain(self) -> None:
         # requests still arriving get NBD_ESHUTDOWN while those in flight finish
@@ -187,11 +207,14 @@ class NbdServer(PortalServer):
         return list(self.tasks)
 
     def exports_on(self, portal: tuple[str, int]) -> list[ExportInfo]:
-        return self._on_portal.get(portal, [])
+        # made when a client connects, so a resized volume shows its new size to every new client
+        return [export_info(e) for e in self._here(portal)]
 
     def tls_on(self, portal: tuple[str, int]) -> tuple[bool, frozenset[str]]:
         """Whether the portal offers NBD_OPT_STARTTLS, and its TLS-only exports."""
-        return self._tls_on_portal.get(portal, (False, frozenset()))
+        here = self._here(portal)
+        offered = self.ssl_context is not None and any(e.tls != "off" for e in here)
+        return offered, frozenset(e.name for e in here if e.tls == "require")
 
 
 class Connection(BatchedConnection):

@@ -80,28 +80,76 @@ class NvmeTcpServer(PortalServer):
         self.configs = list(subsystems)
         self.in_capsule = in_capsule
         self.maxh2cdata = maxh2cdata
-        ids: dict[tuple[str, int], int] = {}
+        self._port_ids: dict[tuple[str, int], int] = {}
         subs: list[Subsystem] = []
         placement: dict[str, list[Port]] = {}
-        self.listen: dict[tuple[str, int], None] = {}
+        self.listen: dict[tuple[str, int], None] = {}    # the discovery portals, then the subsystems'
+        self.discovery_portals = [(h, int(p)) for h, p in discovery_portals or []]
         self.portals_of: dict[str, list[tuple[str, int]]] = {}
         for c in self.configs:
-            nss = [Namespace(n.nsid, n.volume, n.read_only) for n in c.namespaces]
-            subs.append(Subsystem(c.nqn, nss, allowed_hosts=c.allowed_hosts, serial=c.serial, model=c.model,
-                                  dhchap_hosts=c.dhchap_hosts))
-            listen = [(h, int(p)) for h, p in c.portals]
-            self.portals_of[c.nqn] = listen
-            for lp in listen:
-                self.listen[lp] = None
-            placement[c.nqn] = _ports_of(c.advertised_portals or listen, ids)
-        for h, p in discovery_portals or []:
-            self.listen[(h, int(p))] = None
+            subs.append(self._subsystem(c))
+            placement[c.nqn] = self._place(c)
+        self._relisten()
         self.fabric = Fabric(subs, placement, clock=time.monotonic, in_capsule=in_capsule,
                              maxcmd=MAX_QUEUE_ENTRIES)
         self.queues_of: dict[Controller, set[Connection]] = {}
         self._ka_timer: asyncio.TimerHandle | None = None
         # failed DH-HMAC-CHAP per (host NQN, source address): late answers, then a lockout (set by the node)
         self.auth_throttle: AuthThrottle | None = None
+
+    def _subsystem(self, c: NvmeSubsystemConfig) -> Subsystem:
+        nss = [Namespace(n.nsid, n.volume, n.read_only) for n in c.namespaces]
+        return Subsystem(c.nqn, nss, allowed_hosts=c.allowed_hosts, serial=c.serial, model=c.model,
+                         dhchap_hosts=c.dhchap_hosts)
+
+    def _place(self, c: NvmeSubsystemConfig) -> list[Port]:
+        listen = [(h, int(p)) for h, p in c.portals]
+        self.portals_of[c.nqn] = listen
+        return _ports_of(c.advertised_portals or listen, self._port_ids)
+
+    def _relisten(self) -> None:
+        self.listen = dict.fromkeys([p for c in self.configs for p in self.portals_of[c.nqn]])
+        for p in self.discovery_portals:
+            self.listen[p] = None
+
+    # --- changes while serving (the node's data plane calls these) ----------------------------------------
+    async def add_subsystem(self, c: NvmeSubsystemConfig) -> Subsystem:
+        """Serve one more subsystem: it is in the discovery log at once (its generation counter moves, and
+        hosts that asked get a discovery log change event), and its portals listen."""
+        if c.nqn in self.fabric.subsystems:
+            raise ValueError(f"NVMe subsystem {c.nqn} is already served")
+        sub = self._subsystem(c)
+        self.configs.append(c)
+        self.fabric.subsystems[c.nqn] = sub
+        self.fabric.placement[c.nqn] = self._place(c)
+        self._relisten()
+        try:
+            await self.sync_portals()
+        except OSError:
+            await self.remove_subsystem(c.nqn)
+            raise
+        self._discovery_changed()
+        return sub
+
+    async def remove_subsystem(self, nqn: str) -> None:
+        """Stop serving a subsystem: its controllers (and their queues) are dropped, its portals close if
+        nothing else is served there."""
+        sub = self.fabric.subsystems.pop(nqn)
+        self.fabric.placement.pop(nqn, None)
+        self.configs = [c for c in self.configs if c.nqn != nqn]
+        self.portals_of.pop(nqn, None)
+        for ctrl in list(sub.controllers.values()):
+            self.drop_controller(ctrl, "subsystem removed")
+        for ns in list(sub.namespaces):
+            sub.remove_namespace(ns)
+        self._relisten()
+        await self.sync_portals()
+        self._discovery_changed()
+
+    def _discovery_changed(self) -> None:
+        self.fabric.generation += 1   # NVMe-oF 1.1 §5.3: GENCTR changes with the log's contents
+        for ctrl in list(self.fabric.discovery.controllers.values()):
+            ctrl.discovery_changed()
 
     # --- life cycle -------------------------------------------------------------------------------------
     def portals(self) -> list[tuple[str, int]]:

@@ -216,6 +216,7 @@ class PortalServer:
         self.closing = False
         self.connections: set[BatchedConnection] = set()
         self._servers: list[asyncio.base_events.Server] = []
+        self._listening: dict[tuple[str, int], asyncio.base_events.Server] = {}
         self.busy_poll: BusyPoll | None = None   # handed to every connection accepted from now on
         self.limits: ConnectionLimits | None = None   # the node's, shared by its servers; None: no caps
 
@@ -237,18 +238,44 @@ class PortalServer:
         """Called once listening has stopped and before stop() waits for commands in flight."""
 
     async def start(self) -> None:
+        watch_accept_errors(asyncio.get_running_loop())
+        try:
+            await self.sync_portals()
+        except OSError:
+            await self.stop()
+            raise
+
+    async def sync_portals(self) -> None:
+        """Listen on every portal portals() names and on no other: at start, and after the node added or
+        removed what a portal serves. A portal that cannot be bound raises OSError naming it, and the
+        portals bound by this call are let go again (those listening before stay)."""
         loop = asyncio.get_running_loop()
-        watch_accept_errors(loop)
-        for host, port in self.portals():
+        want = self.portals()
+        added: list[tuple[str, int]] = []
+        for host, port in want:
+            if (host, port) in self._listening:
+                continue
             try:
                 srv = await loop.create_server(lambda p=(host, port): self._accepted(p),  # type: ignore[misc]
                                                host, port, reuse_address=True, backlog=BACKLOG)
             except OSError as e:
-                await self.stop()
+                for p in added:
+                    await self._unlisten(p)
                 raise OSError(e.errno, f"cannot listen on {host}:{port}: {e.strerror}") from e
             self._servers.append(srv)
+            self._listening[(host, port)] = srv
+            added.append((host, port))
             note = self.portal_note((host, port))
             log.info("%s portal listening on %s:%d%s", self.kind, host, port, f" ({note})" if note else "")
+        for p in [p for p in self._listening if p not in want]:
+            await self._unlisten(p)
+            log.info("%s portal %s:%d no longer listening (nothing is served there)", self.kind, *p)
+
+    async def _unlisten(self, portal: tuple[str, int]) -> None:
+        srv = self._listening.pop(portal)
+        self._servers.remove(srv)
+        srv.close()
+        await srv.wait_closed()
 
     def _accepted(self, portal: tuple[str, int]) -> BatchedConnection:
         c = self.make_connection(portal)
@@ -274,3 +301,4 @@ class PortalServer:
         for s in self._servers:
             await s.wait_closed()
         self._servers.clear()
+        self._listening.clear()

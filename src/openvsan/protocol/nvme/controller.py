@@ -53,6 +53,7 @@ FID_RESERVATION_PERSISTENCE = 0x83
 AE_NOTICE = 0x02
 AEI_NS_ATTR_CHANGED = 0x00
 AEI_ANA_CHANGE = 0x03
+AEI_DISCOVERY_CHANGE = 0xF0   # NVMe-oF 1.1 Figure 36: Discovery Log Page Change
 
 MAX_IO_QUEUES = 64            # I/O queues a controller may have (each one TCP connection)
 KEEP_ALIVE_GRACE = 0.5        # seconds past KATO before a silent host counts as dead
@@ -185,6 +186,10 @@ class Controller:
             self.changed_nsids.append(nsid)
         if self.features[FID_ASYNC_EVENT_CONFIG] & ID.OAES_NS_ATTR:
             self._event(AE_NOTICE, AEI_NS_ATTR_CHANGED, LP.LID_CHANGED_NS)
+
+    def discovery_changed(self) -> None:
+        if self.features[FID_ASYNC_EVENT_CONFIG] & ID.OAES_DISCOVERY_CHANGE:
+            self._event(AE_NOTICE, AEI_DISCOVERY_CHANGE, LP.LID_DISCOVERY)
 
     def ana_changed(self) -> None:
         if self.features[FID_ASYNC_EVENT_CONFIG] & ID.OAES_ANA_CHANGE:
@@ -341,7 +346,7 @@ class Controller:
             self.keep_alive()
             return S.OK
         if fid == FID_ASYNC_EVENT_CONFIG:
-            supported = 0 if self.subsystem.discovery else ID.OAES
+            supported = ID.OAES_DISCOVERY_CHANGE if self.subsystem.discovery else ID.OAES
             self.features[fid] = v & supported
             return S.OK
         if fid == FID_POWER_MANAGEMENT:

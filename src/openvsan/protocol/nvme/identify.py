@@ -33,6 +33,8 @@ ONCS = (1 << 0) | (1 << 2) | (1 << 3) | (1 << 5)
 OAES_NS_ATTR = 1 << 8
 OAES_ANA_CHANGE = 1 << 11
 OAES = OAES_NS_ATTR | OAES_ANA_CHANGE
+# a discovery controller's one notice: the discovery log page changed (NVMe-oF 1.1 §5.4, OAES bit 31)
+OAES_DISCOVERY_CHANGE = 1 << 31
 MNAN = 1024                   # NN and MNAN: NSIDs 1..1024; bounds the ANA log size a host reserves (MNAN <= NN)
 AERL = 4                      # asynchronous event requests we hold (AERL is 0's based: 3)
 ABORT_LIMIT = 4
@@ -57,7 +59,7 @@ def controller(ctrl: Controller) -> bytes:
         b[76] = (1 << 0) | (1 << 1) | (1 << 3)           # CMIC: multi-port, multi-controller, ANA reporting
     b[77] = MDTS
     struct.pack_into("<HI", b, 78, ctrl.cntlid, VERSION)
-    struct.pack_into("<I", b, 92, 0 if sub.discovery else OAES)
+    struct.pack_into("<I", b, 92, OAES_DISCOVERY_CHANGE if sub.discovery else OAES)
     struct.pack_into("<I", b, 96, 0)                     # CTRATT: no traffic-based keep alive, 128-bit host id
     b[111] = 2 if sub.discovery else 1                   # CNTRLTYPE: discovery / I/O controller
     struct.pack_into("<H", b, 256, 0)                    # OACS: no optional admin commands

@@ -43,6 +43,31 @@ class ScsiTarget:
         for unit in luns.values():
             unit.peers = luns.values
 
+    # ---- LUNs added and removed while serving (SPC-4 6.33: REPORTED LUNS DATA HAS CHANGED)
+
+    def _nexuses(self) -> set[Nexus]:
+        return {n for unit in self.luns.values() for n in unit.nexuses}
+
+    def add_lun(self, number: int, unit: Lun) -> None:
+        if number in self.luns:
+            raise ValueError(f"{self.name}: LUN {number} exists")
+        known = self._nexuses()
+        self.luns[number] = unit
+        unit.peers = self.luns.values
+        for unit_ in self.luns.values():
+            for n in known:
+                unit_.add_ua(n, ASC_REPORTED_LUNS_DATA_CHANGED)
+        for n in known:   # the new LU knows of these nexuses: they may address it at once
+            unit.nexuses.add(n)
+
+    def remove_lun(self, number: int) -> Lun:
+        unit = self.luns.pop(number)
+        known = unit.nexuses | self._nexuses()
+        for other in self.luns.values():
+            for n in known:
+                other.add_ua(n, ASC_REPORTED_LUNS_DATA_CHANGED)
+        return unit
+
     def data_out_length(self, lun: int, cdb: bytes) -> int:
         """Bytes of Data-Out the CDB asks the initiator for (0: none, unknown opcode or absent LUN)."""
         unit = self.luns.get(lun)
