@@ -139,7 +139,7 @@ def test_schema_2_database_migrates_with_its_volumes(tmp_path: Path) -> None:
     db.commit()
     db.close()
     with Store(tmp_path / "state.db") as s:
-        assert s.schema_version() == SCHEMA_VERSION == 4
+        assert s.schema_version() == SCHEMA_VERSION == 5
         state = s.load().config
         assert state.volumes == (VolumeSpec("disk0", "r0", True),)
         assert state.targets[0].luns[0].volume == "disk0"

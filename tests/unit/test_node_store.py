@@ -147,7 +147,7 @@ def test_version_1_database_is_migrated(tmp_path: Path) -> None:
     db.commit()
     db.close()
     with Store(tmp_path / "state.db") as s:
-        assert s.schema_version() == SCHEMA_VERSION == 4
+        assert s.schema_version() == SCHEMA_VERSION == 5
         s.import_config(config())
         assert s.load().config.nbd_exports == ()
 
@@ -223,7 +223,7 @@ def test_version_3_database_loses_its_secrets_but_keeps_its_users(tmp_path: Path
     db.commit()
     db.close()
     with Store(tmp_path / "state.db") as s:
-        assert s.schema_version() == 4
+        assert s.schema_version() == 5
     dump = "\n".join(sqlite3.connect(tmp_path / "state.db").iterdump())
     assert "twelve+chars" not in dump and "alice" in dump
     assert b"twelve+chars" not in (tmp_path / "state.db").read_bytes()   # nor in the file's free pages

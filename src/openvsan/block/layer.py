@@ -2,7 +2,8 @@
 what it changes; everything else, the fast path and the capabilities included, is the device below's.
 
 A method the subclass does not override is bound straight to the device below at construction, so an empty
-layer costs no call of its own on any path (tests/unit/test_layer.py checks it is byte-identical)."""
+layer costs no call of its own on any path (tests/unit/test_layer.py checks it is byte-identical). The one
+exception is the fast path of a method the subclass changes (PAIRED): it declines rather than go around it."""
 
 from __future__ import annotations
 
@@ -14,6 +15,22 @@ from openvsan.block.device import BlockDevice, Buffer
 # the methods forwarded as they are unless a subclass overrides them
 FORWARDED = ("read", "write", "flush", "unmap", "write_zeroes", "read_now", "write_now", "lba_status")
 
+# A fast-path method goes with its normal one: a layer that changes read() (QoS, crypt, a cache) and says
+# nothing of read_now() must not let read_now reach the device below around it. It declines, and the
+# capability goes with it.
+PAIRED = {"read_now": ("read", "sync_read"), "write_now": ("write", "sync_write")}
+
+
+def _decline_read(lba: int, blocks: int) -> None:
+    return None
+
+
+def _decline_write(lba: int, data: Buffer) -> bool:
+    return False
+
+
+_DECLINE: dict[str, Any] = {"read_now": _decline_read, "write_now": _decline_write}
+
 
 class Layer:
     type_name: ClassVar[str] = "layer"   # its type in a stack config (block/registry.py)
@@ -21,9 +38,16 @@ class Layer:
     def __init__(self, below: BlockDevice, *, name: str | None = None) -> None:
         self.below = below
         self.name = name or f"{self.type_name}:{getattr(below, 'name', '?')}"
+        self._fast_off: dict[str, bool] = {}   # capabilities this layer takes away (PAIRED)
         cls = type(self)
         for method in FORWARDED:
-            if getattr(cls, method) is getattr(Layer, method) and hasattr(below, method):
+            if getattr(cls, method) is not getattr(Layer, method):
+                continue
+            slow, capability = PAIRED.get(method, ("", ""))
+            if slow and getattr(cls, slow) is not getattr(Layer, slow):
+                setattr(self, method, _DECLINE[method])
+                self._fast_off[capability] = False
+            elif hasattr(below, method):
                 setattr(self, method, getattr(below, method))
 
     # ---- what a layer states: by default, what the device below does
@@ -38,7 +62,8 @@ class Layer:
 
     @property
     def capabilities(self) -> Capabilities:
-        return self.below.capabilities
+        caps = self.below.capabilities
+        return caps.but(**self._fast_off) if self._fast_off else caps
 
     # ---- BlockDevice, forwarded (replaced by the device's own bound methods in __init__)
 

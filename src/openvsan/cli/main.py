@@ -1,4 +1,5 @@
-"""The `vsan` command: `vsan serve`, `vsan config check`, `vsan --version`.
+"""The `vsan` command: `vsan serve`, `vsan config check|apply`, `vsan volume|export|qos` (cli/live.py),
+`vsan pool`, `vsan bench`, `vsan initiator`, `vsan --version`.
 
 Errors a user can mend are one line on stderr and a non-zero exit: 2 for a bad config or command line
 (nothing stored is touched), 1 for a node that cannot start (port in use, device missing).
@@ -18,6 +19,7 @@ from rich.table import Table
 from openvsan import __version__
 from openvsan.cli.bench import bench
 from openvsan.cli.initiator import initiator_app
+from openvsan.cli.live import config_apply, export_app, qos_app, volume_app
 from openvsan.cli.pool import pool_app
 from openvsan.node import access
 from openvsan.node.config import ConfigError, effective_data_dir, exposed_secrets, load_config, preflight
@@ -35,6 +37,10 @@ app.add_typer(config_app, name="config")
 app.add_typer(initiator_app, name="initiator")  # cli/initiator.py: discover, inquiry/identify, read, write, attach
 app.add_typer(pool_app, name="pool")  # cli/pool.py: list, status, scrub, fail, replace, add-spare; create, inspect
 app.command("bench")(bench)  # cli/bench.py: IOPS, MB/s, latency of a target (docs/benchmarks.md)
+app.add_typer(volume_app, name="volume")  # cli/live.py: a running node's volumes, exports and QoS
+app.add_typer(export_app, name="export")
+app.add_typer(qos_app, name="qos")
+config_app.command("apply")(config_apply)
 
 log = logging.getLogger("openvsan.cli")
 

@@ -413,8 +413,9 @@ def _parse_volumes(top: _Table, devices: tuple[DeviceSpec, ...],
                 raise ConfigError(f"{t.key('pool')}: pool {_fmt(pool)} is already used by volume "
                                   f"{_fmt(pool_owner[pool])}; give each volume its own pool")
             pool_owner[pool] = name
-            t.done(("name", "pool", "read_only"))
-            out.append(VolumeSpec(name, None, read_only, pool=pool))
+            qos = _parse_qos(t)
+            t.done(("name", "pool", "read_only", "qos"))
+            out.append(VolumeSpec(name, None, read_only, pool=pool, qos=qos))
             continue
         device = t.get("device", str, required=True,
                        hint='name the device it lives on, e.g. device = "ram0" (or a pool: pool = "pool0")')
@@ -430,9 +431,30 @@ def _parse_volumes(top: _Table, devices: tuple[DeviceSpec, ...],
             raise ConfigError(f"{t.key('device')}: device {_fmt(device)} is in pool {_fmt(in_pool)}; a volume on "
                               f"the pool names it: pool = {_fmt(in_pool)}")
         owner[device] = name
-        t.done(("name", "device", "read_only"))
-        out.append(VolumeSpec(name, device, read_only))
+        qos = _parse_qos(t)
+        t.done(("name", "device", "read_only", "qos"))
+        out.append(VolumeSpec(name, device, read_only, qos=qos))
     return tuple(out)
+
+
+def _parse_qos(t: _Table) -> dict[str, float]:
+    """A volume's qos = { read_iops_limit = 1000, bps_limit = "100MB", ... } (volume/qos.py QosLimits, Ceph
+    librbd's knobs): the knobs set, validated; bytes/s knobs take sizes ("100MB", "1GiB"); 0 means no limit."""
+    if not t.has("qos"):
+        return {}
+    from openvsan.volume.qos import QosError, QosLimits
+
+    q = _Table(t.get("qos", dict), t.key("qos"), what='a table, e.g. qos = { read_iops_limit = 1000 }')
+    values: dict[str, float] = {}
+    for key, value in q.data.items():
+        if isinstance(value, str) and "_bps_" in f"_{key}" and not key.endswith("_seconds"):
+            value = q.check(key, parse_size, value)
+        values[key] = value
+    try:
+        limits = QosLimits.from_dict(values)
+    except QosError as e:
+        raise ConfigError(f"{t.key('qos')}.{str(e).removeprefix('qos: ')}") from None
+    return dict(limits.to_dict()) if not limits.unlimited else {}
 
 
 def _portals(t: _Table, key: str, *, required: bool, port: int = 3260) -> tuple[Portal, ...]:

@@ -26,9 +26,11 @@ from openvsan.block import BlockDevice, FileDevice, NullDevice, RamDevice
 from openvsan.frontend.busypoll import BusyPoll
 from openvsan.frontend.limits import ConnectionLimits, soft_fd_limit
 from openvsan.node.control import ControlServer, RequestError, socket_path
+from openvsan.node.plane import DataPlane
 from openvsan.node.pools import PoolSetupError, ServedPools, flush_and_close, why
-from openvsan.node.specs import DeviceSpec, NbdExportSpec, SubsystemSpec, TargetSpec, VolumeSpec
-from openvsan.node.store import StoredState, VolumeIdentity
+from openvsan.node.reconcile import Change, plan
+from openvsan.node.specs import DeviceSpec, NbdExportSpec, NodeConfig, SubsystemSpec, TargetSpec, VolumeSpec
+from openvsan.node.store import Store, StoredState, VolumeIdentity
 from openvsan.node.values import format_size
 from openvsan.protocol.auth_throttle import AuthThrottle
 from openvsan.volume import Volume
@@ -130,6 +132,7 @@ class Node:
     nbd_exports: list[Any] = field(default_factory=list)     # NbdExportConfig
     nbd_server: Any = None
     pools: ServedPools = field(init=False)                   # pool name -> ServedPool (node/pools.py)
+    plane: DataPlane = field(init=False)                     # the owner of the above, driven by changes
     control_server: ControlServer | None = None
     busy_poll: BusyPoll | None = None
     limits: ConnectionLimits | None = None                   # one for all three servers (frontend/limits.py)
@@ -137,10 +140,12 @@ class Node:
 
     def __post_init__(self) -> None:
         self.pools = ServedPools(self.state, self.data_dir, self.devices)
+        self.plane = DataPlane(self)
+        self._applying = asyncio.Lock()
 
     async def start(self) -> None:
         cfg = self.state.config
-        f = self.factories or Factories.default()
+        f = self.factories = self.factories or Factories.default()
         try:
             # before any device is opened: a build without NVMe/TCP fails at once, touching nothing
             nvme_factory = (f.nvme_server or _real_nvme_server()) if cfg.nvme is not None else None
@@ -160,10 +165,9 @@ class Node:
             for vspec in cfg.volumes:
                 base = self.pools[vspec.pool].pool if vspec.pool is not None else self.devices[str(vspec.device)]
                 self.volumes[vspec.name] = open_volume(vspec, base, self.state.identities[vspec.name])
-            pr_dir = self.data_dir / "pr"
-            pr_dir.mkdir(mode=0o700, exist_ok=True)
+            (self.data_dir / "pr").mkdir(mode=0o700, exist_ok=True)
             for t in cfg.targets:
-                self.targets.append(self._build_target(t, f, pr_dir))
+                self.targets.append(self.build_target(t))
             # one poller for the loop: a command on any connection keeps every connection's sockets watched
             self.busy_poll = BusyPoll(cfg.node.poll_us) if cfg.node.poll_us else None
             # one set of caps for every protocol: a flood counts the same whichever portal it comes to
@@ -179,20 +183,9 @@ class Node:
             self.server.limits = self.limits
             await self.server.start()
             if cfg.nvme is not None:
-                assert nvme_factory is not None
-                self.subsystems = [self._build_subsystem(sub) for sub in cfg.nvme.subsystems]
-                discovery = [(p.host, p.port) for p in cfg.nvme.portals] or None
-                self.nvme_server = nvme_factory(self.subsystems, discovery_portals=discovery)
-                self.nvme_server.busy_poll = self.busy_poll
-                self.nvme_server.limits = self.limits
-                self.nvme_server.auth_throttle = self.auth_throttle   # failed DH-HMAC-CHAP, as for CHAP
-                await self.nvme_server.start()
+                await self.start_nvme([self.build_subsystem(sub) for sub in cfg.nvme.subsystems], nvme_factory)
             if cfg.nbd_exports:
-                self.nbd_exports = [self._build_nbd_export(e) for e in cfg.nbd_exports]
-                self.nbd_server = (f.nbd_server or _real_nbd_server())(self.nbd_exports, **self._nbd_tls())
-                self.nbd_server.busy_poll = self.busy_poll
-                self.nbd_server.limits = self.limits
-                await self.nbd_server.start()
+                await self.start_nbd([self.build_nbd_export(e) for e in cfg.nbd_exports])
             self.control_server = ControlServer(socket_path(self.data_dir), self.control)
             await self.control_server.start()
             self.pools.start_meter()
@@ -241,14 +234,50 @@ class Node:
         if not cfg.exports_anything():
             log.warning("no iSCSI targets, NVMe subsystems or NBD exports are configured; nothing is exported")
 
-    def _build_target(self, t: TargetSpec, f: Factories, pr_dir: Path) -> Any:
-        luns = {}
-        for x in t.luns:
-            if x.volume not in self.luns:
-                vspec = self.state.config.volume(x.volume)
-                self.luns[x.volume] = f.lun(self.volumes[x.volume], read_only=vspec.read_only,
-                                            pr_state_path=pr_dir / f"{x.volume}.json")
-            luns[x.lun] = self.luns[x.volume]
+    async def start_nvme(self, subsystems: list[Any], factory: Callable[..., Any] | None = None) -> None:
+        """Start the NVMe/TCP server (at start, or when a running node gets its first subsystem)."""
+        cfg = self.state.config
+        self.subsystems = subsystems
+        factory = factory or (self.factories.nvme_server if self.factories else None) or _real_nvme_server()
+        discovery = [(p.host, p.port) for p in cfg.nvme.portals] if cfg.nvme is not None else []
+        self.nvme_server = factory(self.subsystems, discovery_portals=discovery or None)
+        self.nvme_server.busy_poll = self.busy_poll
+        self.nvme_server.limits = self.limits
+        self.nvme_server.auth_throttle = self.auth_throttle   # failed DH-HMAC-CHAP, as for CHAP
+        await self.nvme_server.start()
+
+    async def start_nbd(self, exports: list[Any]) -> None:
+        """Start the NBD server (at start, or when a running node gets its first export)."""
+        self.nbd_exports = exports
+        factory = (self.factories.nbd_server if self.factories else None) or _real_nbd_server()
+        self.nbd_server = factory(self.nbd_exports, **self._nbd_tls())
+        self.nbd_server.busy_poll = self.busy_poll
+        self.nbd_server.limits = self.limits
+        await self.nbd_server.start()
+
+    def _volume_spec(self, name: str) -> VolumeSpec:
+        desired = self.plane.desired if self.plane.desired is not None else self.state.config
+        return desired.volume(name)
+
+    def lun_for(self, volume: str) -> Any:
+        """The one SCSI logical unit of a volume, shared by every target that exports it (one PR state)."""
+        if volume not in self.luns:
+            f = self.factories or Factories.default()
+            self.luns[volume] = f.lun(self.volumes[volume], read_only=self._volume_spec(volume).read_only,
+                                      pr_state_path=self.data_dir / "pr" / f"{volume}.json")
+        return self.luns[volume]
+
+    def drop_lun_if_unused(self, volume: str) -> None:
+        lun = self.luns.get(volume)
+        if lun is not None and not any(lun in t.scsi.luns.values() for t in self.targets):
+            del self.luns[volume]
+            unlisten = getattr(lun, "unlisten", None)
+            if unlisten is not None:
+                unlisten()
+
+    def build_target(self, t: TargetSpec) -> Any:
+        f = self.factories or Factories.default()
+        luns = {x.lun: self.lun_for(x.volume) for x in t.luns}
         return f.target_config(
             iqn=t.iqn, scsi=f.scsi_target(t.iqn, luns),
             portals=[(p.host, p.port) for p in t.portals],
@@ -258,11 +287,11 @@ class Node:
             mutual_chap=f.chap(t.mutual_chap.user, t.mutual_chap.secret) if t.mutual_chap else None,
             alias=t.alias, portal_group_tag=t.portal_group_tag)
 
-    def _build_subsystem(self, sub: SubsystemSpec) -> Any:
+    def build_subsystem(self, sub: SubsystemSpec) -> Any:
         from openvsan.frontend.config import NvmeNamespaceConfig, NvmeSubsystemConfig
 
-        cfg = self.state.config
-        namespaces = [NvmeNamespaceConfig(ns.nsid, self.volumes[ns.volume], read_only=cfg.volume(ns.volume).read_only)
+        namespaces = [NvmeNamespaceConfig(ns.nsid, self.volumes[ns.volume],
+                                          read_only=self._volume_spec(ns.volume).read_only)
                       for ns in sub.namespaces]
         return NvmeSubsystemConfig(
             sub.nqn, namespaces, [(p.host, p.port) for p in sub.portals],
@@ -279,10 +308,10 @@ class Node:
                                   parse_secret(h.dhchap_ctrl_secret) if h.dhchap_ctrl_secret else None,
                                   sub.dhchap_hashes, sub.dhchap_dhgroups) for h in sub.hosts}
 
-    def _build_nbd_export(self, e: NbdExportSpec) -> Any:
+    def build_nbd_export(self, e: NbdExportSpec) -> Any:
         from openvsan.frontend.config import NbdExportConfig
 
-        read_only = e.read_only or self.state.config.volume(e.volume).read_only
+        read_only = e.read_only or self._volume_spec(e.volume).read_only
         return NbdExportConfig(e.name, self.volumes[e.volume], [(p.host, p.port) for p in e.portals],
                                read_only=read_only, description=e.description or f"openvsan volume {e.volume}",
                                tls=e.tls)
@@ -359,11 +388,57 @@ class Node:
         self.volumes.clear()
         self.luns.clear()
 
+    async def apply(self, desired: NodeConfig, *, dry_run: bool = False,
+                    forget: tuple[str, ...] = ()) -> list[Change]:
+        """Make `desired` the node's state while it serves: plan the changes (node/reconcile.py), have the
+        data plane carry them out one by one, then store the new desired state. If a change or the store
+        fails, the changes done are undone in reverse, and desired and actual state stay as they were."""
+        async with self._applying:
+            changes = plan(self.state.config, desired)
+            if dry_run or not changes:
+                return changes
+            plane = self.plane
+            plane.desired = desired
+            done: list[Change] = []
+            try:
+                for c in changes:
+                    await plane.handle(c)
+                    done.append(c)
+                identities = {**self.state.identities, **plane.new_identities}
+                for name in forget:
+                    identities.pop(name, None)
+                with Store.open(self.data_dir) as store:
+                    store.import_config(desired, identities=plane.new_identities, forget=forget)
+                    runtime = self.state.pool_devices
+            except Exception as e:
+                failed = changes[len(done)] if len(done) < len(changes) else None
+                for c in reversed(done):
+                    try:
+                        await plane.handle(c.inverse())
+                    except Exception:
+                        log.exception("undoing %s failed", c)
+                plane.desired = None
+                await plane.commit()
+                what = f"{failed}: " if failed is not None else "storing the new state: "
+                raise NodeError(f"{what.lstrip('+-~ ')}{why(e)}; nothing was changed") from e
+            plane.desired = None
+            self.state = StoredState(desired, identities, runtime)
+            await plane.commit()
+            for c in changes:
+                log.info("applied: %s", c)
+            return changes
+
     async def control(self, cmd: str, args: dict[str, Any]) -> Any:
-        """The control socket's commands (node/control.py): what `vsan pool ...` and later the REST API call."""
+        """The control socket's commands (node/control.py): what `vsan pool ...`, `vsan volume ...`,
+        `vsan export ...`, `vsan qos ...`, `vsan config apply` and later the REST API call."""
         if cmd.startswith("pool."):
             return await self.pools.control(cmd, args)
-        raise RequestError(f"unknown command {cmd!r}")
+        from openvsan.node import live
+
+        handler = live.COMMANDS.get(cmd)
+        if handler is None:
+            raise RequestError(f"unknown command {cmd!r}")
+        return await handler(self, args)
 
 
 class DataDirLock:

@@ -67,11 +67,14 @@ class VolumeSpec:
     device: str | None              # None: the volume lives on `pool`
     read_only: bool = False
     pool: str | None = None
+    # QoS limits (volume/qos.py QosLimits knobs that are set: read_iops_limit, bps_burst, ...); empty: none,
+    # and then no QoS layer at all in its stack
+    qos: dict[str, float] = field(default_factory=dict, hash=False)
 
     @property
     def layers(self) -> list[dict[str, Any]]:
         """The layer configs of its stack, bottom first (volume/registry.py builds them over the device)."""
-        return []
+        return [{"type": "qos", **self.qos}] if self.qos else []
 
 
 @dataclass(frozen=True)

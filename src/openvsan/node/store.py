@@ -39,7 +39,7 @@ from openvsan.node.specs import (
 )
 from openvsan.node.values import Portal
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 STATE_DB = "state.db"
 SECRETS = "secrets.json"   # beside state.db, mode 0600: every secret, so a dump of the state carries none
 
@@ -143,6 +143,10 @@ _MIGRATIONS: list[str] = [
         host TEXT NOT NULL, bidirectional INTEGER NOT NULL, PRIMARY KEY (nqn, host));
     ALTER TABLE nbd_exports ADD COLUMN tls TEXT NOT NULL DEFAULT 'off' CHECK (tls IN ('off', 'optional', 'require'));
     ALTER TABLE nbd_exports ADD COLUMN allow_unauthenticated INTEGER NOT NULL DEFAULT 0;
+    """,
+    # 5: the live node (issue 11): a volume's QoS limits (JSON: the volume/qos.py knobs that are set)
+    """
+    ALTER TABLE volumes ADD COLUMN qos TEXT NOT NULL DEFAULT '{}';
     """,
 ]
 
@@ -289,12 +293,21 @@ class Store:
                                  "write it again") from None
         return doc if isinstance(doc, dict) else {}
 
-    def import_config(self, cfg: NodeConfig) -> None:
-        """Make `cfg` the desired state, all or nothing. Identities of known volume names are kept. Secrets go
-        to secrets.json first: a failure after that leaves the old state with secrets it may no longer use,
+    def import_config(self, cfg: NodeConfig, *, identities: dict[str, VolumeIdentity] | None = None,
+                      forget: tuple[str, ...] = ()) -> None:
+        """Make `cfg` the desired state, all or nothing. Identities of known volume names are kept; a new
+        volume takes the one in `identities` if given (the live node made it when it created the volume),
+        else a new one; the names in `forget` lose theirs (volumes deleted: a volume made later under the
+        same name is another disk, which an initiator must not take for this one). Secrets go to
+        secrets.json first: a failure after that leaves the old state with secrets it may no longer use,
         never state that names a secret nobody wrote."""
         self._write_secrets(cfg)
         with self._transaction() as db:
+            for name in forget:
+                db.execute("DELETE FROM volume_identities WHERE name = ?", (name,))
+            for name, ident in (identities or {}).items():
+                db.execute("INSERT OR IGNORE INTO volume_identities VALUES (?, ?, ?, ?)",
+                           (name, str(ident.uuid), ident.serial, datetime.now(UTC).isoformat(timespec="seconds")))
             for table in ("nbd_portals", "nbd_exports", "dhchap_hosts", "host_acls", "namespaces", "subsystem_portals", "subsystems",
                           "nvme_portals", "chap_users", "acls", "luns", "target_portals", "targets", "volumes",
                           "pool_members", "pools", "devices", "node"):
@@ -318,8 +331,10 @@ class Store:
             db.executemany("INSERT INTO pool_members VALUES (?, ?, ?, ?)", [
                 (p.name, spare, j, d) for p in cfg.pools
                 for spare, names in ((0, p.members), (1, p.spares)) for j, d in enumerate(names)])
-            db.executemany("INSERT INTO volumes (name, position, device, pool, read_only) VALUES (?, ?, ?, ?, ?)", [
-                (v.name, i, v.device, v.pool, int(v.read_only)) for i, v in enumerate(cfg.volumes)])
+            db.executemany("INSERT INTO volumes (name, position, device, pool, read_only, qos) "
+                           "VALUES (?, ?, ?, ?, ?, ?)", [
+                (v.name, i, v.device, v.pool, int(v.read_only), json.dumps(v.qos, sort_keys=True))
+                for i, v in enumerate(cfg.volumes)])
             for v in cfg.volumes:
                 self._ensure_identity(db, v.name)
             for i, t in enumerate(cfg.targets):
@@ -383,8 +398,9 @@ class Store:
                        bool(direct))
             for name, kind, size, bs, backing, path, direct in db.execute(
                 "SELECT name, type, size, block_size, backing, path, direct FROM devices ORDER BY position"))
-        volumes = tuple(VolumeSpec(name, dev, bool(ro), pool=pool) for name, dev, pool, ro in db.execute(
-            "SELECT name, device, pool, read_only FROM volumes ORDER BY position"))
+        volumes = tuple(VolumeSpec(name, dev, bool(ro), pool=pool, qos=json.loads(qos))
+                        for name, dev, pool, ro, qos in db.execute(
+                            "SELECT name, device, pool, read_only, qos FROM volumes ORDER BY position"))
         secrets = self._read_secrets()
         targets = []
         for iqn, alias, tpgt, any_initiator, open_ in db.execute(

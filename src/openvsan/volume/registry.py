@@ -18,7 +18,7 @@ LAYER_TYPES: dict[str, LayerFactory] = {}
 L = TypeVar("L", bound=type[Layer])
 
 # modules whose layers ship with openvsan (each decorates its classes with register_layer)
-BUILTIN_LAYERS: list[str] = []
+BUILTIN_LAYERS: list[str] = ["openvsan.volume.qos"]
 
 
 class UnknownType(ValueError):
@@ -35,9 +35,14 @@ def register_layer(cls: L) -> L:
     return cls
 
 
+_loaded = False
+
+
 def _builtin() -> None:
-    # the leaf devices, and the layers that ship with openvsan, registered on first use (imports stay light)
-    if DEVICE_TYPES and LAYER_TYPES:
+    # the leaf devices, and the layers that ship with openvsan, registered on first use (imports stay light);
+    # once, by a flag: a type registered before the first use must not stand in for the built-in ones
+    global _loaded
+    if _loaded:
         return
     from openvsan.block.file import FileDevice
     from openvsan.block.null import NullDevice
@@ -49,6 +54,7 @@ def _builtin() -> None:
     import importlib
     for module in BUILTIN_LAYERS:
         importlib.import_module(module)  # each registers its layer types
+    _loaded = True
 
 
 def device_from_config(cfg: dict[str, Any]) -> BlockDevice:

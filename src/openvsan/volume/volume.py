@@ -124,9 +124,12 @@ class Volume:
             raise ValueError(f"write of {n} bytes is not a multiple of the block size {self.block_size}")
         return n // self.block_size
 
-    async def _enter(self) -> None:
-        while self._held is not None:
-            await self._held.wait()
+    async def _enter(self, lba: int = 0, blocks: int = 0) -> None:
+        self._check(lba, blocks)
+        if self._held is not None:
+            while self._held is not None:
+                await self._held.wait()
+            self._check(lba, blocks)   # again: the stack it waited for may be smaller (swap, resize)
         self._inflight += 1
 
     def _leave(self) -> None:
@@ -135,16 +138,14 @@ class Volume:
             self._idle.set()
 
     async def read(self, lba: int, blocks: int) -> Buffer:
-        self._check(lba, blocks)
-        await self._enter()
+        await self._enter(lba, blocks)
         try:
             return await self.stack.read(lba, blocks)
         finally:
             self._leave()
 
     async def write(self, lba: int, data: Buffer, *, fua: bool = False) -> None:
-        self._check(lba, self._blocks_of(data))
-        await self._enter()
+        await self._enter(lba, self._blocks_of(data))
         try:
             await self.stack.write(lba, data, fua=fua)
         finally:
@@ -158,16 +159,14 @@ class Volume:
             self._leave()
 
     async def unmap(self, lba: int, blocks: int) -> None:
-        self._check(lba, blocks)
-        await self._enter()
+        await self._enter(lba, blocks)
         try:
             await self.stack.unmap(lba, blocks)
         finally:
             self._leave()
 
     async def write_zeroes(self, lba: int, blocks: int) -> None:
-        self._check(lba, blocks)
-        await self._enter()
+        await self._enter(lba, blocks)
         try:
             await self.stack.write_zeroes(lba, blocks)
         finally:
@@ -175,8 +174,7 @@ class Volume:
 
     async def lba_status(self, lba: int, blocks: int) -> object:
         """Mapped/unmapped extents (only when capabilities.extents)."""
-        self._check(lba, blocks)
-        await self._enter()
+        await self._enter(lba, blocks)
         try:
             return await self.stack.lba_status(lba, blocks)  # type: ignore[attr-defined]
         finally:

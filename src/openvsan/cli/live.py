@@ -1,0 +1,291 @@
+"""`vsan volume|export|qos` and `vsan config apply`: change a running node (node/live.py, over its control
+socket; the REST API later), the way targetcli or SPDK's RPC change theirs, with no restart.
+
+Each command changes the node's desired state and has it applied at once; what it changed is printed (or,
+with --dry-run, what it would change). Errors are one line on stderr: exit 2 when the node refused the
+request (nothing was changed), 1 when no node answers.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any, NoReturn
+
+import typer
+from rich.table import Table
+
+from openvsan.cli.pool import (
+    EXIT_FAILED,
+    EXIT_USAGE,
+    ConfigOpt,
+    DataDir,
+    JsonOpt,
+    _console,
+    _data_dir,
+    _fail,
+    _print_json,
+)
+
+volume_app = typer.Typer(help="Volumes of a running node: create, list, show, resize, delete.", no_args_is_help=True)
+export_app = typer.Typer(help="Exports of a running node: iSCSI LUNs, NVMe namespaces, NBD exports.",
+                         no_args_is_help=True)
+qos_app = typer.Typer(help="Per-volume QoS limits (IOPS and bytes/s, read, write and total, with bursts).",
+                      no_args_is_help=True)
+
+DryRun = Annotated[bool, typer.Option("--dry-run", help="Print what would change, change nothing.")]
+VolumeArg = Annotated[str, typer.Argument(help="The volume's name.")]
+
+
+def _call(data_dir: Path | None, config: Path | None, cmd: str, **args: Any) -> Any:
+    from openvsan.node.control import ControlError, NotRunning, call
+
+    try:
+        return call(_data_dir(data_dir, config), cmd, timeout=120.0, **args)
+    except NotRunning as e:
+        _fail(str(e), EXIT_FAILED)
+    except ControlError as e:
+        _fail(str(e), EXIT_USAGE)
+    except OSError as e:
+        _fail(f"control socket: {e.strerror or e}")
+
+
+def _changes(result: dict[str, Any], as_json: bool, dry_run: bool) -> None:
+    if as_json:
+        _print_json(result)
+        return
+    changes = result.get("changes") or []
+    if not changes:
+        typer.echo("nothing to change")
+    for line in changes:
+        typer.echo(line)
+    if dry_run and changes:
+        typer.echo("(dry run: nothing was changed)")
+
+
+def _size(text: str, what: str = "--size") -> int:
+    from openvsan.node.values import parse_size
+
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        _bad(f"{what}: {e}")
+
+
+def _bad(message: str) -> NoReturn:
+    _fail(message, EXIT_USAGE)
+
+
+# ---- volumes
+
+@volume_app.command("create")
+def volume_create(
+    name: VolumeArg,
+    size: Annotated[str | None, typer.Option("--size", help="e.g. 256MiB, 10GiB (a volume with a device of its own).")] = None,
+    backing: Annotated[str, typer.Option("--backing", help="Its own device: ram, file (under the data dir, or "
+                                                           "--path) or null.")] = "ram",
+    path: Annotated[Path | None, typer.Option("--path", help="The file of a --backing file volume.")] = None,
+    block_size: Annotated[int, typer.Option("--block-size", help="512 or 4096.")] = 512,
+    device: Annotated[str | None, typer.Option("--device", help="Put it on this existing device instead.")] = None,
+    pool: Annotated[str | None, typer.Option("--pool", help="Put it on this pool instead.")] = None,
+    read_only: Annotated[bool, typer.Option("--read-only", help="Initiators may read, not write.")] = False,
+    dry_run: DryRun = False, as_json: JsonOpt = False, data_dir: DataDir = None, config: ConfigOpt = None,
+) -> None:
+    """Create a volume on a running node; it can be exported at once (`vsan export add`)."""
+    if device is None and pool is None and size is None:
+        _bad("--size: missing; give the volume's size (e.g. --size 256MiB), or --device/--pool to put it there")
+    args: dict[str, Any] = {"name": name, "backing": backing, "block_size": block_size, "read_only": read_only,
+                            "device": device, "pool": pool, "dry_run": dry_run,
+                            "path": str(path.absolute()) if path else None}
+    if size is not None:
+        args["size"] = _size(size)
+    _changes(_call(data_dir, config, "volume.create", **args), as_json, dry_run)
+
+
+@volume_app.command("resize")
+def volume_resize(name: VolumeArg, size: Annotated[str, typer.Option("--size", help="The new size (it grows).")],
+                  dry_run: DryRun = False, as_json: JsonOpt = False, data_dir: DataDir = None,
+                  config: ConfigOpt = None) -> None:
+    """Grow a volume while it is served: initiators are told (CAPACITY DATA HAS CHANGED, NVMe AEN)."""
+    _changes(_call(data_dir, config, "volume.resize", name=name, size=_size(size), dry_run=dry_run), as_json,
+             dry_run)
+
+
+@volume_app.command("delete")
+def volume_delete(name: VolumeArg,
+                  force: Annotated[bool, typer.Option("--force", help="Remove its exports with it.")] = False,
+                  dry_run: DryRun = False, as_json: JsonOpt = False, data_dir: DataDir = None,
+                  config: ConfigOpt = None) -> None:
+    """Delete a volume (and the device made for it); refused while it is exported, unless --force."""
+    _changes(_call(data_dir, config, "volume.delete", name=name, force=force, dry_run=dry_run), as_json, dry_run)
+
+
+def _fmt_size(n: Any) -> str:
+    from openvsan.node.values import format_size
+
+    return format_size(int(n)) if isinstance(n, int) else "-"
+
+
+@volume_app.command("list")
+def volume_list(as_json: JsonOpt = False, data_dir: DataDir = None, config: ConfigOpt = None) -> None:
+    """The node's volumes: size, where they live, their stack and exports."""
+    vols = _call(data_dir, config, "volume.list")
+    if as_json:
+        _print_json(vols)
+        return
+    t = Table("volume", "size", "on", "stack", "exports", "qos")
+    for v in vols:
+        on = f"pool {v['pool']}" if v.get("pool") else f"device {v.get('device')}"
+        qos = " ".join(f"{k}={x}" for k, x in (v.get("qos") or {}).items()) or "-"
+        t.add_row(v["name"], _fmt_size(v.get("size")), on, " > ".join(v.get("stack", [])),
+                  "; ".join(v.get("exports", [])) or "-", qos)
+    _console().print(t)
+
+
+@volume_app.command("show")
+def volume_show(name: VolumeArg, as_json: JsonOpt = False, data_dir: DataDir = None,
+                config: ConfigOpt = None) -> None:
+    """One volume in full: identity (UUID, NAA, EUI-64, NGUID, serial), stack, capabilities, exports, QoS."""
+    v = _call(data_dir, config, "volume.show", name=name)
+    if as_json:
+        _print_json(v)
+        return
+    out = _console()
+    for key in ("name", "size", "block_size", "device", "pool", "read_only", "uuid", "serial", "naa", "eui64",
+                "nguid"):
+        if v.get(key) is not None:
+            out.print(f"{key:>12}: {_fmt_size(v[key]) if key == 'size' else v[key]}", soft_wrap=True)
+    out.print(f"{'stack':>12}: {' > '.join(v.get('stack', []))}", soft_wrap=True)
+    out.print(f"{'exports':>12}: {'; '.join(v.get('exports', [])) or '-'}", soft_wrap=True)
+    out.print(f"{'qos':>12}: {' '.join(f'{k}={x}' for k, x in (v.get('qos') or {}).items()) or 'none'}",
+              soft_wrap=True)
+    caps = v.get("capabilities") or {}
+    out.print(f"{'capabilities':>12}: " + ", ".join(k for k, x in caps.items() if x is True), soft_wrap=True)
+
+
+# ---- exports
+
+ProtocolArg = Annotated[str, typer.Argument(help="iscsi, nvme or nbd.")]
+ExportName = Annotated[str, typer.Argument(help="The target IQN, the subsystem NQN or the NBD export name.")]
+
+
+@export_app.command("add")
+def export_add(
+    protocol: ProtocolArg, name: ExportName,
+    volume: Annotated[str, typer.Option("--volume", help="The volume to export.")],
+    lun: Annotated[int | None, typer.Option("--lun", help="iSCSI: the LUN (default: the lowest free).")] = None,
+    nsid: Annotated[int | None, typer.Option("--nsid", help="NVMe: the namespace ID (default: the lowest free).")] = None,
+    portal: Annotated[list[str] | None, typer.Option("--portal", help="HOST:PORT for a new target, subsystem or "
+                                                                      "export (default: those of the others, "
+                                                                      "else 127.0.0.1 and the standard port).")] = None,
+    read_only: Annotated[bool, typer.Option("--read-only", help="NBD: export it read-only.")] = False,
+    dry_run: DryRun = False, as_json: JsonOpt = False, data_dir: DataDir = None, config: ConfigOpt = None,
+) -> None:
+    """Export a volume: a LUN of an iSCSI target, a namespace of an NVMe subsystem or an NBD export (the
+    target or subsystem is made if it does not exist). Initiators see it at once."""
+    _changes(_call(data_dir, config, "export.add", protocol=protocol, name=name, volume=volume, lun=lun, nsid=nsid,
+                   portals=portal or [], read_only=read_only, dry_run=dry_run), as_json, dry_run)
+
+
+@export_app.command("remove")
+def export_remove(
+    protocol: ProtocolArg, name: ExportName,
+    lun: Annotated[int | None, typer.Option("--lun", help="iSCSI: only this LUN (default: the whole target).")] = None,
+    nsid: Annotated[int | None, typer.Option("--nsid", help="NVMe: only this namespace (default: the subsystem).")] = None,
+    dry_run: DryRun = False, as_json: JsonOpt = False, data_dir: DataDir = None, config: ConfigOpt = None,
+) -> None:
+    """Stop exporting: a LUN or a whole target, a namespace or a whole subsystem, an NBD export."""
+    _changes(_call(data_dir, config, "export.remove", protocol=protocol, name=name, lun=lun, nsid=nsid,
+                   dry_run=dry_run), as_json, dry_run)
+
+
+@export_app.command("list")
+def export_list(as_json: JsonOpt = False, data_dir: DataDir = None, config: ConfigOpt = None) -> None:
+    """Every export of the node."""
+    rows = _call(data_dir, config, "export.list")
+    if as_json:
+        _print_json(rows)
+        return
+    t = Table("protocol", "name", "unit", "volume", "portals")
+    for r in rows:
+        unit = f"LUN {r['lun']}" if "lun" in r else f"namespace {r['nsid']}" if "nsid" in r else "-"
+        t.add_row(r["protocol"], r["name"], unit, r["volume"], ", ".join(r["portals"]))
+    _console().print(t)
+
+
+# ---- QoS
+
+QOS_KNOBS = [f"{scope}{kind}_{part}" for kind in ("iops", "bps") for scope in ("read_", "write_", "")
+             for part in ("limit", "burst", "burst_seconds")]
+
+
+@qos_app.command("set", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def qos_set(ctx: typer.Context, name: VolumeArg,
+            clear: Annotated[bool, typer.Option("--clear", help="Remove every limit first.")] = False,
+            dry_run: DryRun = False, as_json: JsonOpt = False, data_dir: DataDir = None,
+            config: ConfigOpt = None) -> None:
+    """Set QoS limits on a live volume, Ceph librbd style, e.g. `vsan qos set vol1 --read-iops-limit 1000
+    --bps-limit 100MB --iops-burst 2000 --iops-burst-seconds 5`; 0 removes a limit. Takes effect at once,
+    with no reconnect; a volume with no limits has no QoS layer at all."""
+    limits: dict[str, Any] = {}
+    extra = list(ctx.args)
+    while extra:
+        flag = extra.pop(0)
+        key, _, value = flag.removeprefix("--").partition("=")
+        key = key.replace("-", "_")
+        if key not in QOS_KNOBS:
+            _bad(f"{flag}: not a QoS knob; use --KNOB VALUE with KNOB one of: "
+                 + ", ".join(k.replace("_", "-") for k in QOS_KNOBS))
+        if not value:
+            if not extra:
+                _bad(f"{flag}: needs a value")
+            value = extra.pop(0)
+        limits[key] = _qos_value(key, value, flag)
+    if not limits and not clear:
+        _bad("give at least one limit, e.g. --read-iops-limit 1000 (or --clear)")
+    result = _call(data_dir, config, "qos.set", volume=name, limits=limits, clear=clear, dry_run=dry_run)
+    _changes(result, as_json, dry_run)
+
+
+def _qos_value(key: str, value: str, flag: str) -> float:
+    if "bps" in key and not key.endswith("seconds"):
+        return _size(value, flag)
+    try:
+        n = float(value)
+    except ValueError:
+        _bad(f"{flag}: {value!r} is not a number")
+    return int(n) if n.is_integer() else n
+
+
+@qos_app.command("show")
+def qos_show(name: VolumeArg, as_json: JsonOpt = False, data_dir: DataDir = None, config: ConfigOpt = None) -> None:
+    """A volume's QoS limits and what they did (commands throttled, time waited, current rates)."""
+    r = _call(data_dir, config, "qos.show", volume=name)
+    if as_json:
+        _print_json(r)
+        return
+    out = _console()
+    out.print(f"{name}: " + (" ".join(f"{k}={v}" for k, v in r["qos"].items()) or "no limits (no QoS layer)"),
+              soft_wrap=True)
+    for k, v in (r.get("stats") or {}).items():
+        out.print(f"  {k}: {v}", soft_wrap=True)
+
+
+# ---- the whole config
+
+def config_apply(
+    file: Annotated[Path, typer.Argument(help="The TOML config to make the node's desired state.")],
+    dry_run: DryRun = False, as_json: JsonOpt = False, data_dir: DataDir = None,
+) -> None:
+    """Apply a whole config file to a running node: print the plan, then carry it out (all or nothing)."""
+    from openvsan.cli.main import read_config
+
+    read_config(file, data_dir)     # checked here first: a bad file gets its one line without a round trip
+    if data_dir is None:
+        data_dir = _data_dir(None, file)
+    if not dry_run and not as_json:
+        plan = _call(data_dir, None, "config.apply", path=str(file.absolute()), dry_run=True)
+        for line in plan.get("changes") or ["nothing to change"]:
+            typer.echo(f"plan: {line}")
+        if not plan.get("changes"):
+            return
+    _changes(_call(data_dir, None, "config.apply", path=str(file.absolute()), dry_run=dry_run), as_json, dry_run)

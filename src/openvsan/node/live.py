@@ -1,0 +1,387 @@
+"""The live node's control commands: `vsan volume|export|qos|config apply` over the control socket (and, later,
+the REST API). Each one edits the node's desired state as a config document (node/render.py), parses it
+again with every check a config file gets (node/config.py, the same one-line errors), and has the node apply
+the difference while it serves (Node.apply). Nothing is stored unless all of it was applied."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from openvsan.node.config import ConfigError, load_config, parse_config
+from openvsan.node.control import RequestError
+from openvsan.node.reconcile import Change, PlanRefused
+from openvsan.node.render import config_document
+from openvsan.node.specs import NodeConfig
+from openvsan.node.values import check_object_name, parse_portal, parse_size
+
+if TYPE_CHECKING:
+    from openvsan.node.node import Node
+
+Command = Callable[["Node", dict[str, Any]], Awaitable[Any]]
+COMMANDS: dict[str, Command] = {}
+
+BACKINGS = ("ram", "file", "null")
+DEFAULT_PORT = {"iscsi": 3260, "nvme": 4420, "nbd": 10809}
+PROTOCOLS = ("iscsi", "nvme", "nbd")
+
+
+def command(name: str) -> Callable[[Command], Command]:
+    def register(fn: Command) -> Command:
+        COMMANDS[name] = fn
+        return fn
+    return register
+
+
+def _arg(args: dict[str, Any], key: str, kind: type | tuple[type, ...], default: Any = ...) -> Any:
+    if key not in args or args[key] is None:
+        if default is ...:
+            raise RequestError(f"{key}: missing")
+        return default
+    value = args[key]
+    if not isinstance(value, kind) or (isinstance(value, bool) and kind in (int, (int, str))):
+        raise RequestError(f"{key}: {value!r} is not {getattr(kind, '__name__', 'valid')}")
+    return value
+
+
+def _size(args: dict[str, Any], key: str = "size") -> int:
+    try:
+        return parse_size(_arg(args, key, (int, str)))
+    except ValueError as e:
+        raise RequestError(f"--{key}: {e}") from None
+
+
+async def _apply(node: Node, doc: dict[str, Any], *, dry_run: bool = False,
+                 forget: tuple[str, ...] = ()) -> list[str]:
+    try:
+        desired = parse_config(doc, data_dir=node.data_dir)
+    except ConfigError as e:
+        raise RequestError(str(e)) from None
+    desired = dataclasses.replace(desired, source=node.state.config.source)
+    return await _apply_config(node, desired, dry_run=dry_run, forget=forget)
+
+
+async def _apply_config(node: Node, desired: NodeConfig, *, dry_run: bool = False,
+                        forget: tuple[str, ...] = ()) -> list[str]:
+    try:
+        changes: list[Change] = await node.apply(desired, dry_run=dry_run, forget=forget)
+    except PlanRefused as e:
+        raise RequestError(str(e)) from None
+    return [str(c) for c in changes]
+
+
+def _doc(node: Node) -> dict[str, Any]:
+    return copy.deepcopy(config_document(node.state.config))
+
+
+def _volume_entry(doc: dict[str, Any], name: str) -> dict[str, Any]:
+    for v in doc.get("volumes", []):
+        if v["name"] == name:
+            return v  # type: ignore[no-any-return]
+    known = ", ".join(v["name"] for v in doc.get("volumes", [])) or "none"
+    raise RequestError(f"no volume named {name!r} (volumes: {known}); `vsan volume list` shows them")
+
+
+# ---- volumes
+
+@command("volume.create")
+async def volume_create(node: Node, args: dict[str, Any]) -> Any:
+    name = _arg(args, "name", str)
+    try:
+        check_object_name(name)
+    except ValueError as e:
+        raise RequestError(f"volume name: {e}") from None
+    doc = _doc(node)
+    if any(v["name"] == name for v in doc.get("volumes", [])):
+        raise RequestError(f"volume {name} exists; pick another name, or `vsan volume delete {name}` first")
+    volume: dict[str, Any] = {"name": name, "read_only": bool(args.get("read_only", False))}
+    if args.get("pool") is not None:
+        volume["pool"] = _arg(args, "pool", str)
+    elif args.get("device") is not None:
+        volume["device"] = _arg(args, "device", str)
+    else:
+        backing = _arg(args, "backing", str, "ram")
+        if backing not in BACKINGS:
+            raise RequestError(f"--backing: {backing!r}; use one of: {', '.join(BACKINGS)}")
+        if any(d["name"] == name for d in doc.get("devices", [])):
+            raise RequestError(f"a device named {name} exists; give the volume another name, or put it on that "
+                               f"device with --device {name}")
+        device: dict[str, Any] = {"name": name, "type": backing, "size": _size(args),
+                                  "block_size": _arg(args, "block_size", int, 512)}
+        if backing == "file":
+            path = args.get("path") or str(node.data_dir / "volumes" / f"{name}.img")
+            device["path"] = str(Path(path).absolute())
+        doc.setdefault("devices", []).append(device)
+        volume["device"] = name
+    doc.setdefault("volumes", []).append(volume)
+    return {"changes": await _apply(node, doc, dry_run=bool(args.get("dry_run"))),
+            "volume": _describe(node, name) if not args.get("dry_run") else None}
+
+
+@command("volume.resize")
+async def volume_resize(node: Node, args: dict[str, Any]) -> Any:
+    name = _arg(args, "name", str)
+    doc = _doc(node)
+    v = _volume_entry(doc, name)
+    if "pool" in v:
+        raise RequestError(f"volume {name} is its pool's whole size; grow the pool instead")
+    dev = next(d for d in doc["devices"] if d["name"] == v["device"])
+    size = _size(args)
+    if size % dev["block_size"]:
+        raise RequestError(f"--size: {size} bytes is not a whole number of {dev['block_size']}-byte blocks")
+    dev["size"] = size
+    return {"changes": await _apply(node, doc, dry_run=bool(args.get("dry_run"))), "volume": _describe(node, name)}
+
+
+def _exports_of(doc: dict[str, Any], name: str) -> list[str]:
+    out = [f"iSCSI {t['iqn']} LUN {x['lun']}" for t in doc.get("iscsi", {}).get("targets", [])
+           for x in t["luns"] if x["volume"] == name]
+    out += [f"NVMe {s['nqn']} namespace {x['nsid']}" for s in doc.get("nvme", {}).get("subsystems", [])
+            for x in s["namespaces"] if x["volume"] == name]
+    out += [f"NBD {e['name']}" for e in doc.get("nbd", {}).get("exports", []) if e["volume"] == name]
+    return out
+
+
+def _drop_exports(doc: dict[str, Any], name: str) -> None:
+    iscsi = doc.get("iscsi", {})
+    for t in iscsi.get("targets", []):
+        t["luns"] = [x for x in t["luns"] if x["volume"] != name]
+    if iscsi:
+        iscsi["targets"] = [t for t in iscsi["targets"] if t["luns"]]
+    nvme = doc.get("nvme", {})
+    for s in nvme.get("subsystems", []):
+        s["namespaces"] = [x for x in s["namespaces"] if x["volume"] != name]
+    if nvme:
+        nvme["subsystems"] = [s for s in nvme["subsystems"] if s["namespaces"]]
+    nbd = doc.get("nbd", {})
+    if nbd:
+        nbd["exports"] = [e for e in nbd["exports"] if e["volume"] != name]
+
+
+@command("volume.delete")
+async def volume_delete(node: Node, args: dict[str, Any]) -> Any:
+    name = _arg(args, "name", str)
+    doc = _doc(node)
+    v = _volume_entry(doc, name)
+    exports = _exports_of(doc, name)
+    if exports and not args.get("force"):
+        raise RequestError(f"volume {name} is exported ({'; '.join(exports)}); remove the exports first "
+                           "(`vsan export remove ...`), or pass --force to remove them with it")
+    _drop_exports(doc, name)
+    doc["volumes"] = [x for x in doc["volumes"] if x["name"] != name]
+    own = None
+    if v.get("device") == name:   # made for it by `vsan volume create`: it goes too
+        own = next(d for d in doc["devices"] if d["name"] == name)
+        doc["devices"] = [d for d in doc["devices"] if d["name"] != name]
+    changes = await _apply(node, doc, dry_run=bool(args.get("dry_run")), forget=(name,))
+    if own is not None and own.get("path") and not args.get("dry_run"):
+        path = Path(own["path"])
+        if path.parent == node.data_dir / "volumes" and path.is_file():
+            path.unlink()   # a file we made in the data dir: its space comes back
+    return {"changes": changes}
+
+
+def _describe(node: Node, name: str) -> dict[str, Any]:
+    cfg = node.state.config
+    spec = cfg.volume(name)
+    vol = node.volumes.get(name)
+    ident = node.state.identities.get(name)
+    out: dict[str, Any] = {"name": name, "read_only": spec.read_only, "device": spec.device, "pool": spec.pool,
+                           "exports": _exports_of(config_document(cfg), name), "qos": dict(spec.qos)}
+    if vol is not None:
+        out.update(size=vol.size, block_size=vol.block_size, blocks=vol.num_blocks,
+                   stack=[type(d).__name__ for d in vol.layers], layers=vol.to_config()["layers"],
+                   capabilities=dataclasses.asdict(vol.capabilities))
+        qos = next((d for d in vol.layers if hasattr(d, "stats")), None)
+        if qos is not None:
+            out["qos_stats"] = qos.stats()
+    if ident is not None:
+        out.update(uuid=str(ident.uuid), serial=ident.serial)
+        if vol is not None:
+            out.update(naa=vol.naa.hex(), eui64=vol.eui64.hex(), nguid=vol.nguid.hex())
+    return out
+
+
+@command("volume.list")
+async def volume_list(node: Node, args: dict[str, Any]) -> Any:
+    return [_describe(node, v.name) for v in node.state.config.volumes]
+
+
+@command("volume.show")
+async def volume_show(node: Node, args: dict[str, Any]) -> Any:
+    name = _arg(args, "name", str)
+    _volume_entry(_doc(node), name)
+    return _describe(node, name)
+
+
+# ---- exports
+
+def _portals(args: dict[str, Any], fallback: list[str], protocol: str) -> list[str]:
+    given = args.get("portals") or []
+    if not isinstance(given, list):
+        raise RequestError("portals: a list of HOST:PORT")
+    for p in given:
+        try:
+            parse_portal(p)
+        except ValueError as e:
+            raise RequestError(f"--portal: {e}") from None
+    return list(given) or fallback or [f"127.0.0.1:{DEFAULT_PORT[protocol]}"]
+
+
+def _free(used: set[int], first: int) -> int:
+    n = first
+    while n in used:
+        n += 1
+    return n
+
+
+@command("export.add")
+async def export_add(node: Node, args: dict[str, Any]) -> Any:
+    protocol = _arg(args, "protocol", str)
+    name = _arg(args, "name", str)
+    volume = _arg(args, "volume", str)
+    doc = _doc(node)
+    _volume_entry(doc, volume)
+    if protocol == "iscsi":
+        targets = doc.setdefault("iscsi", {}).setdefault("targets", [])
+        t = next((x for x in targets if x["iqn"] == name), None)
+        if t is None:
+            t = {"iqn": name, "luns": [], "portals": _portals(args, targets[0]["portals"] if targets else [],
+                                                               protocol)}
+            targets.append(t)
+        lun = _arg(args, "lun", int, _free({x["lun"] for x in t["luns"]}, 0))
+        t["luns"].append({"lun": lun, "volume": volume})
+    elif protocol == "nvme":
+        nvme = doc.setdefault("nvme", {})
+        subs = nvme.setdefault("subsystems", [])
+        s = next((x for x in subs if x["nqn"] == name), None)
+        if s is None:
+            fallback = subs[0]["portals"] if subs else nvme.get("portals", [])
+            s = {"nqn": name, "namespaces": [], "portals": _portals(args, fallback, protocol)}
+            subs.append(s)
+            nvme.setdefault("portals", s["portals"]) if not subs[:-1] and not nvme.get("portals") else None
+        nsid = _arg(args, "nsid", int, _free({x["nsid"] for x in s["namespaces"]}, 1))
+        s["namespaces"].append({"nsid": nsid, "volume": volume})
+    elif protocol == "nbd":
+        exports = doc.setdefault("nbd", {}).setdefault("exports", [])
+        if any(e["name"] == name for e in exports):
+            raise RequestError(f"NBD export {name} exists; pick another name or remove it first")
+        exports.append({"name": name, "volume": volume, "read_only": bool(args.get("read_only", False)),
+                        "portals": _portals(args, exports[0]["portals"] if exports else [], protocol)})
+    else:
+        raise RequestError(f"protocol {protocol!r}; use one of: {', '.join(PROTOCOLS)}")
+    return {"changes": await _apply(node, doc, dry_run=bool(args.get("dry_run")))}
+
+
+@command("export.remove")
+async def export_remove(node: Node, args: dict[str, Any]) -> Any:
+    protocol = _arg(args, "protocol", str)
+    name = _arg(args, "name", str)
+    doc = _doc(node)
+    if protocol == "iscsi":
+        iscsi = doc.get("iscsi", {})
+        t = next((x for x in iscsi.get("targets", []) if x["iqn"] == name), None)
+        if t is None:
+            raise RequestError(f"no iSCSI target {name}; `vsan export list` shows the exports")
+        lun = args.get("lun")
+        if lun is None:
+            iscsi["targets"].remove(t)
+        else:
+            if not any(x["lun"] == lun for x in t["luns"]):
+                raise RequestError(f"{name} has no LUN {lun}")
+            t["luns"] = [x for x in t["luns"] if x["lun"] != lun]
+            if not t["luns"]:
+                iscsi["targets"].remove(t)   # a target with no LUN serves nothing
+    elif protocol == "nvme":
+        nvme = doc.get("nvme", {})
+        s = next((x for x in nvme.get("subsystems", []) if x["nqn"] == name), None)
+        if s is None:
+            raise RequestError(f"no NVMe subsystem {name}; `vsan export list` shows the exports")
+        nsid = args.get("nsid")
+        if nsid is None:
+            nvme["subsystems"].remove(s)
+        else:
+            if not any(x["nsid"] == nsid for x in s["namespaces"]):
+                raise RequestError(f"{name} has no namespace {nsid}")
+            s["namespaces"] = [x for x in s["namespaces"] if x["nsid"] != nsid]
+            if not s["namespaces"]:
+                nvme["subsystems"].remove(s)
+    elif protocol == "nbd":
+        nbd = doc.get("nbd", {})
+        if not any(e["name"] == name for e in nbd.get("exports", [])):
+            raise RequestError(f"no NBD export {name}; `vsan export list` shows the exports")
+        nbd["exports"] = [e for e in nbd["exports"] if e["name"] != name]
+    else:
+        raise RequestError(f"protocol {protocol!r}; use one of: {', '.join(PROTOCOLS)}")
+    return {"changes": await _apply(node, doc, dry_run=bool(args.get("dry_run")))}
+
+
+@command("export.list")
+async def export_list(node: Node, args: dict[str, Any]) -> Any:
+    cfg = node.state.config
+    out: list[dict[str, Any]] = []
+    for t in cfg.targets:
+        out += [{"protocol": "iscsi", "name": t.iqn, "lun": x.lun, "volume": x.volume,
+                 "portals": [str(p) for p in t.portals]} for x in t.luns]
+    for s in cfg.subsystems:
+        out += [{"protocol": "nvme", "name": s.nqn, "nsid": x.nsid, "volume": x.volume,
+                 "portals": [str(p) for p in s.portals]} for x in s.namespaces]
+    out += [{"protocol": "nbd", "name": e.name, "volume": e.volume, "portals": [str(p) for p in e.portals]}
+            for e in cfg.nbd_exports]
+    return out
+
+
+# ---- QoS
+
+@command("qos.set")
+async def qos_set(node: Node, args: dict[str, Any]) -> Any:
+    name = _arg(args, "volume", str)
+    limits = _arg(args, "limits", dict)
+    doc = _doc(node)
+    v = _volume_entry(doc, name)
+    qos = dict(v.get("qos", {}))
+    if args.get("clear"):
+        qos = {}
+    for key, value in limits.items():
+        if value in (0, None):
+            qos.pop(key, None)
+        else:
+            qos[key] = value
+    if qos:
+        v["qos"] = qos
+    else:
+        v.pop("qos", None)
+    return {"changes": await _apply(node, doc, dry_run=bool(args.get("dry_run"))), "volume": _describe(node, name)}
+
+
+@command("qos.show")
+async def qos_show(node: Node, args: dict[str, Any]) -> Any:
+    name = _arg(args, "volume", str)
+    d = _describe(node, name) if any(v.name == name for v in node.state.config.volumes) else None
+    if d is None:
+        _volume_entry(_doc(node), name)
+    assert d is not None
+    return {"volume": name, "qos": d["qos"], "stats": d.get("qos_stats")}
+
+
+# ---- the whole desired state
+
+@command("config.apply")
+async def config_apply(node: Node, args: dict[str, Any]) -> Any:
+    path = Path(_arg(args, "path", str))
+    try:
+        desired = load_config(path, data_dir=node.data_dir)
+    except ConfigError as e:
+        raise RequestError(str(e)) from None
+    except OSError as e:
+        raise RequestError(f"{path}: {e.strerror}") from None
+    gone = tuple(v.name for v in node.state.config.volumes if v.name not in {x.name for x in desired.volumes})
+    return {"changes": await _apply_config(node, desired, dry_run=bool(args.get("dry_run")), forget=gone)}
+
+
+@command("config.show")
+async def config_show(node: Node, args: dict[str, Any]) -> Any:
+    return config_document(node.state.config)

@@ -1,0 +1,223 @@
+"""The node's data plane: the owner of its devices, volumes and the frontends that serve them, driven only by
+messages (node/reconcile.py Change: add / remove / resize / update of one object).
+
+The reconciler never reaches into a volume or a server: it sends the plane a change and, if a later change
+fails, the change's inverse. So the owner can move, as issue 13 plans, into a worker process per core with
+the same messages. Removals are reversible until `commit()`: a removed device or volume is set aside, not
+closed, so undoing its removal puts back the very object (a RAM disk keeps its data)."""
+
+from __future__ import annotations
+
+import logging
+import uuid as uuidlib
+from typing import TYPE_CHECKING, Any
+
+from openvsan.block import BlockDevice
+from openvsan.node.pools import flush_and_close
+from openvsan.node.reconcile import Change
+from openvsan.node.specs import DeviceSpec, NbdExportSpec, NodeConfig, SubsystemSpec, TargetSpec, VolumeSpec
+from openvsan.node.store import VolumeIdentity
+from openvsan.volume import Volume
+from openvsan.volume.registry import build_stack
+
+if TYPE_CHECKING:
+    from openvsan.node.node import Node
+
+log = logging.getLogger("openvsan.node")
+
+
+class DataPlane:
+    def __init__(self, node: Node) -> None:
+        self.node = node
+        self.new_identities: dict[str, VolumeIdentity] = {}
+        self.desired: NodeConfig | None = None               # while a plan is carried out: where it leads
+        self._set_aside: dict[tuple[str, str], Any] = {}     # (kind, name) -> object removed, not yet closed
+        self._old_stacks: list[BlockDevice] = []             # stacks swapped out, closed at commit
+
+    # ---- one message
+
+    async def handle(self, c: Change) -> None:
+        fn = getattr(self, f"_{c.op}_{c.kind.replace(' ', '_')}", None)
+        if fn is None:
+            raise ValueError(f"{c.kind}: cannot {c.op} while serving")
+        await fn(c)
+
+    async def commit(self) -> None:
+        """The plan is done and stored (or undone): close what it removed for good, and what undoing it
+        set aside (objects it had added)."""
+        for (kind, name), obj in self._set_aside.items():
+            if kind == "device":
+                await flush_and_close(obj, name)
+            elif kind == "volume":
+                await obj.close()
+        for stack in self._old_stacks:
+            await Volume(stack, name="old").close()
+        self._set_aside.clear()
+        self._old_stacks.clear()
+        self.new_identities.clear()
+
+    # ---- devices and volumes
+
+    async def _add_device(self, c: Change) -> None:
+        spec: DeviceSpec = c.new
+        kept = self._set_aside.pop(("device", spec.name), None)
+        if kept is not None:
+            self.node.devices[spec.name] = kept
+            return
+        from openvsan.node.node import open_device
+
+        if spec.path is not None:
+            spec.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.node.devices[spec.name] = open_device(spec, trust_foreign=self.node.state.config.node.trust_foreign_files)
+
+    async def _remove_device(self, c: Change) -> None:
+        self._set_aside[("device", c.key)] = self.node.devices.pop(c.key)
+
+    async def _resize_device(self, c: Change) -> None:
+        spec: DeviceSpec = c.new
+        user = next((v for v in self.node.volumes.values() if v.device is self.node.devices[c.key]), None)
+        blocks = (spec.size or 0) // spec.block_size
+        if user is not None:
+            await user.resize(blocks)   # the frontends report the new capacity
+            return
+        dev = self.node.devices[c.key]
+        if not dev.capabilities.resizable:
+            raise ValueError(f"device {c.key}: a {spec.type} device of this kind cannot be resized")
+        await dev.resize(blocks)  # type: ignore[attr-defined]
+
+    def identity(self, name: str) -> VolumeIdentity:
+        known = self.node.state.identities.get(name) or self.new_identities.get(name)
+        if known is None:
+            u = uuidlib.uuid4()
+            known = self.new_identities[name] = VolumeIdentity(u, u.hex)
+        return known
+
+    async def _add_volume(self, c: Change) -> None:
+        spec: VolumeSpec = c.new
+        kept = self._set_aside.pop(("volume", spec.name), None)
+        if kept is not None:
+            self.node.volumes[spec.name] = kept
+            return
+        from openvsan.node.node import open_volume
+
+        base = self.node.pools[spec.pool].pool if spec.pool is not None else self.node.devices[str(spec.device)]
+        self.node.volumes[spec.name] = open_volume(spec, base, self.identity(spec.name))
+
+    async def _remove_volume(self, c: Change) -> None:
+        self._set_aside[("volume", c.key)] = self.node.volumes.pop(c.key)
+
+    async def _update_volume(self, c: Change) -> None:
+        old: VolumeSpec = c.old
+        new: VolumeSpec = c.new
+        vol = self.node.volumes[c.key]
+        if old.layers != new.layers:
+            # the stack changes under the frontends: in-flight I/O drains, new I/O waits, nobody sees an error
+            self._old_stacks.append(await vol.swap(build_stack(vol.device, new.layers)))
+        if old.read_only != new.read_only:
+            self._set_read_only(c.key, new.read_only)
+
+    def _set_read_only(self, volume: str, read_only: bool) -> None:
+        node = self.node
+        lun = node.luns.get(volume)
+        if lun is not None:
+            lun.read_only = read_only
+        if node.nvme_server is not None:
+            for sub in node.nvme_server.fabric.subsystems.values():
+                for ns in sub.namespaces.values():
+                    if ns.volume.name == volume:
+                        ns.read_only = read_only
+        for e in node.nbd_exports:
+            if e.volume.name == volume:
+                spec = next((x for x in (self.desired or node.state.config).nbd_exports if x.name == e.name), None)
+                e.read_only = read_only or bool(spec and spec.read_only)
+
+    # ---- iSCSI
+
+    def _target(self, iqn: str) -> Any:
+        return self.node.server.targets[iqn]
+
+    async def _add_target(self, c: Change) -> None:
+        spec: TargetSpec = c.new
+        node = self.node
+        t = node.build_target(spec)
+        await node.server.add_target(t)
+        node.targets.append(t)
+
+    async def _remove_target(self, c: Change) -> None:
+        t = await self.node.server.remove_target(c.key)
+        self.node.targets.remove(t)
+
+    async def _update_target(self, c: Change) -> None:
+        spec: TargetSpec = c.new
+        t = self._target(c.key)
+        fresh = self.node.build_target(spec)
+        for name in ("portals", "advertised_portals", "allowed_initiators", "chap", "mutual_chap", "alias",
+                     "portal_group_tag"):
+            setattr(t, name, getattr(fresh, name))   # new logins see them; sessions logged in keep going
+        await self.node.server.sync_portals()
+
+    async def _add_lun(self, c: Change) -> None:
+        self._target(c.parent).scsi.add_lun(c.new.lun, self.node.lun_for(c.new.volume))
+
+    async def _remove_lun(self, c: Change) -> None:
+        self._target(c.parent).scsi.remove_lun(c.old.lun)
+        self.node.drop_lun_if_unused(c.old.volume)
+
+    # ---- NVMe/TCP
+
+    async def _nvme(self) -> Any:
+        node = self.node
+        if node.nvme_server is None:
+            await node.start_nvme([])
+        return node.nvme_server
+
+    async def _add_subsystem(self, c: Change) -> None:
+        spec: SubsystemSpec = c.new
+        server = await self._nvme()
+        cfg = self.node.build_subsystem(spec)
+        await server.add_subsystem(cfg)
+        self.node.subsystems.append(cfg)
+
+    async def _remove_subsystem(self, c: Change) -> None:
+        await self.node.nvme_server.remove_subsystem(c.key)
+        self.node.subsystems = [s for s in self.node.subsystems if s.nqn != c.key]
+
+    async def _update_subsystem(self, c: Change) -> None:
+        spec: SubsystemSpec = c.new
+        server = self.node.nvme_server
+        sub = server.subsystem(c.key)
+        fresh = self.node.build_subsystem(spec)
+        sub.allowed_hosts = None if fresh.allowed_hosts is None else set(fresh.allowed_hosts)
+        sub.dhchap_hosts = dict(fresh.dhchap_hosts)
+        sub.model = fresh.model
+        cfg = next(x for x in server.configs if x.nqn == c.key)
+        cfg.portals, cfg.advertised_portals = fresh.portals, fresh.advertised_portals
+        server.fabric.placement[c.key] = server._place(cfg)
+        server._relisten()
+        await server.sync_portals()
+        server._discovery_changed()
+
+    async def _add_namespace(self, c: Change) -> None:
+        from openvsan.protocol.nvme.subsystem import Namespace
+
+        vol = self.node.volumes[c.new.volume]
+        read_only = self.node._volume_spec(c.new.volume).read_only
+        self.node.nvme_server.subsystem(c.parent).add_namespace(Namespace(c.new.nsid, vol, read_only))
+
+    async def _remove_namespace(self, c: Change) -> None:
+        self.node.nvme_server.subsystem(c.parent).remove_namespace(c.old.nsid)
+
+    # ---- NBD
+
+    async def _add_nbd_export(self, c: Change) -> None:
+        spec: NbdExportSpec = c.new
+        node = self.node
+        if node.nbd_server is None:
+            await node.start_nbd([])
+        e = node.build_nbd_export(spec)
+        await node.nbd_server.add_export(e)
+        node.nbd_exports.append(e)
+
+    async def _remove_nbd_export(self, c: Change) -> None:
+        e = await self.node.nbd_server.remove_export(c.key)
+        self.node.nbd_exports.remove(e)
