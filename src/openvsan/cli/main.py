@@ -23,7 +23,7 @@ from openvsan.cli.live import config_apply, export_app, qos_app, volume_app
 from openvsan.cli.pool import pool_app
 from openvsan.node import access
 from openvsan.node.config import ConfigError, effective_data_dir, exposed_secrets, load_config, preflight
-from openvsan.node.specs import NodeConfig, VolumeSpec
+from openvsan.node.specs import NodeConfig, NodeSettings, VolumeSpec
 from openvsan.node.values import format_size
 
 EXIT_FAILED = 1
@@ -76,13 +76,18 @@ def _root(version: Annotated[bool, typer.Option("--version", callback=_version, 
 
 @app.command()
 def serve(
-    config: Annotated[Path, typer.Option("--config", "-c", help="The node's TOML config file.")],
+    config: Annotated[Path | None, typer.Option(
+        "--config", "-c", help="The node's TOML config file: it becomes the desired state (what it does not "
+                               "declare is removed). Without it, serve the desired state stored in the data dir, "
+                               "with every change made while serving (vsan volume / export / qos / config "
+                               "apply).")] = None,
     data_dir: Annotated[Path | None, typer.Option(
         "--data-dir", help="Where desired state (state.db) and persistent reservations live. Default: "
                            "[node].data_dir, else $XDG_STATE_HOME/openvsan or ~/.local/state/openvsan.")] = None,
     log_level: Annotated[str, typer.Option("--log-level", help="debug, info, warning or error.")] = "info",
 ) -> None:
-    """Serve what CONFIG declares until SIGTERM or SIGINT, then drain, flush and exit 0."""
+    """Serve what CONFIG declares (or, without --config, what the data dir holds) until SIGTERM or SIGINT, then
+    drain, flush and exit 0."""
     # imported here so `vsan --version` and `vsan config check` stay quick
     from openvsan.frontend.limits import raise_fd_limit
     from openvsan.node.logs import setup_logging
@@ -91,20 +96,26 @@ def serve(
 
     if log_level.lower() not in LOG_LEVELS:
         fail(f"--log-level: unknown level {log_level!r}; use one of: {', '.join(LOG_LEVELS)}", EXIT_USAGE)
-    cfg = read_config(config, data_dir)  # validated in full before anything is stored
+    cfg = read_config(config, data_dir) if config is not None else None  # validated before anything is stored
     setup_logging(log_level)
-    if (exposed := exposed_secrets(cfg)) is not None:
-        log.warning("%s", exposed)
-    for line in access.open_exports(cfg):
-        log.warning("%s", line)
-    data = effective_data_dir(cfg.node, data_dir)
+    if cfg is not None:
+        if (exposed := exposed_secrets(cfg)) is not None:
+            log.warning("%s", exposed)
+        for line in access.open_exports(cfg):
+            log.warning("%s", line)
+    data = effective_data_dir(cfg.node if cfg is not None else NodeSettings(""), data_dir)
+    if cfg is None and not (data / "state.db").exists():
+        fail(f"no desired state in {data} (no state.db): give --config FILE the first time, or the --data-dir "
+             "of a node that ran before", EXIT_USAGE)
     try:
         data.mkdir(parents=True, exist_ok=True, mode=0o700)
         with DataDirLock(data):
             with Store.open(data) as store:
-                store.import_config(cfg)
+                if cfg is not None:
+                    store.import_config(cfg)
                 state = store.load()
-            log.info("node %s: config %s, data dir %s", cfg.node.name, config, data)
+            log.info("node %s: %s, data dir %s", state.config.node.name,
+                     f"config {config}" if config is not None else "the desired state stored there", data)
             raise_fd_limit(state.config.node.max_connections)
             run(Node(state, data))
     except (NodeError, StoreError) as e:
