@@ -5,6 +5,7 @@ each command takes, and every condition (unit attention, reservation, range, res
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 import struct
 import uuid
@@ -245,3 +246,70 @@ def test_a_unit_attention_and_a_reservation_are_still_reported() -> None:
     fast, slow, used = both([b"".join(stream)], reserved_elsewhere)
     assert fast == slow and used == 0
     assert [p[1] for p in _pdus(fast)] == [0x18, 0x18]   # RESERVATION CONFLICT
+
+
+def _other(c: Connection) -> Any:
+    assert c.session is not None and c.session.nexus is not None
+    return type(c.session.nexus)("iqn.other", 1, IQN, 1)
+
+
+def test_what_admit_refuses_is_refused_on_either_path() -> None:
+    """Lun.admit and sbc.admit_rw are asked by both paths: a write-protected LU, a persistent reservation
+    held by another nexus (Write Exclusive: reads run, fast; Exclusive Access: nothing runs), no medium,
+    a range past the end, a transfer over the Block Limits, a unit attention pending for another nexus
+    only (this one's commands run, fast)."""
+    data = bytes(range(256)) * 2
+    stream = [cmd(1, 1, rw(0x28, 0, 1), read=True, edtl=BS),           # first command: records the nexus
+              cmd(2, 2, rw(0x2A, 10, 1), write=True, edtl=BS, data=data),
+              cmd(3, 3, rw(0x88, 10, 1), read=True, edtl=BS),
+              cmd(4, 4, rw(0x8A, 11, 1, 0x08), write=True, edtl=BS, data=data),
+              cmd(5, 5, rw(0x28, BLOCKS - 1, 2), read=True, edtl=2 * BS),  # past the end
+              cmd(6, 6, rw(0x2A, BLOCKS, 1), write=True, edtl=BS, data=data)]
+
+    def known(unit: Lun, c: Connection) -> None:
+        assert c.session is not None and c.session.nexus is not None
+        unit.nexuses.add(c.session.nexus)
+
+    def read_only(unit: Lun, c: Connection) -> None:
+        known(unit, c)
+        unit.read_only = True
+
+    def pr(kind: int) -> Any:
+        def setup(unit: Lun, c: Connection) -> None:
+            known(unit, c)
+            holder = _other(c)
+            unit.pr.keys[holder] = 0x1234
+            unit.pr.holder, unit.pr.type = holder, kind
+        return setup
+
+    def no_medium(unit: Lun, c: Connection) -> None:
+        known(unit, c)
+        unit.medium_present = False
+
+    def ua_elsewhere(unit: Lun, c: Connection) -> None:
+        known(unit, c)
+        unit.add_ua(_other(c), 0x2900)
+
+    def small_transfers(unit: Lun, c: Connection) -> None:
+        known(unit, c)
+        unit.limits = dataclasses.replace(unit.limits, max_transfer=1)
+
+    wanted = {   # (statuses of the six commands, how many took the fast path)
+        known: ([0, 0, 0, 0, 2, 2], 4),
+        read_only: ([0, 2, 0, 2, 2, 2], 2),
+        pr(1): ([0, 0x18, 0, 0x18, 2, 0x18], 2),        # WRITE EXCLUSIVE: reads run
+        pr(3): ([0x18] * 6, 0),                         # EXCLUSIVE ACCESS
+        no_medium: ([2] * 6, 0),
+        ua_elsewhere: ([0, 0, 0, 0, 2, 2], 4),
+        small_transfers: ([0, 0, 0, 0, 2, 2], 4),
+    }
+    for setup, (statuses, fast_ones) in wanted.items():
+        fast, slow, used = both([b"".join(stream)], setup)
+        assert fast == slow
+        assert [p[1] for p in _pdus(fast)] == statuses, setup
+        assert used == fast_ones, setup
+    # a transfer over the Block Limits: INVALID FIELD IN CDB on either path
+    fast, slow, used = both([cmd(1, 1, rw(0x28, 0, 1), read=True, edtl=BS),
+                             cmd(2, 2, rw(0x28, 0, 2), read=True, edtl=2 * BS)], small_transfers)
+    assert fast == slow and used == 1
+    assert [p[1] for p in _pdus(fast)] == [0, 2]   # Data-In with GOOD, then CHECK CONDITION

@@ -427,13 +427,15 @@ class Connection(BatchedConnection):
         self._update_reading()
 
     def _done_now(self, req: Request) -> bool:
-        """A read or write (checked already by the protocol layer) done at once by a device that can
-        (Volume.read_now / write_now) and answered here; False: nothing was done, the request runs
-        the normal way. A SyncWrite write is durable on return, so FUA needs nothing more."""
+        """A read or write done at once by a device that can (Volume.read_now / write_now) and answered
+        here; False: nothing was done, the request runs the normal way. Every request here was admitted
+        by the protocol layer (protocol/nbd/transmission.py admit: within the export, aligned to its
+        minimum block, the volume's block: export_info), as those _run gets were. A SyncWrite write is
+        durable on return, so FUA needs nothing more."""
         assert self.export is not None
         vol = self.export.volume
         bs = vol.block_size
-        if not req.length or req.offset % bs or req.length % bs:
+        if not req.length:
             return False
         if req.cmd == Cmd.READ:
             data = vol.read_now(req.offset // bs, req.length // bs)
@@ -503,11 +505,10 @@ class Connection(BatchedConnection):
                 await dev.flush()
         elif cmd == Cmd.BLOCK_STATUS:
             # base:allocation: every block is reported allocated with unknown contents (status 0), which
-            # proto.md allows ("a server MAY always safely report a status of 0 for any block")
-            size = dev.num_blocks * bs
-            n = req.length or min(size - req.offset, 4096)
-            if n <= 0:
-                return self.conn.reply_error(req, Errno.EINVAL, "NBD_CMD_BLOCK_STATUS at the end of the export")
+            # proto.md allows ("a server MAY always safely report a status of 0 for any block"); admit
+            # refused a length of 0 at the end of the export the client was given
+            assert self.conn.session is not None
+            n = req.length or min(self.conn.session.export.size - req.offset, 4096)
             return self.conn.reply_block_status(req, [(n, 0)])
         # NBD_CMD_CACHE: a hint; every read already goes to the device, so there is nothing to warm
         return self.conn.reply(req)

@@ -12,6 +12,7 @@ from openvsan.protocol.nbd.events import (
     Send,
     StartTls,
 )
+from openvsan.protocol.nbd.transmission import admit
 from openvsan.protocol.nbd.wire import Cmd, CmdFlag, Errno, TransmissionFlag
 
 __all__ = [
@@ -30,4 +31,5 @@ __all__ = [
     "Send",
     "StartTls",
     "TransmissionFlag",
+    "admit",
 ]

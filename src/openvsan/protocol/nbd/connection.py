@@ -30,8 +30,8 @@ from openvsan.protocol.nbd.events import (
 )
 from openvsan.protocol.nbd.handshake import Handshake
 from openvsan.protocol.nbd.transmission import (
+    admit,
     block_status_reply,
-    check_request,
     done_reply,
     error_reply,
     read_reply,
@@ -204,7 +204,7 @@ class NbdServerConnection:
             self.phase = Phase.DONE
             events.append(Disconnect())
             return
-        problem = check_request(s, cmd, flags, offset, length)
+        problem = admit(s, cmd, flags, offset, length)
         if cmd == Cmd.WRITE and length:
             # the payload follows the header whatever we think of the request; it is read (or skipped)
             # before the answer so the stream stays framed and the connection survives

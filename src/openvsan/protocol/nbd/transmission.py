@@ -1,8 +1,9 @@
 """Transmission phase: checking requests and encoding replies (proto.md "Transmission", "Request types",
 "Simple reply message", "Structured reply chunk message", "Error values").
 
-Bounds, alignment and flags are checked here, once, at the export edge (STYLE.md §2): a request that
-reaches the block device is known good.
+Every precondition of a request (command, flags, read-only export, bounds, alignment, payload size) is
+checked here, once, in `admit()`, at the export edge (STYLE.md §2), before the driver sees the request: its
+normal path and its fast path (frontend/nbd.py `_run`, `_done_now`) both get only admitted requests.
 """
 
 from __future__ import annotations
@@ -45,8 +46,10 @@ def command_name(cmd: int) -> str:
     return _NAMES.get(cmd, f"command {cmd}")
 
 
-def check_request(s: Negotiated, cmd: int, flags: int, offset: int, length: int) -> tuple[Errno, str] | None:
-    """None if the request may run; else the error to answer and a message for the user."""
+def admit(s: Negotiated, cmd: int, flags: int, offset: int, length: int) -> tuple[Errno, str] | None:
+    """None if the request may run; else the error to answer and a message for the user, in proto.md's
+    order: the command and its flags ("Error values", "Command flags"), a write to a read-only export, the
+    export's bounds, the size constraints. Pure: it depends only on the negotiated session."""
     e = s.export
     name = command_name(cmd)
     if cmd not in _ALLOWED_FLAGS or (cmd == Cmd.BLOCK_STATUS and s.meta_context_id is None):
@@ -68,6 +71,9 @@ def check_request(s: Negotiated, cmd: int, flags: int, offset: int, length: int)
         # proto.md "Error values": writes beyond the end: NBD_ENOSPC; reads, trims and the rest: NBD_EINVAL
         errno = Errno.ENOSPC if cmd in (Cmd.WRITE, Cmd.WRITE_ZEROES) else Errno.EINVAL
         return errno, f"{name}: offset {offset} + length {length} is beyond the export size {e.size}"
+    if cmd == Cmd.BLOCK_STATUS and not length and offset >= e.size:
+        # length 0 asks for the status from offset on (as much as the server likes): there is none at the end
+        return Errno.EINVAL, f"{name} at the end of the export"
     if cmd != Cmd.BLOCK_STATUS and (offset % e.min_block or length % e.min_block):
         # proto.md "Size constraints": requests not aligned to the minimum block size SHOULD get NBD_EINVAL
         return Errno.EINVAL, (f"{name}: offset {offset} and length {length} must be multiples of the "

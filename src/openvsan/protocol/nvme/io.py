@@ -47,58 +47,120 @@ def _ana_status(state: int) -> int:
     return S.ANA_PERSISTENT_LOSS
 
 
-def _range(sqe: Sqe, ns: Namespace) -> tuple[int, int, int]:
-    """(status, slba, nlb) of a Read/Write/Compare/Write Zeroes: SLBA in CDW10-11, NLB 0's based."""
-    slba = sqe.cdw10 | (sqe.cdw11 << 32)
-    nlb = (sqe.cdw12 & 0xFFFF) + 1
-    if slba + nlb > ns.volume.num_blocks:
-        return S.LBA_OUT_OF_RANGE, slba, nlb
-    return S.SUCCESS, slba, nlb
+def _range(sqe: Sqe) -> tuple[int, int]:
+    """(slba, nlb) of a Read/Write/Compare/Write Zeroes: SLBA in CDW10-11, NLB 0's based in CDW12."""
+    return sqe.cdw10 | (sqe.cdw11 << 32), (sqe.cdw12 & 0xFFFF) + 1
 
 
-# CDW12 bits a plain Read/Write may carry for the fast path: NLB and FUA (LR, PRINFO, DTYPE: execute_io)
+def _reserved_away(ctrl: Controller, ns: Namespace, write: bool) -> bool:
+    res = ns.reservations
+    return bool(res.registrants) and not res.allows(ctrl.hostid, write)
+
+
+def admit(ctrl: Controller, sqe: Sqe, ns: Namespace | None, data_len: int) -> int:
+    """The status that refuses this I/O command from `ctrl` on `ns` (the namespace sqe.nsid names, None if
+    there is none) with data_len bytes of host data, or SUCCESS: it may run. In this order: the namespace,
+    its ANA state (Base 2.0 §8.1: inaccessible, persistent loss, change), the command's own fields (NVM
+    Command Set 1.0 §3.2), then the reservation (Base 2.0 §8.19, Figure 518).
+
+    Pure, so the fast path (read_now / write_now) asks it first and may decline; execute_io asks the same.
+    Dataset Management's ranges lie in its data and are checked by the command; unknown opcodes get
+    INVALID_OPCODE from execute_io after these checks."""
+    if ns is None:
+        return S.INVALID_NAMESPACE
+    state = ctrl.subsystem.ana_states.get(ns.ana_group, ANA_INACCESSIBLE)
+    if state != ANA_OPTIMIZED:
+        st = _ana_status(state)
+        if st:
+            return st
+    op = sqe.opcode
+    # Read and Write spelled out (not _range, _reserved_away): the fast path asks for every one of them
+    if op == OP_READ:
+        # NVM Command Set 1.0 §3.2.4 Read
+        nlb = (sqe.cdw12 & 0xFFFF) + 1
+        vol = ns.volume
+        if (sqe.cdw10 | (sqe.cdw11 << 32)) + nlb > vol.num_blocks:
+            return S.LBA_OUT_OF_RANGE
+        n = nlb * vol.block_size
+        if n > MAX_TRANSFER:
+            return S.INVALID_FIELD
+        if n != sqe.sgl_len:
+            return S.DATA_SGL_LENGTH_INVALID
+        res = ns.reservations
+        return S.RESERVATION_CONFLICT if res.registrants and not res.allows(ctrl.hostid, False) else S.SUCCESS
+    if op == OP_WRITE:
+        # NVM Command Set 1.0 §3.2.6 Write
+        nlb = (sqe.cdw12 & 0xFFFF) + 1
+        vol = ns.volume
+        if (sqe.cdw10 | (sqe.cdw11 << 32)) + nlb > vol.num_blocks:
+            return S.LBA_OUT_OF_RANGE
+        if data_len != nlb * vol.block_size:
+            return S.DATA_SGL_LENGTH_INVALID
+        if ns.read_only:
+            return S.NS_WRITE_PROTECTED
+        res = ns.reservations
+        return S.RESERVATION_CONFLICT if res.registrants and not res.allows(ctrl.hostid, True) else S.SUCCESS
+    if op == OP_FLUSH:
+        # NVM Command Set 1.0 §3.2.2 / Base 2.0 §7.1 Flush
+        return S.RESERVATION_CONFLICT if _reserved_away(ctrl, ns, True) else S.SUCCESS
+    if op == OP_COMPARE:
+        # NVM Command Set 1.0 §3.2.1 Compare
+        slba, nlb = _range(sqe)
+        if slba + nlb > ns.volume.num_blocks:
+            return S.LBA_OUT_OF_RANGE
+        if data_len != nlb * ns.volume.block_size:
+            return S.DATA_SGL_LENGTH_INVALID
+        return S.RESERVATION_CONFLICT if _reserved_away(ctrl, ns, False) else S.SUCCESS
+    if op == OP_WRITE_ZEROES:
+        # NVM Command Set 1.0 §3.2.8 Write Zeroes
+        slba, nlb = _range(sqe)
+        if slba + nlb > ns.volume.num_blocks:
+            return S.LBA_OUT_OF_RANGE
+        if ns.read_only:
+            return S.NS_WRITE_PROTECTED
+        return S.RESERVATION_CONFLICT if _reserved_away(ctrl, ns, True) else S.SUCCESS
+    if op == OP_DATASET_MANAGEMENT:
+        # NVM Command Set 1.0 §3.2.3: NR (0's based) ranges of 16 bytes; only a deallocation (AD) writes
+        if data_len < ((sqe.cdw10 & 0xFF) + 1) * 16:
+            return S.DATA_SGL_LENGTH_INVALID
+        if not sqe.cdw11 & 4:
+            return S.SUCCESS
+        if ns.read_only:
+            return S.NS_WRITE_PROTECTED
+        return S.RESERVATION_CONFLICT if _reserved_away(ctrl, ns, True) else S.SUCCESS
+    return S.SUCCESS
+
+
+# CDW12 bits a Read/Write may carry for the fast path: NLB and FUA (LR, PRINFO, DTYPE, ...: execute_io)
 _PLAIN_CDW12 = 0xFFFF | FUA
 
 
-def _fast_namespace(ctrl: Controller, sqe: Sqe) -> Namespace | None:
+def read_now(ctrl: Controller, sqe: Sqe) -> Buffer | None:
+    """The data of a Read that admit() lets through, from a namespace whose device can answer at once
+    (SyncRead), or None: then execute_io must run it, and reports whatever refuses it. Side-effect free
+    until it returns data."""
     sub = ctrl.subsystem
     ns = sub.namespaces.get(sqe.nsid)
-    if (ns is None or ns.reservations.registrants or sqe.cdw12 & ~_PLAIN_CDW12
-            or sub.ana_states.get(ns.ana_group) != ANA_OPTIMIZED):
+    if ns is None or sqe.cdw12 & ~_PLAIN_CDW12 or admit(ctrl, sqe, ns, 0):
         return None
-    return ns
-
-
-def read_now(ctrl: Controller, sqe: Sqe) -> Buffer | None:
-    """The data of a plain Read from a namespace whose device can answer at once (SyncRead), or None: then
-    execute_io must run it, with every check and every status. Side-effect free until it returns data."""
-    ns = _fast_namespace(ctrl, sqe)
-    if ns is None:
-        return None
-    slba, nlb = sqe.cdw10 | (sqe.cdw11 << 32), (sqe.cdw12 & 0xFFFF) + 1
-    n = nlb * ns.volume.block_size
-    if slba + nlb > ns.volume.num_blocks or n > MAX_TRANSFER or n != sqe.sgl_len:
-        return None
-    buf = ns.volume.read_now(slba, nlb)
+    buf = ns.volume.read_now(sqe.cdw10 | (sqe.cdw11 << 32), (sqe.cdw12 & 0xFFFF) + 1)
     if buf is None:
         return None
-    ctrl.subsystem.read_commands += 1
-    ctrl.subsystem.bytes_read += n
+    sub.read_commands += 1
+    sub.bytes_read += sqe.sgl_len   # admit: exactly the blocks read
     return buf
 
 
 def write_now(ctrl: Controller, sqe: Sqe, data: Buffer) -> bool:
-    """Do a plain Write with exactly its data at once (durable on return: FUA needs nothing more), or
-    return False with nothing written: execute_io must run it."""
-    ns = _fast_namespace(ctrl, sqe)
-    if ns is None or ns.read_only:
+    """Do a Write that admit() lets through, with its data, at once (durable on return: FUA needs nothing
+    more), or return False with nothing written: execute_io must run it."""
+    sub = ctrl.subsystem
+    ns = sub.namespaces.get(sqe.nsid)
+    if (ns is None or sqe.cdw12 & ~_PLAIN_CDW12 or admit(ctrl, sqe, ns, len(data))
+            or not ns.volume.write_now(sqe.cdw10 | (sqe.cdw11 << 32), data)):
         return False
-    slba, nlb = sqe.cdw10 | (sqe.cdw11 << 32), (sqe.cdw12 & 0xFFFF) + 1
-    if (slba + nlb > ns.volume.num_blocks or len(data) != nlb * ns.volume.block_size
-            or not ns.volume.write_now(slba, data)):
-        return False
-    ctrl.subsystem.write_commands += 1
-    ctrl.subsystem.bytes_written += len(data)
+    sub.write_commands += 1
+    sub.bytes_written += len(data)
     return True
 
 
@@ -107,72 +169,44 @@ async def execute_io(ctrl: Controller, sqe: Sqe, data: bytes | bytearray | memor
     op = sqe.opcode
     sub = ctrl.subsystem
     ns = sub.namespaces.get(sqe.nsid)
-    if ns is None:
-        if op == OP_FLUSH and sqe.nsid == NSID_ALL:
-            return await _flush_all(ctrl)
-        return S.fail(S.INVALID_NAMESPACE)
-    state = sub.ana_states.get(ns.ana_group, ANA_INACCESSIBLE)
-    if state != ANA_OPTIMIZED:
-        st = _ana_status(state)
-        if st:
-            return S.fail(st)
-    res = ns.reservations
+    if ns is None and op == OP_FLUSH and sqe.nsid == NSID_ALL:
+        return await _flush_all(ctrl)
+    st = admit(ctrl, sqe, ns, len(data))
+    if st:
+        return S.fail(st)
+    assert ns is not None
     dev = ns.volume
     try:
         if op == OP_READ:
-            # NVM Command Set 1.0 §3.2.4 Read
-            st, slba, nlb = _range(sqe, ns)
-            n = nlb * dev.block_size
-            if st:
-                return S.fail(st)
-            if n > MAX_TRANSFER:
-                return S.fail(S.INVALID_FIELD)
-            if n != sqe.sgl_len:
-                return S.fail(S.DATA_SGL_LENGTH_INVALID)
-            if res.registrants and not res.allows(ctrl.hostid, False):
-                return S.fail(S.RESERVATION_CONFLICT)
+            slba, nlb = _range(sqe)
             buf = await dev.read(slba, nlb)
             sub.read_commands += 1
-            sub.bytes_read += n
+            sub.bytes_read += sqe.sgl_len
             return Completion(data=buf)
         if op == OP_WRITE:
-            # NVM Command Set 1.0 §3.2.6 Write (FUA: durable before the completion)
-            st, slba, nlb = _range(sqe, ns)
-            if st:
-                return S.fail(st)
-            if len(data) != nlb * dev.block_size:
-                return S.fail(S.DATA_SGL_LENGTH_INVALID)
-            if ns.read_only:
-                return S.fail(S.NS_WRITE_PROTECTED)
-            if res.registrants and not res.allows(ctrl.hostid, True):
-                return S.fail(S.RESERVATION_CONFLICT)
+            # FUA: durable before the completion
+            slba, _ = _range(sqe)
             await dev.write(slba, data, fua=bool(sqe.cdw12 & FUA) or not ctrl.write_cache)
             sub.write_commands += 1
             sub.bytes_written += len(data)
             return S.OK
         if op == OP_FLUSH:
-            # NVM Command Set 1.0 §3.2.2 / Base 2.0 §7.1 Flush
-            if res.registrants and not res.allows(ctrl.hostid, True):
-                return S.fail(S.RESERVATION_CONFLICT)
             await dev.flush()
             return S.OK
         if op == OP_COMPARE:
-            return await _compare(ctrl, sqe, ns, data)
+            # the medium against the host's data; Compare Failure if they differ
+            slba, nlb = _range(sqe)
+            have = await dev.read(slba, nlb)
+            return S.OK if memoryview(have) == memoryview(data) else S.fail(S.COMPARE_FAILURE)
         if op == OP_WRITE_ZEROES:
-            # NVM Command Set 1.0 §3.2.8 Write Zeroes (DEAC: deallocation allowed; ours read zeroes either way)
-            st, slba, nlb = _range(sqe, ns)
-            if st:
-                return S.fail(st)
-            if ns.read_only:
-                return S.fail(S.NS_WRITE_PROTECTED)
-            if res.registrants and not res.allows(ctrl.hostid, True):
-                return S.fail(S.RESERVATION_CONFLICT)
+            # DEAC: deallocation allowed; ours read zeroes either way
+            slba, nlb = _range(sqe)
             await dev.write_zeroes(slba, nlb)
             if sqe.cdw12 & FUA or not ctrl.write_cache:
                 await dev.flush()
             return S.OK
         if op == OP_DATASET_MANAGEMENT:
-            return await _dataset_management(ctrl, sqe, ns, data)
+            return await _dataset_management(sqe, ns, data)
         if op in (OP_RESERVATION_REGISTER, OP_RESERVATION_ACQUIRE, OP_RESERVATION_RELEASE, OP_RESERVATION_REPORT):
             return _reservation(ctrl, sqe, ns, data)
     except BlockError as e:
@@ -194,32 +228,12 @@ async def _flush_all(ctrl: Controller) -> Completion:
     return S.OK
 
 
-async def _compare(ctrl: Controller, sqe: Sqe, ns: Namespace, data: bytes | bytearray | memoryview) -> Completion:
-    # NVM Command Set 1.0 §3.2.1 Compare: the medium against the host's data; Compare Failure if they differ
-    st, slba, nlb = _range(sqe, ns)
-    if st:
-        return S.fail(st)
-    if len(data) != nlb * ns.volume.block_size:
-        return S.fail(S.DATA_SGL_LENGTH_INVALID)
-    if ns.reservations.registrants and not ns.reservations.allows(ctrl.hostid, False):
-        return S.fail(S.RESERVATION_CONFLICT)
-    have = await ns.volume.read(slba, nlb)
-    return S.OK if memoryview(have) == memoryview(data) else S.fail(S.COMPARE_FAILURE)
-
-
-async def _dataset_management(ctrl: Controller, sqe: Sqe, ns: Namespace,
-                              data: bytes | bytearray | memoryview) -> Completion:
-    # NVM Command Set 1.0 §3.2.3 Dataset Management: NR (0's based) ranges; AD (CDW11 bit 2) deallocates
-    nr = (sqe.cdw10 & 0xFF) + 1
-    if len(data) < nr * 16:
-        return S.fail(S.DATA_SGL_LENGTH_INVALID)
+async def _dataset_management(sqe: Sqe, ns: Namespace, data: bytes | bytearray | memoryview) -> Completion:
+    # NVM Command Set 1.0 §3.2.3 Dataset Management (admit checked the data length, AD, write protection
+    # and the reservation): with AD (CDW11 bit 2) the ranges are deallocated, all or none
     if not sqe.cdw11 & 4:
         return S.OK                       # attribute hints only: nothing to do
-    if ns.read_only:
-        return S.fail(S.NS_WRITE_PROTECTED)
-    if ns.reservations.registrants and not ns.reservations.allows(ctrl.hostid, True):
-        return S.fail(S.RESERVATION_CONFLICT)
-    ranges = [_RANGE.unpack_from(data, i * 16) for i in range(nr)]
+    ranges = [_RANGE.unpack_from(data, i * 16) for i in range((sqe.cdw10 & 0xFF) + 1)]
     dev = ns.volume
     for _, nlb, slba in ranges:
         if slba + nlb > dev.num_blocks:

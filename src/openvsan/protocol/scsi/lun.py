@@ -1,5 +1,10 @@
 """A SCSI logical unit over a Volume: its state (mode pages, reservations, unit attentions, medium)
-and the dispatch of one command (SAM-5 5.14 order of checks: unit attention, CDB, reservations, medium)."""
+and the dispatch of one command.
+
+Every precondition of a command is written once, in `Lun.admit()` (SAM-5 5.14 order: unit attention, CDB,
+reservations, medium) and, for the medium-access commands, `sbc.admit_rw()` (write protection, LBA range,
+transfer length); the normal path (execute and its handlers) and the fast path (read_now / write_now) both
+ask them, so a new check (ALUA state, QoS, thin space) goes in one place."""
 
 from __future__ import annotations
 
@@ -42,20 +47,22 @@ HANDLERS: dict[tuple[int, int | None], Handler] = {**spc.HANDLERS, **sbc.HANDLER
                                                     **xcopy.HANDLERS}
 DATA_OUT: dict[int, DataOutLength] = {**spc.DATA_OUT, **sbc.DATA_OUT, **provisioning.DATA_OUT, **xcopy.DATA_OUT}
 
-# One slot per opcode: (spec, handler) or, for service-action opcodes, a dict of them by service action.
-Entry = tuple[CommandSpec, Handler]
+# One slot per opcode: (spec, handler, CDB length, the bits that must be clear) or, for service-action
+# opcodes, a dict of them by service action.
+Entry = tuple[CommandSpec, Handler, int, int]
 _TABLE: list[Entry | dict[int, Entry] | None] = [None] * 256
 for _spec in COMMANDS:
     _h = HANDLERS.get((_spec.opcode, _spec.sa))
     if _h is None:
         continue
+    _entry = (_spec, _h, len(_spec.usage), ~_spec.check_mask & ((1 << 8 * len(_spec.usage)) - 1))
     if _spec.sa is None:
-        _TABLE[_spec.opcode] = (_spec, _h)
+        _TABLE[_spec.opcode] = _entry
     else:
         _slot = _TABLE[_spec.opcode]
         if not isinstance(_slot, dict):
             _slot = _TABLE[_spec.opcode] = {}
-        _slot[_spec.sa] = (_spec, _h)
+        _slot[_spec.sa] = _entry
 
 SUPPORTED: tuple[CommandSpec, ...] = tuple(c for c in COMMANDS if (c.opcode, c.sa) in HANDLERS)
 
@@ -69,22 +76,23 @@ _NO_MEDIUM_OK = frozenset((0x12, 0x03, 0xA0, 0xA3, 0x1B, 0x1E, 0x1A, 0x5A, 0x15,
 _EXACT_DATA_OUT = frozenset((0x89, 0x41, 0x93))
 
 _OPCODE_UNSUPPORTED = ScsiError(ILLEGAL_REQUEST, ASC_INVALID_OPCODE)
+_RESERVATION_CONFLICT = ScsiResult(RESERVATION_CONFLICT)
 
-# The fast path's commands: READ(10)/(16) and WRITE(10)/(16), by opcode: (CDB length, where LBA and
-# TRANSFER LENGTH sit, the CDB bits that may be set) (SBC-4 5.15, 5.17, 5.41, 5.43)
+# The fast path's commands: READ(10)/(16) and WRITE(10)/(16), by opcode: where LBA and TRANSFER LENGTH sit
+# and the CDB byte of TRANSFER LENGTH (SBC-4 5.15, 5.17, 5.41, 5.43)
 _LBA10 = struct.Struct(">xxIxH")
 _LBA16 = struct.Struct(">xxQI")
+_FAST_READ = {0x28: (_LBA10, 7), 0x88: (_LBA16, 10)}
+_FAST_WRITE = {0x2A: (_LBA10, 7), 0x8A: (_LBA16, 10)}
 
 
-def _fast_entry(op: int) -> tuple[int, struct.Struct, int]:
-    entry = _TABLE[op]
-    assert isinstance(entry, tuple)
-    spec = entry[0]
-    return len(spec.usage), _LBA16 if len(spec.usage) == 16 else _LBA10, spec.check_mask
+def _unit_attention(asc: int) -> ScsiResult:
+    return ScsiResult(CHECK_CONDITION, b"", build_sense(UNIT_ATTENTION, asc))
 
 
-_FAST_READ = {op: _fast_entry(op) for op in (0x28, 0x88)}
-_FAST_WRITE = {op: _fast_entry(op) for op in (0x2A, 0x8A)}
+def is_unit_attention(result: ScsiResult) -> bool:
+    """Whether admit() refused with a unit attention, which the reporting path then consumes (SAM-5 5.14)."""
+    return len(result.sense) > 2 and result.sense[2] & 0x0F == UNIT_ATTENTION
 
 
 class Lun:
@@ -127,42 +135,80 @@ class Lun:
         # the other LUs of the target, for EXTENDED COPY between them (set by ScsiTarget)
         self.peers: Callable[[], Iterable[Lun]] | None = None
 
-    # ---- the synchronous fast path
+    # ---- admission: every precondition of a command, asked by the normal and the fast path alike
 
-    def _fast_ok(self, nexus: Nexus) -> bool:
-        """Nothing stands between a plain READ/WRITE from this nexus and the device: no unit attention to
-        report, no reservation to weigh, a medium present."""
-        return (not self.unit_attentions and self.spc2_holder is None and not self.pr.type and self.medium_present
-                and nexus in self.nexuses)
+    def admit(self, cdb: Buffer, nexus: Nexus, *, expected_length: int | None = None) -> Entry | ScsiResult:
+        """The command's (spec, handler) if it may run now, else the result that refuses it, checked in the
+        order of SAM-5 5.14: a unit attention pending for this nexus (SPC-4 5.14: not for INQUIRY, REPORT
+        LUNS, REQUEST SENSE), the CDB (opcode, service action, length, bits outside its usage data), an
+        SPC-2 reservation (SPC-2 5.5.1), a persistent reservation (SPC-4 PERSISTENT RESERVE), the medium (SBC-4 4.9),
+        and the transport's expected length where the CDB alone fixes the Data-Out split (SBC-4 5.3).
 
-    def _fast_range(self, table: dict[int, tuple[int, struct.Struct, int]], cdb: Buffer) -> tuple[int, int]:
-        """(LBA, blocks) of a plain command in table whose CDB has nothing unusual, else (0, 0)."""
-        found = table.get(cdb[0])
-        if found is None:
-            return 0, 0
-        n, layout, mask = found
-        if len(cdb) < n or int.from_bytes(cdb[:n], "big") & ~mask:
-            return 0, 0
-        lba, blocks = layout.unpack_from(cdb)
-        if not blocks or lba + blocks > self.volume.num_blocks or blocks > self.limits.max_transfer:
-            return 0, 0
-        return lba, blocks
+        Pure: nothing is consumed or recorded, so the fast path may ask and decline; execute() consumes
+        the unit attention it reports (is_unit_attention) and adds the nexus."""
+        op = cdb[0]
+        if self.unit_attentions and op not in _UA_EXEMPT:
+            pending = self.unit_attentions.get(nexus)
+            if pending:
+                return _unit_attention(pending[0])
+        entry = _TABLE[op]
+        if entry is None:
+            return _OPCODE_UNSUPPORTED.result()
+        if isinstance(entry, dict):
+            found = entry.get(cdb[1] & 0x1F) if len(cdb) > 1 else None
+            if found is None:
+                return ScsiResult(CHECK_CONDITION, b"", build_sense(ILLEGAL_REQUEST, ASC_INVALID_FIELD_IN_CDB,
+                                                                    field=1, bit=4))
+            entry = found
+        spec, _, n, reserved = entry
+        if len(cdb) < n:
+            return ScsiResult(CHECK_CONDITION, b"", build_sense(ILLEGAL_REQUEST, ASC_INVALID_FIELD_IN_CDB, field=0))
+        stray = int.from_bytes(cdb[:n], "big") & reserved
+        if stray:
+            return _stray_bits(stray, n).result()
+        if self.spc2_holder is not None and self.spc2_holder != nexus and not spec.spc2_allowed:
+            return _RESERVATION_CONFLICT
+        if self.pr.type and self.pr.conflicts(nexus, spec.access):
+            return _RESERVATION_CONFLICT
+        if not self.medium_present and op not in _NO_MEDIUM_OK:
+            return ScsiResult(CHECK_CONDITION, b"", build_sense(NOT_READY, ASC_MEDIUM_NOT_PRESENT))
+        if expected_length is not None and op in _EXACT_DATA_OUT and expected_length != self.data_out_length(
+                bytes(cdb[:n])):
+            # the transport's expected length disagrees with the CDB: for these commands the split of the
+            # Data-Out (compare/write halves, the one block of WRITE SAME) would be a guess (SBC-4 5.3)
+            return ScsiResult(CHECK_CONDITION, b"", build_sense(ILLEGAL_REQUEST, ASC_INVALID_FIELD_IN_CDB,
+                                                                field=13 if op == 0x89 else 0))
+        return entry
+
+    # ---- the synchronous fast path: what admit() lets through, done at once by a device that can
 
     def read_now(self, cdb: Buffer, nexus: Nexus) -> Buffer | None:
-        """The data of a plain READ(10)/(16), read at once, or None: then the command must take execute(),
-        which does every check and reports every condition. Side-effect free, so a caller may ask first."""
-        if not self._fast_ok(nexus):
+        """The data of a READ(10)/(16) that admit() and sbc.admit_rw() let through, read at once, or None:
+        then the command must take execute(), which reports whatever refuses it. Side-effect free, so a
+        caller may ask first. A nexus's first command takes execute(), which records the nexus."""
+        found = _FAST_READ.get(cdb[0])
+        if found is None or nexus not in self.nexuses or type(self.admit(cdb, nexus)) is not tuple:
             return None
-        lba, blocks = self._fast_range(_FAST_READ, cdb)
-        return self.volume.read_now(lba, blocks) if blocks else None
+        layout, lenfield = found
+        lba, blocks = layout.unpack_from(cdb)
+        if not blocks or sbc.admit_rw(self, lba, blocks, lenfield) is not None:
+            return None
+        return self.volume.read_now(lba, blocks)
 
     def write_now(self, cdb: Buffer, data: Buffer, nexus: Nexus) -> bool:
-        """Do a plain WRITE(10)/(16) at once, with exactly the data it asks for; False (nothing written):
-        the command must take execute(). FUA needs nothing more: a SyncWrite write is durable on return."""
-        if not self._fast_ok(nexus) or self.write_protected or not self.locks.exclusive_idle:
+        """Do a WRITE(10)/(16) that admit() and sbc.admit_rw() let through at once, with exactly the data it
+        asks for; False (nothing written): the command must take execute(). FUA needs nothing more: a
+        SyncWrite write is durable on return. An atomic command holding a range (CAW, WRITE ATOMIC) makes
+        every write take execute(), which waits for it."""
+        found = _FAST_WRITE.get(cdb[0])
+        if (found is None or nexus not in self.nexuses or not self.locks.exclusive_idle
+                or type(self.admit(cdb, nexus)) is not tuple):
             return False
-        lba, blocks = self._fast_range(_FAST_WRITE, cdb)
-        if not blocks or len(data) != blocks * self.block_size or not self.volume.write_now(lba, data):
+        layout, lenfield = found
+        lba, blocks = layout.unpack_from(cdb)
+        if (not blocks or len(data) != blocks * self.block_size
+                or sbc.admit_rw(self, lba, blocks, lenfield, write=True) is not None
+                or not self.volume.write_now(lba, data)):
             return False
         self.all_deallocated = False
         return True
@@ -243,41 +289,14 @@ class Lun:
                       expected_length: int | None = None) -> ScsiResult:
         if nexus not in self.nexuses:
             self.nexuses.add(nexus)
-        op = cdb[0]
-        if self.unit_attentions and op not in _UA_EXEMPT:
-            asc = self.pop_ua(nexus)
-            if asc is not None:
-                return ScsiResult(CHECK_CONDITION, b"", build_sense(UNIT_ATTENTION, asc))
-        entry = _TABLE[op]
-        if entry is None:
-            return _OPCODE_UNSUPPORTED.result()
-        if isinstance(entry, dict):
-            found = entry.get(cdb[1] & 0x1F) if len(cdb) > 1 else None
-            if found is None:
-                return ScsiResult(CHECK_CONDITION, b"", build_sense(ILLEGAL_REQUEST, ASC_INVALID_FIELD_IN_CDB,
-                                                                    field=1, bit=4))
-            entry = found
-        spec, handler = entry
-        n = len(spec.usage)
-        if len(cdb) < n:
-            return ScsiResult(CHECK_CONDITION, b"", build_sense(ILLEGAL_REQUEST, ASC_INVALID_FIELD_IN_CDB, field=0))
-        cdb = bytes(cdb[:n])
-        stray = int.from_bytes(cdb, "big") & ~spec.check_mask
-        if stray:
-            return _stray_bits(stray, n).result()
-        if self.spc2_holder is not None and self.spc2_holder != nexus and not spec.spc2_allowed:
-            return ScsiResult(RESERVATION_CONFLICT)
-        if self.pr.type and self.pr.conflicts(nexus, spec.access):
-            return ScsiResult(RESERVATION_CONFLICT)
-        if not self.medium_present and op not in _NO_MEDIUM_OK:
-            return ScsiResult(CHECK_CONDITION, b"", build_sense(NOT_READY, ASC_MEDIUM_NOT_PRESENT))
-        if expected_length is not None and op in _EXACT_DATA_OUT and expected_length != self.data_out_length(cdb):
-            # the transport's expected length disagrees with the CDB: for these commands the split of the
-            # Data-Out (compare/write halves, the one block of WRITE SAME) would be a guess (SBC-4 5.3)
-            return ScsiResult(CHECK_CONDITION, b"", build_sense(ILLEGAL_REQUEST, ASC_INVALID_FIELD_IN_CDB,
-                                                                field=13 if op == 0x89 else 0))
+        admitted = self.admit(cdb, nexus, expected_length=expected_length)
+        if isinstance(admitted, ScsiResult):
+            if self.unit_attentions and is_unit_attention(admitted):
+                self.pop_ua(nexus)   # SAM-5 5.14: a unit attention reported is cleared
+            return admitted
+        spec, handler, n, _ = admitted
         try:
-            return await handler(self, cdb, data_out, nexus)
+            return await handler(self, bytes(cdb[:n]), data_out, nexus)
         except ScsiError as e:
             return e.result()
         except BlockError as e:

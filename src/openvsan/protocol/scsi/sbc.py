@@ -52,6 +52,19 @@ def _check_transfer(lun: Lun, n: int, field: int) -> None:
         raise invalid_field(field)
 
 
+def admit_rw(lun: Lun, lba: int, n: int, lenfield: int, *, write: bool = False) -> ScsiError | None:
+    """What refuses a READ or WRITE of n blocks at lba (its TRANSFER LENGTH in CDB byte lenfield) once
+    Lun.admit() let it through, or None: write protection (DATA PROTECT), the LBA range (SBC-4 4.5: also for
+    zero blocks), the transfer length (Block Limits VPD). Pure, for the normal path and the fast path."""
+    if write and lun.write_protected:
+        return write_protected()
+    if lba + n > lun.volume.num_blocks:
+        return lba_out_of_range()
+    if n > lun.limits.max_transfer:
+        return invalid_field(lenfield)
+    return None
+
+
 def _data(lun: Lun, data: memoryview, nbytes: int) -> memoryview:
     """The first nbytes of Data-Out; less than the CDB asked for is refused rather than half-written."""
     if len(data) < nbytes:
@@ -82,10 +95,11 @@ def _miscompare(offset: int) -> ScsiError:
 # ---- READ (SBC-4 5.14-5.17)
 
 async def _read(lun: Lun, lba: int, n: int, lenfield: int) -> ScsiResult:
-    _check_range(lun, lba, n)
+    refused = admit_rw(lun, lba, n, lenfield)
+    if refused is not None:
+        raise refused
     if not n:
         return _GOOD
-    _check_transfer(lun, n, lenfield)
     return ScsiResult(GOOD, await lun.volume.read(lba, n))
 
 
@@ -112,12 +126,11 @@ async def read16(lun: Lun, cdb: bytes, data: memoryview, nexus: Nexus) -> ScsiRe
 # ---- WRITE (SBC-4 5.40-5.43)
 
 async def _write(lun: Lun, lba: int, n: int, data: memoryview, fua: bool, lenfield: int) -> ScsiResult:
-    if lun.write_protected:
-        raise write_protected()
-    _check_range(lun, lba, n)
+    refused = admit_rw(lun, lba, n, lenfield, write=True)
+    if refused is not None:
+        raise refused
     if not n:
         return _GOOD
-    _check_transfer(lun, n, lenfield)
     payload = _data(lun, data, n * lun.block_size)
     token = await lun.locks.acquire(lba, lba + n)
     try:
@@ -391,4 +404,4 @@ HANDLERS: dict[tuple[int, int | None], Handler] = {
     (0x37, None): read_defect_data10, (0xB7, None): read_defect_data12,
 }
 
-__all__ = ["DATA_OUT", "HANDLERS", "ILLEGAL_REQUEST", "first_difference"]
+__all__ = ["DATA_OUT", "HANDLERS", "ILLEGAL_REQUEST", "admit_rw", "first_difference"]

@@ -1,0 +1,254 @@
+"""The NBD server's fast path (a read or write on a device with SyncRead/SyncWrite, answered without a Task) must
+say exactly what the normal path says: the same bytes to the client for the same request stream, whichever
+path each request takes, and every refusal (read-only export, beyond the end, misaligned, bad flags) the
+same, because both paths get only the requests protocol/nbd's admit() let through."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import struct
+import uuid
+from typing import Any
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from openvsan.block.device import Buffer
+from openvsan.block.ram import RamDevice
+from openvsan.frontend.config import NbdExportConfig
+from openvsan.frontend.nbd import Connection, NbdServer
+from openvsan.protocol.nbd import Cmd, CmdFlag, Errno
+from openvsan.protocol.nbd.wire import IHAVEOPT, NBDMAGIC, REQUEST_MAGIC, SIMPLE_REPLY_MAGIC, Opt
+
+BS = 512
+BLOCKS = 2048
+SIZE = BS * BLOCKS
+PORTAL = ("127.0.0.1", 10809)
+NAMES = ("rw", "ro")
+
+
+class Wire:
+    """A transport that keeps what the server sends."""
+
+    def __init__(self) -> None:
+        self.out = bytearray()
+
+    def writelines(self, parts: list[Buffer]) -> None:
+        for p in parts:
+            self.out += p
+
+    def write(self, data: Buffer) -> None:
+        self.out += data
+
+    def get_extra_info(self, key: str, default: Any = None) -> Any:
+        return default
+
+    def is_closing(self) -> bool:
+        return False
+
+    def close(self) -> None:
+        pass
+
+    def pause_reading(self) -> None:
+        pass
+
+    def resume_reading(self) -> None:
+        pass
+
+
+class AsyncOnly:
+    """The same RAM, without a fast path (capabilities say so): every request takes the normal path."""
+
+    def __init__(self, inner: RamDevice) -> None:
+        self.inner = inner
+        self.block_size, self.num_blocks = inner.block_size, inner.num_blocks
+        self.capabilities = inner.capabilities.but(sync_read=False, sync_write=False)
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("read_now", "write_now"):
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+
+class Counting(RamDevice):
+    def __init__(self, *a: Any, **kw: Any) -> None:
+        super().__init__(*a, **kw)
+        self.fast = 0
+
+    def read_now(self, lba: int, blocks: int) -> Buffer:
+        self.fast += 1
+        return super().read_now(lba, blocks)
+
+    def write_now(self, lba: int, data: Buffer) -> bool:
+        self.fast += 1
+        return super().write_now(lba, data)
+
+
+# --- a client, from proto.md ---------------------------------------------------------------------
+def option(opt: int, data: bytes = b"") -> bytes:
+    return struct.pack(">QII", IHAVEOPT, opt, len(data)) + data
+
+
+def handshake(name: str, structured: bool) -> bytes:
+    """Client flags (FIXED_NEWSTYLE | NO_ZEROES), then structured replies and base:allocation if asked,
+    then NBD_OPT_GO."""
+    n = name.encode()
+    out = struct.pack(">I", 3)
+    if structured:
+        out += option(Opt.STRUCTURED_REPLY)
+        q = b"base:allocation"
+        out += option(Opt.SET_META_CONTEXT, struct.pack(">I", len(n)) + n + struct.pack(">II", 1, len(q)) + q)
+    return out + option(Opt.GO, struct.pack(">I", len(n)) + n + struct.pack(">H", 0))
+
+
+def request(cmd: int, offset: int, length: int, flags: int, cookie: int, payload: bytes = b"") -> bytes:
+    return struct.pack(">IHHQQI", REQUEST_MAGIC, flags, cmd, cookie, offset, length) + payload
+
+
+# one request: (connection: 0 the read-write export, 1 the read-only one; command; offset; length; flags)
+Req = tuple[int, int, int, int, int]
+
+
+def encode(stream: list[Req], seed: int) -> list[tuple[int, bytes]]:
+    rnd = random.Random(seed)
+    out = []
+    for cookie, (which, cmd, offset, length, flags) in enumerate(stream, 1):
+        payload = rnd.randbytes(length) if cmd == Cmd.WRITE else b""
+        out.append((which, request(cmd, offset, length, flags, cookie, payload)))
+    return out
+
+
+async def run(devices: list[Any], stream: list[tuple[int, bytes]], structured: bool) -> list[bytes]:
+    from openvsan.volume import Volume
+
+    exports = [NbdExportConfig(name, Volume(dev, name=name, uuid=uuid.UUID(int=i + 1)), [PORTAL], read_only=i == 1)
+               for i, (name, dev) in enumerate(zip(NAMES, devices, strict=True))]
+    srv = NbdServer(exports)
+    conns, wires = [], []
+    for name in NAMES:
+        c = Connection(srv, PORTAL)
+        w = Wire()
+        c.connection_made(w)  # type: ignore[arg-type]
+        c.data_received(handshake(name, structured))
+        assert c.export is not None and c.export.name == name
+        conns.append(c)
+        wires.append(w)
+    for which, chunk in stream:
+        conns[which].data_received(chunk)
+        for _ in range(4):
+            await asyncio.sleep(0)
+    for c in conns:
+        c.close()
+    return [bytes(w.out) for w in wires]
+
+
+def both(stream: list[Req], structured: bool, seed: int = 5) -> tuple[list[bytes], list[bytes], int]:
+    async def go() -> tuple[list[bytes], list[bytes], int]:
+        fast_devs = [Counting(BLOCKS, BS) for _ in NAMES]
+        slow_devs = [RamDevice(BLOCKS, BS) for _ in NAMES]
+        for d in fast_devs + slow_devs:
+            d.write_now(0, random.Random(7).randbytes(SIZE))
+        for d in fast_devs:
+            d.fast = 0
+        wire = encode(stream, seed)
+        fast = await run(fast_devs, wire, structured)
+        used = sum(d.fast for d in fast_devs)
+        slow = await run([AsyncOnly(d) for d in slow_devs], wire, structured)
+        for f, s in zip(fast_devs, slow_devs, strict=True):
+            assert f.read_now(0, BLOCKS) == s.read_now(0, BLOCKS)
+        return fast, slow, used
+
+    return asyncio.run(go())
+
+
+def simple_replies(wire: bytes, stream: list[Req]) -> list[tuple[int, int]]:
+    """(cookie, error) of each simple reply on a connection without structured replies; a successful
+    read's data is skipped."""
+    pos = wire.index(struct.pack(">Q", NBDMAGIC)) + 18                  # greeting: magic, IHAVEOPT, flags
+    while True:                                                         # option replies, to NBD_OPT_GO's ACK
+        _, opt, rep, n = struct.unpack_from(">QIII", wire, pos)
+        pos += 20 + n
+        if opt == Opt.GO and rep == 1:
+            break
+    out = []
+    while pos < len(wire):
+        magic, error, cookie = struct.unpack_from(">IIQ", wire, pos)
+        assert magic == SIMPLE_REPLY_MAGIC
+        pos += 16
+        _, cmd, _, length, _ = stream[cookie - 1]
+        if cmd == Cmd.READ and not error:
+            pos += length
+        out.append((cookie, error))
+    return out
+
+
+# --- the streams ---------------------------------------------------------------------------------
+_CMDS = (Cmd.READ, Cmd.READ, Cmd.READ, Cmd.WRITE, Cmd.WRITE, Cmd.WRITE, Cmd.FLUSH, Cmd.TRIM, Cmd.WRITE_ZEROES,
+         Cmd.CACHE, Cmd.BLOCK_STATUS, 99)
+_FLAGS = (0, 0, 0, CmdFlag.FUA, CmdFlag.DF, CmdFlag.NO_HOLE, CmdFlag.REQ_ONE, 0x80)
+
+
+def random_stream(rnd: random.Random, n: int) -> list[Req]:
+    out: list[Req] = []
+    for _ in range(n):
+        cmd = rnd.choice(_CMDS)
+        length = rnd.choice((BS, 8 * BS, 64 * BS, BS, 8 * BS, 64 * BS, 0, 300, BS + 1))   # some misaligned
+        offset = rnd.randrange(BLOCKS - 64) * BS
+        odd = rnd.random()
+        if odd < 0.1:
+            offset = SIZE - length + rnd.choice((BS, 1))     # past the end
+        elif odd < 0.15:
+            offset += 7                                      # misaligned
+        elif odd < 0.2:
+            offset = SIZE
+        flags = rnd.choice(_FLAGS) if rnd.random() < 0.3 else 0
+        out.append((rnd.choice((0, 0, 0, 1)), cmd, max(offset, 0), length, flags))
+    return out
+
+
+def test_ram_offers_sync_io_and_the_wrapper_does_not() -> None:
+    caps = AsyncOnly(RamDevice(8, BS)).capabilities
+    assert RamDevice(8, BS).capabilities.sync_read and not caps.sync_read and not caps.sync_write
+
+
+def test_a_random_request_stream_gets_the_same_bytes_on_either_path() -> None:
+    stream = random_stream(random.Random(3), 600)
+    for structured in (False, True):
+        fast, slow, used = both(stream, structured)
+        assert used > 100, "the fast path was hardly taken"
+        assert fast == slow
+    # the refusals were exercised: read-only, beyond the end (reads and writes), misaligned, bad flags
+    fast, slow, used = both(stream, False)
+    errors = {which: [e for _, e in simple_replies(fast[which], stream)] for which in (0, 1)}
+    seen = set(errors[0]) | set(errors[1])
+    assert {0, Errno.EPERM, Errno.EINVAL, Errno.ENOSPC} <= seen
+    assert Errno.EPERM in errors[1] and Errno.EPERM not in errors[0]
+
+
+def test_reads_see_the_writes_before_them_on_either_path() -> None:
+    stream: list[Req] = [(0, Cmd.WRITE, 64 * BS, 8 * BS, 0), (0, Cmd.READ, 64 * BS, 8 * BS, 0),
+                         (0, Cmd.WRITE, 68 * BS, BS, CmdFlag.FUA), (0, Cmd.READ, 60 * BS, 16 * BS, 0),
+                         (1, Cmd.WRITE, 0, BS, 0), (1, Cmd.READ, 0, BS, 0),
+                         (0, Cmd.READ, SIZE - BS, 2 * BS, 0), (0, Cmd.WRITE, SIZE, BS, 0),
+                         (0, Cmd.READ, 3, BS, 0), (0, Cmd.BLOCK_STATUS, SIZE, 0, 0)]
+    fast, slow, used = both(stream, False)
+    assert fast == slow and used == 5   # 2 writes, 3 reads; the read-only write and the refusals are not tried
+    got = simple_replies(fast[0], stream)
+    assert [e for _, e in got] == [0, 0, 0, 0, Errno.EINVAL, Errno.ENOSPC, Errno.EINVAL, Errno.EINVAL]
+    fast, slow, used = both(stream, True)
+    assert fast == slow
+
+
+_REQ = st.tuples(st.sampled_from((0, 0, 1)), st.sampled_from(_CMDS),
+                 st.one_of(st.integers(0, BLOCKS - 1).map(lambda b: b * BS), st.integers(0, SIZE + BS),
+                           st.sampled_from((SIZE - BS, SIZE, SIZE + BS))),
+                 st.one_of(st.sampled_from((0, BS, 4 * BS, 16 * BS)), st.integers(0, 9000)),
+                 st.sampled_from(_FLAGS))
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(_REQ, max_size=40), st.booleans())
+def test_any_request_stream_gets_the_same_bytes_on_either_path(stream: list[Req], structured: bool) -> None:
+    fast, slow, _ = both(stream, structured)
+    assert fast == slow
