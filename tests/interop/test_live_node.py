@@ -58,7 +58,7 @@ def start_fio(server: VsanServer, workdir: Path, seconds: int) -> subprocess.Pop
     return subprocess.Popen(
         ["fio", "--name=undisturbed", "--ioengine=nbd", f"--uri={server.nbd_url('disk0')}", "--rw=randwrite",
          "--bs=4k", "--iodepth=8", "--size=64M", "--time_based", f"--runtime={seconds}", "--verify=crc32c",
-         "--verify_backlog=256", "--verify_fatal=1", "--output-format=json", f"--output={workdir / 'fio.json'}"],
+         "--verify_backlog=256", "--verify_fatal=1", "--verify_state_save=0", "--output-format=json", f"--output={workdir / 'fio.json'}"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 

@@ -187,21 +187,12 @@ async def volume_delete(node: Node, args: dict[str, Any]) -> Any:
 def _describe(node: Node, name: str) -> dict[str, Any]:
     cfg = node.state.config
     spec = cfg.volume(name)
-    vol = node.volumes.get(name)
     ident = node.state.identities.get(name)
     out: dict[str, Any] = {"name": name, "read_only": spec.read_only, "device": spec.device, "pool": spec.pool,
                            "exports": _exports_of(config_document(cfg), name), "qos": dict(spec.qos)}
-    if vol is not None:
-        out.update(size=vol.size, block_size=vol.block_size, blocks=vol.num_blocks,
-                   stack=[type(d).__name__ for d in vol.layers], layers=vol.to_config()["layers"],
-                   capabilities=dataclasses.asdict(vol.capabilities))
-        qos = next((d for d in vol.layers if hasattr(d, "stats")), None)
-        if qos is not None:
-            out["qos_stats"] = qos.stats()
     if ident is not None:
         out.update(uuid=str(ident.uuid), serial=ident.serial)
-        if vol is not None:
-            out.update(naa=vol.naa.hex(), eui64=vol.eui64.hex(), nguid=vol.nguid.hex())
+    out.update(node.plane.stats(name) or {})
     return out
 
 

@@ -56,6 +56,25 @@ class DataPlane:
         self._old_stacks.clear()
         self.new_identities.clear()
 
+    # ---- what an owned volume reports (the "stats" message: callers never reach into the Volume)
+
+    def stats(self, name: str) -> dict[str, Any] | None:
+        vol = self.node.volumes.get(name)
+        if vol is None:
+            return None
+        import dataclasses
+
+        out: dict[str, Any] = {
+            "size": vol.size, "block_size": vol.block_size, "blocks": vol.num_blocks,
+            "stack": [type(d).__name__ for d in vol.layers], "layers": vol.to_config()["layers"],
+            "capabilities": dataclasses.asdict(vol.capabilities),
+            "naa": vol.naa.hex(), "eui64": vol.eui64.hex(), "nguid": vol.nguid.hex()}
+        for layer in vol.layers:
+            report = getattr(layer, "stats", None)
+            if callable(report):
+                out[f"{getattr(layer, 'type_name', 'layer')}_stats"] = report()
+        return out
+
     # ---- devices and volumes
 
     async def _add_device(self, c: Change) -> None:
