@@ -129,7 +129,13 @@ class DataPlane:
         old: VolumeSpec = c.old
         new: VolumeSpec = c.new
         vol = self.node.volumes[c.key]
-        if old.layers != new.layers:
+        qos = next((d for d in vol.layers if getattr(d, "type_name", None) == "qos"), None)
+        if old.qos and new.qos and qos is not None and [x["type"] for x in old.layers] == [
+                x["type"] for x in new.layers]:
+            from openvsan.volume.qos import QosLimits
+
+            qos.set_limits(QosLimits.from_dict(new.qos))   # in place: waiting commands judged anew, no drain
+        elif old.layers != new.layers:
             # the stack changes under the frontends: in-flight I/O drains, new I/O waits, nobody sees an error
             self._old_stacks.append(await vol.swap(build_stack(vol.device, new.layers)))
         if old.read_only != new.read_only:

@@ -108,15 +108,7 @@ class Lun:
         self.block_size = volume.block_size
         # physical block of 4 KiB under 512-byte logical blocks: initiators align to it (SBC-4 6.6.4)
         self.lbppb_exponent = 3 if self.block_size == 512 else 0
-        bs = self.block_size
-        self.limits = BlockLimits(
-            max_compare_write=255, opt_granularity=1 << self.lbppb_exponent,
-            max_transfer=(16 << 20) // bs, opt_transfer=(1 << 20) // bs, max_prefetch=(16 << 20) // bs,
-            max_unmap_lbas=(512 << 20) // bs, max_unmap_descriptors=4096,
-            unmap_granularity=1 << self.lbppb_exponent, max_write_same=0xFFFF,
-            max_atomic=(1 << 20) // bs, atomic_alignment=0, atomic_granularity=0)
-        # unmapped blocks read back as zeros (LBPRZ), unless the stack says otherwise; re-read on a swap
-        self.lbprz = volume.capabilities.unmap_reads_zero
+        self._read_capabilities()
         self.unlisten = volume.listen(self._volume_changed)
         self.mode = ModeState()
         self.pr = PersistentReservations(pr_state_path)
@@ -249,11 +241,24 @@ class Lun:
         """Call after the device grew or shrank: every nexus gets CAPACITY DATA HAS CHANGED (SBC-4 4.6)."""
         self.add_ua_others(ASC_CAPACITY_DATA_HAS_CHANGED, None)
 
+    def _read_capabilities(self) -> None:
+        """What the volume's stack states, as the LU reports it: the Block Limits VPD page (SBC-4 6.6.4;
+        a transfer no larger than the stack takes) and LBPRZ (unmapped blocks read back as zeros)."""
+        caps = self.volume.capabilities
+        bs = self.block_size
+        self.limits = BlockLimits(
+            max_compare_write=255, opt_granularity=1 << self.lbppb_exponent,
+            max_transfer=min(16 << 20, caps.max_transfer) // bs, opt_transfer=(1 << 20) // bs,
+            max_prefetch=(16 << 20) // bs, max_unmap_lbas=(512 << 20) // bs, max_unmap_descriptors=4096,
+            unmap_granularity=1 << self.lbppb_exponent, max_write_same=0xFFFF,
+            max_atomic=(1 << 20) // bs, atomic_alignment=0, atomic_granularity=0)
+        self.lbprz = caps.unmap_reads_zero
+
     def _volume_changed(self, what: str) -> None:
         if what == "resized":
             self.capacity_changed()
         elif what == "stack":
-            self.lbprz = self.volume.capabilities.unmap_reads_zero
+            self._read_capabilities()
 
     # ---- resets and nexus loss (SAM-5 6.3, 6.6; SPC-2 5.5.1)
 
