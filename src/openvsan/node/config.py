@@ -263,11 +263,14 @@ _DEVICE_KEYS = {
 }
 
 
-def _new_name(t: _Table, what: str, example: str, earlier: Sequence[DeviceSpec | PoolSpec | VolumeSpec]) -> str:
-    """The `name` of a [[devices]], [[pools]] or [[volumes]] table: a valid name no earlier table of its kind has."""
+def _new_name(t: _Table, what: str, example: str, earlier: Sequence[DeviceSpec | PoolSpec | VolumeSpec],
+              seen: set[str] | None = None) -> str:
+    """The `name` of a [[devices]], [[pools]] or [[volumes]] table: a valid name no earlier table of its kind has
+    (`seen`, when given, holds the earlier names: a set, so a config of thousands of volumes parses in
+    linear time, as each live change parses the node's whole desired state again)."""
     name: str = t.check("name", check_object_name, t.get("name", str, required=True,
                                                       hint=f'give the {what} a name, e.g. name = "{example}"'))
-    if any(x.name == name for x in earlier):
+    if (name in seen) if seen is not None else any(x.name == name for x in earlier):
         raise ConfigError(f"{t.key('name')}: a {what} named {_fmt(name)} is already defined; "
                           f"give each {what} its own name")
     return name
@@ -275,10 +278,12 @@ def _new_name(t: _Table, what: str, example: str, earlier: Sequence[DeviceSpec |
 
 def _parse_devices(top: _Table, base_dir: Path | None, data_dir: Path) -> tuple[DeviceSpec, ...]:
     out: list[DeviceSpec] = []
+    seen: set[str] = set()
     seen_paths: dict[Path, str] = {}
     for path, raw in _items(top, "devices", hint="add [[devices]] tables"):
         t = _Table(raw, path, what="a [[devices]] table")
-        name = _new_name(t, "device", "ram0", out)
+        name = _new_name(t, "device", "ram0", out, seen)
+        seen.add(name)
         kind = t.get("type", str, required=True, hint=f'add type = "ram" (one of: {", ".join(DEVICE_TYPES)})')
         if kind not in DEVICE_TYPES:
             raise ConfigError(f"{t.key('type')}: unknown device type {_fmt(kind)}; use one of: "
@@ -393,20 +398,23 @@ def _pool_devices(t: _Table, key: str, pool: str, by_name: dict[str, DeviceSpec]
 def _parse_volumes(top: _Table, devices: tuple[DeviceSpec, ...],
                    pools: tuple[PoolSpec, ...] = ()) -> tuple[VolumeSpec, ...]:
     out: list[VolumeSpec] = []
+    seen: set[str] = set()
     owner: dict[str, str] = {}
     pool_owner: dict[str, str] = {}
     names = [d.name for d in devices]
     pool_names = [p.name for p in pools]
+    name_set, pool_set = set(names), set(pool_names)
     for path, raw in _items(top, "volumes", hint="add [[volumes]] tables"):
         t = _Table(raw, path, what="a [[volumes]] table")
-        name = _new_name(t, "volume", "disk0", out)
+        name = _new_name(t, "volume", "disk0", out, seen)
+        seen.add(name)
         read_only = t.get("read_only", bool, False)
         if t.has("pool"):
             pool = t.get("pool", str)
             if t.has("device"):
                 raise ConfigError(f"{path}: names both device {_fmt(t.get('device', str))} and pool {_fmt(pool)}; "
                                   "a volume lives on one of them: remove one")
-            if pool not in pool_names:
+            if pool not in pool_set:
                 known = f"use one of: {', '.join(pool_names)}" if pool_names else "none is defined"
                 raise ConfigError(f"{t.key('pool')}: unknown pool {_fmt(pool)}; define it under [[pools]] or {known}")
             if pool in pool_owner:
@@ -419,14 +427,14 @@ def _parse_volumes(top: _Table, devices: tuple[DeviceSpec, ...],
             continue
         device = t.get("device", str, required=True,
                        hint='name the device it lives on, e.g. device = "ram0" (or a pool: pool = "pool0")')
-        if device not in names:
+        if device not in name_set:
             known = f"use one of: {', '.join(names)}" if names else "none is defined"
             raise ConfigError(f"{t.key('device')}: unknown device {_fmt(device)}; define it under [[devices]] "
                               f"or {known}")
         if device in owner:
             raise ConfigError(f"{t.key('device')}: device {_fmt(device)} is already used by volume "
                               f"{_fmt(owner[device])}; give each volume its own device")
-        in_pool = next((p.name for p in pools if device in p.members or device in p.spares), None)
+        in_pool = next((p.name for p in pools if device in p.members or device in p.spares), None) if pools else None
         if in_pool is not None:
             raise ConfigError(f"{t.key('device')}: device {_fmt(device)} is in pool {_fmt(in_pool)}; a volume on "
                               f"the pool names it: pool = {_fmt(in_pool)}")
@@ -496,32 +504,39 @@ def _parse_iscsi(top: _Table, volumes: tuple[VolumeSpec, ...]) -> tuple[TargetSp
     advertised = _portals(t, "advertised_portals", required=False)
     t.done(("portals", "advertised_portals", "targets"))
     volume_names = [v.name for v in volumes]
+    known_volumes = set(volume_names)
+    seen: set[str] = set()
     out: list[TargetSpec] = []
     for i, raw in enumerate(raw_targets):
         tt = _Table(raw, f"iscsi.targets[{i}]", what="an [[iscsi.targets]] table")
         iqn = tt.check("iqn", check_iscsi_name, tt.get("iqn", str, required=True,
                                                        hint='add iqn = "iqn.2026-11.org.example:disk0"'))
-        if any(x.iqn == iqn for x in out):
+        if iqn in seen:
             raise ConfigError(f"{tt.key('iqn')}: target {_fmt(iqn)} is already defined; give each target its "
                               "own iqn")
+        seen.add(iqn)
         luns: list[LunSpec] = []
+        numbers: set[int] = set()
+        exported: set[str] = set()
         for lpath, lraw in _items(tt, "luns", hint='add luns = [{ lun = 0, volume = "disk0" }]'):
             lt = _Table(lraw, lpath, what='a table { lun = 0, volume = "disk0" }')
             lun = lt.get("lun", int, required=True, hint="add lun = 0")
             if not 0 <= lun <= MAX_LUN:
                 raise ConfigError(f"{lt.key('lun')}: {lun} is out of range; use 0 to {MAX_LUN}")
-            if any(x.lun == lun for x in luns):
+            if lun in numbers:
                 raise ConfigError(f"{lt.key('lun')}: LUN {lun} is already used in this target; pick another number")
             volume = lt.get("volume", str, required=True, hint='add volume = "disk0"')
-            if volume not in volume_names:
+            if volume not in known_volumes:
                 known = f"use one of: {', '.join(volume_names)}" if volume_names else "none is defined"
                 raise ConfigError(f"{lt.key('volume')}: unknown volume {_fmt(volume)}; define it under "
                                   f"[[volumes]] or {known}")
-            if any(x.volume == volume for x in luns):
+            if volume in exported:
                 raise ConfigError(f"{lt.key('volume')}: volume {_fmt(volume)} is already a LUN of this target; "
                                   "export it once")
             lt.done(("lun", "volume"))
             luns.append(LunSpec(lun, volume))
+            numbers.add(lun)
+            exported.add(volume)
         if not luns:
             raise ConfigError(f'{tt.key("luns")}: missing or empty; add luns = [{{ lun = 0, volume = "disk0" }}]')
         own_portals = _portals(tt, "portals", required=False) or portals
@@ -558,10 +573,14 @@ def _parse_iscsi(top: _Table, volumes: tuple[VolumeSpec, ...]) -> tuple[TargetSp
     return tuple(out)
 
 
-def _volume_ref(t: _Table, key: str, volumes: tuple[VolumeSpec, ...]) -> str:
-    names = [v.name for v in volumes]
+def _volume_names(volumes: tuple[VolumeSpec, ...]) -> frozenset[str]:
+    return frozenset(v.name for v in volumes)
+
+
+def _volume_ref(t: _Table, key: str, volumes: tuple[VolumeSpec, ...], known: frozenset[str] | None = None) -> str:
     volume = t.get(key, str, required=True, hint='add volume = "disk0"')
-    if volume not in names:
+    if volume not in (known if known is not None else _volume_names(volumes)):
+        names = [v.name for v in volumes]
         known = f"use one of: {', '.join(names)}" if names else "none is defined"
         raise ConfigError(f"{t.key(key)}: unknown volume {_fmt(volume)}; define it under [[volumes]] or {known}")
     return str(volume)
@@ -571,6 +590,8 @@ def _parse_nvme(top: _Table, volumes: tuple[VolumeSpec, ...]) -> NvmeSpec | None
     if not top.has("nvme"):
         return None
     t = _Table(top.get("nvme", dict), "nvme")
+    known = _volume_names(volumes)
+    seen: set[str] = set()
     raw = t.get("subsystems", list, [])
     portals = _portals(t, "portals", required=not raw or any(isinstance(x, dict) and "portals" not in x for x in raw),
                        port=NVME_PORT)
@@ -580,9 +601,10 @@ def _parse_nvme(top: _Table, volumes: tuple[VolumeSpec, ...]) -> NvmeSpec | None
         st = _Table(rs, f"nvme.subsystems[{i}]", what="an [[nvme.subsystems]] table")
         nqn = st.check("nqn", check_nqn, st.get("nqn", str, required=True,
                                                 hint='add nqn = "nqn.2026-11.org.example:disk0"'))
-        if any(x.nqn == nqn for x in out):
+        if nqn in seen:
             raise ConfigError(f"{st.key('nqn')}: subsystem {_fmt(nqn)} is already defined; give each subsystem "
                               "its own nqn")
+        seen.add(nqn)
         namespaces: list[NamespaceSpec] = []
         for npath, nraw in _items(st, "namespaces", hint='add namespaces = [{ nsid = 1, volume = "disk0" }]'):
             nt = _Table(nraw, npath, what='a table { nsid = 1, volume = "disk0" }')
@@ -593,7 +615,7 @@ def _parse_nvme(top: _Table, volumes: tuple[VolumeSpec, ...]) -> NvmeSpec | None
             if any(x.nsid == nsid for x in namespaces):
                 raise ConfigError(f"{nt.key('nsid')}: namespace {nsid} is already used in this subsystem; "
                                   "pick another number")
-            volume = _volume_ref(nt, "volume", volumes)
+            volume = _volume_ref(nt, "volume", volumes, known)
             if any(x.volume == volume for x in namespaces):
                 raise ConfigError(f"{nt.key('volume')}: volume {_fmt(volume)} is already a namespace of this "
                                   "subsystem; export it once")
@@ -691,6 +713,8 @@ def _parse_nbd(top: _Table, volumes: tuple[VolumeSpec, ...],
     if not top.has("nbd"):
         return (), None
     t = _Table(top.get("nbd", dict), "nbd")
+    known = _volume_names(volumes)
+    seen: set[str] = set()
     raw = t.get("exports", list, [])
     portals = _portals(t, "portals", required=any(isinstance(x, dict) and "portals" not in x for x in raw),
                        port=NBD_PORT)
@@ -714,10 +738,11 @@ def _parse_nbd(top: _Table, volumes: tuple[VolumeSpec, ...],
         et = _Table(re_, f"nbd.exports[{i}]", what="an [[nbd.exports]] table")
         name = et.check("name", check_nbd_export_name, et.get("name", str, required=True,
                                                                hint='add name = "disk0" (what clients ask for)'))
-        if any(x.name == name for x in out):
+        if name in seen:
             raise ConfigError(f"{et.key('name')}: an NBD export named {_fmt(name)} is already defined; give each "
                               "export its own name")
-        volume = _volume_ref(et, "volume", volumes)
+        seen.add(name)
+        volume = _volume_ref(et, "volume", volumes, known)
         own = _portals(et, "portals", required=False, port=NBD_PORT) or portals
         read_only = et.get("read_only", bool, False)
         description = et.get("description", str, "")

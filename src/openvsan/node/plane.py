@@ -136,6 +136,10 @@ class DataPlane:
 
             qos.set_limits(QosLimits.from_dict(new.qos))   # in place: waiting commands judged anew, no drain
         elif old.layers != new.layers:
+            if qos is not None and not new.qos:
+                from openvsan.volume.qos import QosLimits
+
+                qos.set_limits(QosLimits())   # its waiting commands go now, so the drain below is quick
             # the stack changes under the frontends: in-flight I/O drains, new I/O waits, nobody sees an error
             self._old_stacks.append(await vol.swap(build_stack(vol.device, new.layers)))
         if old.read_only != new.read_only:

@@ -31,7 +31,8 @@ Semantics, per knob, as token buckets refilled continuously at the rate:
 
 The fast path stays: read_now / write_now take their tokens at once when every bucket they use holds enough
 and nothing waits on them; otherwise they decline (None / False) and the frontend takes the normal path,
-read() / write(), which waits. A volume with no limits has no QoS layer at all (DESIGN.md: absent, not a
+read() / write(), which waits. They take tokens in advance, at most CREDIT_SPAN (1 ms) of a bucket's rate at
+a time, so a command far below its limits costs two comparisons; those go back when a command has to wait. A volume with no limits has no QoS layer at all (DESIGN.md: absent, not a
 no-op); set_limits() to all zeros leaves a pass-through until the node swaps the layer out.
 
 The clock and the timer are injected (`clock`, `call_later`), so the unit tests run on simulated time."""
@@ -58,6 +59,7 @@ TICK = 0.05            # seconds: the most a waiting queue's timer is set ahead,
 MAX_WAIT = 10.0        # seconds a command waits at most (see the module docstring for why)
 WARN_AFTER = 5.0       # seconds of waiting that get logged
 LOG_INTERVAL = 10.0    # seconds between two such lines for one volume
+CREDIT_SPAN = 0.001    # seconds of a bucket's rate the fast path may take in advance (see _grant)
 MIN_DELAY = 0.001      # seconds: the shortest timer (a coarse loop clock must not spin on a due time)
 EPS = 1e-6             # relative slack on a bucket's level against the float error of refill arithmetic
 
@@ -135,7 +137,7 @@ class QosLimits:
             if key not in known:
                 near = difflib.get_close_matches(str(key), known, n=1)
                 hint = f"did you mean {near[0]}?" if near else f"known: {', '.join(known)}"
-                raise QosError(f"qos: unknown key {key!r}; {hint}")
+                raise QosError(f"qos: {key} is not a QoS knob; {hint}")
         return cls(**cfg)
 
     def to_dict(self) -> dict[str, Number]:
@@ -155,15 +157,21 @@ class TokenBucket:
     """Tokens (operations or bytes) refilled continuously at `rate` up to `capacity`; the level may go below
     zero (a command larger than the bucket), down to MAX_WAIT seconds of the rate."""
 
-    __slots__ = ("capacity", "level", "name", "rate", "stamp", "waiting")
+    __slots__ = ("capacity", "floor", "level", "name", "rate", "stamp", "waiting")
 
     def __init__(self, name: str, rate: float, capacity: float, now: float) -> None:
         self.name = name
-        self.rate = float(rate)
-        self.capacity = float(capacity)
+        self.rate = self.capacity = self.floor = self.level = 0.0
+        self.set_rate(rate, capacity)
         self.level = self.capacity   # a new limit starts with a full bucket: the burst is there at once
         self.stamp = now
         self.waiting = 0             # queued commands that use this bucket
+
+    def set_rate(self, rate: float, capacity: float) -> None:
+        """A new rate and depth; the level stays, within them."""
+        self.rate, self.capacity = float(rate), float(capacity)
+        self.floor = -self.rate * MAX_WAIT
+        self.level = max(min(self.level, self.capacity), self.floor)
 
     def refill(self, now: float) -> None:
         if now > self.stamp:
@@ -175,7 +183,7 @@ class TokenBucket:
         return self.level >= want - EPS * max(1.0, want)
 
     def take(self, need: float) -> None:
-        self.level = max(self.level - need, -self.rate * MAX_WAIT)
+        self.level = max(self.level - need, self.floor)
 
     def give_back(self, need: float) -> None:
         self.level = min(self.capacity, self.level + need)
@@ -237,6 +245,7 @@ class QosLayer(Layer):
         self._buckets: dict[str, TokenBucket] = {}
         self._read_plan: Plan = ()
         self._write_plan: Plan = ()
+        self._r_ops = self._r_bytes = self._w_ops = self._w_bytes = math.inf   # prepaid tokens (_grant)
         # counters for stats()
         self.read_ops = self.read_bytes = self.write_ops = self.write_bytes = 0
         self.throttled = 0           # commands that waited
@@ -255,6 +264,8 @@ class QosLayer(Layer):
     def set_limits(self, limits: QosLimits) -> None:
         """Change the limits of a live volume: the buckets take the new rates now (a bucket that stays keeps
         its level, within the new depth), and waiting commands are judged by them at once."""
+        self._return_credit(True)
+        self._return_credit(False)
         now = self._clock()
         old = self._buckets
         for b in old.values():
@@ -275,6 +286,7 @@ class QosLayer(Layer):
         self._buckets = buckets
         self.limits = limits
         self._read_plan, self._write_plan = tuple(uses["read"]), tuple(uses["write"])
+        self._reset_credit()
         for b in buckets.values():
             b.waiting = 0
         for w in list(self._queue):
@@ -297,8 +309,7 @@ class QosLayer(Layer):
         if b is None:
             b = TokenBucket(name, rate, capacity, now)
         else:
-            b.rate, b.capacity = float(rate), float(capacity)
-            b.level = max(min(b.level, b.capacity), -b.rate * MAX_WAIT)
+            b.set_rate(rate, capacity)
         into[name] = b
         return b
 
@@ -306,35 +317,81 @@ class QosLayer(Layer):
         return self._read_plan if op == "read" else self._write_plan
 
     # ---- the fast path: tokens at once, or decline
+    #
+    # Tokens are taken in advance, up to CREDIT_SPAN of each bucket's rate at a time (and never more than
+    # it holds), so that a volume far below its limits pays two comparisons per command, not a bucket's
+    # arithmetic; at low rates a grant is the command's own tokens, exactly. Prepaid tokens go back to their
+    # buckets when a command has to wait (so nobody passes it on the fast path) or the limits change.
 
-    def _take_now(self, plan: Plan, nbytes: int) -> bool:
-        now = self._clock()
+    def _reset_credit(self) -> None:
+        inf = math.inf
+        self._r_ops = 0.0 if any(not by for _, by in self._read_plan) else inf
+        self._r_bytes = 0.0 if any(by for _, by in self._read_plan) else inf
+        self._w_ops = 0.0 if any(not by for _, by in self._write_plan) else inf
+        self._w_bytes = 0.0 if any(by for _, by in self._write_plan) else inf
+
+    def _return_credit(self, read: bool) -> bool:
+        """Prepaid tokens of reads (or writes) back into their buckets; True if there were any."""
+        plan = self._read_plan if read else self._write_plan
+        ops, nbytes = (self._r_ops, self._r_bytes) if read else (self._w_ops, self._w_bytes)
+        returned = False
         for b, by_bytes in plan:
+            left = nbytes if by_bytes else ops
+            if 0 < left < math.inf:
+                b.give_back(left)
+                returned = True
+        ops, nbytes = (0.0 if ops < math.inf else ops), (0.0 if nbytes < math.inf else nbytes)
+        if read:
+            self._r_ops, self._r_bytes = ops, nbytes
+        else:
+            self._w_ops, self._w_bytes = ops, nbytes
+        return returned
+
+    def _grant(self, read: bool, nbytes: int) -> bool:
+        """Tokens for one command of `nbytes` (and a credit for those after it), or False: it must wait."""
+        plan = self._read_plan if read else self._write_plan
+        for b, _ in plan:
             if b.waiting:
                 return False
+        self._return_credit(read)
+        now = self._clock()
+        for b, by_bytes in plan:
             b.refill(now)
-            if not b.ready(nbytes if by_bytes else 1):
+            if (nbytes or not by_bytes) and not b.ready(nbytes if by_bytes else 1):
                 return False
+        g_ops = g_bytes = math.inf
         for b, by_bytes in plan:
-            b.take(nbytes if by_bytes else 1)
+            room = min(b.level, b.rate * CREDIT_SPAN)
+            if by_bytes:
+                g_bytes = min(g_bytes, room)
+            else:
+                g_ops = min(g_ops, room)
+        if g_ops < math.inf:
+            g_ops = max(1.0, math.floor(g_ops))
+        if g_bytes < math.inf:
+            g_bytes = max(float(nbytes), g_bytes)
+        for b, by_bytes in plan:
+            b.take(g_bytes if by_bytes else g_ops)
+        if read:
+            self._r_ops, self._r_bytes = g_ops - 1.0, g_bytes - nbytes
+        else:
+            self._w_ops, self._w_bytes = g_ops - 1.0, g_bytes - nbytes
         return True
-
-    @staticmethod
-    def _give_back(plan: Plan, nbytes: int) -> None:
-        for b, by_bytes in plan:
-            b.give_back(nbytes if by_bytes else 1)
 
     def read_now(self, lba: int, blocks: int) -> Buffer | None:
         fn = self._below_read_now
         if fn is None:
             return None
         n = blocks * self._bs
-        plan = self._read_plan
-        if plan and not self._take_now(plan, n):
+        if self._r_ops >= 1.0 and self._r_bytes >= n:
+            self._r_ops -= 1.0
+            self._r_bytes -= n
+        elif not self._grant(True, n):
             return None
         data = fn(lba, blocks)
-        if data is None:
-            self._give_back(plan, n)   # the device declined: read() will take them again
+        if data is None:              # the device declined: the tokens stay for read()
+            self._r_ops += 1.0
+            self._r_bytes += n
             return None
         self.read_ops += 1
         self.read_bytes += n
@@ -344,12 +401,15 @@ class QosLayer(Layer):
         fn = self._below_write_now
         if fn is None:
             return False
-        n = memoryview(data).nbytes
-        plan = self._write_plan
-        if plan and not self._take_now(plan, n):
+        n = len(data) if type(data) is bytes else memoryview(data).nbytes
+        if self._w_ops >= 1.0 and self._w_bytes >= n:
+            self._w_ops -= 1.0
+            self._w_bytes -= n
+        elif not self._grant(False, n):
             return False
         if not fn(lba, data):
-            self._give_back(plan, n)
+            self._w_ops += 1.0
+            self._w_bytes += n
             return False
         self.write_ops += 1
         self.write_bytes += n
@@ -359,7 +419,10 @@ class QosLayer(Layer):
 
     async def read(self, lba: int, blocks: int) -> Buffer:
         n = blocks * self._bs
-        if self._read_plan and not self._take_now(self._read_plan, n):
+        if self._r_ops >= 1.0 and self._r_bytes >= n:
+            self._r_ops -= 1.0
+            self._r_bytes -= n
+        elif not self._grant(True, n):
             await self._wait("read", n)
         self.read_ops += 1
         self.read_bytes += n
@@ -367,7 +430,10 @@ class QosLayer(Layer):
 
     async def write(self, lba: int, data: Buffer, *, fua: bool = False) -> None:
         n = memoryview(data).nbytes
-        if self._write_plan and not self._take_now(self._write_plan, n):
+        if self._w_ops >= 1.0 and self._w_bytes >= n:
+            self._w_ops -= 1.0
+            self._w_bytes -= n
+        elif not self._grant(False, n):
             await self._wait("write", n)
         self.write_ops += 1
         self.write_bytes += n
@@ -382,12 +448,17 @@ class QosLayer(Layer):
         await self.below.write_zeroes(lba, blocks)
 
     async def _one_write_op(self) -> None:
-        plan = tuple(p for p in self._write_plan if not p[1])
-        if plan and not self._take_now(plan, 0):
+        if self._w_ops >= 1.0:
+            self._w_ops -= 1.0
+        elif not self._grant(False, 0):
             await self._wait("write", 0)
         self.write_ops += 1
 
     async def _wait(self, op: str, nbytes: int) -> None:
+        # prepaid tokens back: nobody passes this one on the fast path (and they may be what it lacked)
+        returned = self._return_credit(True) | self._return_credit(False)
+        if returned and self._grant(op == "read", nbytes):
+            return
         now = self._clock()
         w = _Waiter(op, nbytes, _needs(self._plan_of(op), nbytes), now, asyncio.get_running_loop().create_future())
         first = not any(b.waiting for b, _ in w.needs)
