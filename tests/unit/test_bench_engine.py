@@ -1,4 +1,5 @@
-"""The worker: --rate holds the request rate, sequential streams stay in their slice, workers merge."""
+"""The worker: sequential streams stay in their slice, workers merge (--rate on the real clock:
+tests/integration/test_bench_engine_timing.py)."""
 
 from __future__ import annotations
 
@@ -8,12 +9,6 @@ from openvsan.bench.engine import Plan, WorkerResult
 from openvsan.bench.profiles import custom_job
 from openvsan.bench.runner import run_in_process, run_processes
 from openvsan.block import FaultDevice, RamDevice
-
-
-def test_rate_limits_requests() -> None:
-    plan = Plan("ram", custom_job("randread", "4k", qd=8), duration=0.5, rate=400)
-    res = run_in_process(RamDevice(2048), plan).result
-    assert 160 <= res.read.count <= 220, res.read.count
 
 
 def test_sequential_worker_slices_do_not_overlap() -> None:

@@ -41,11 +41,12 @@ def context_switches() -> int:
 class BusyPoll:
     """One per event loop (per `vsan serve`). Target connections call arrived() for every receive."""
 
-    __slots__ = ("_backoff", "_context_switches", "_deadline", "_loop", "_seen", "_skip", "_spinning",
+    __slots__ = ("_backoff", "_clock", "_context_switches", "_deadline", "_loop", "_seen", "_skip", "_spinning",
                  "_started_ns", "_switches", "_turns", "_useful", "contended", "polled_ns", "wasted", "window_ns",
                  "windows")
 
-    def __init__(self, window_us: int, switches: Callable[[], int] = context_switches) -> None:
+    def __init__(self, window_us: int, switches: Callable[[], int] = context_switches,
+                 clock: Callable[[], int] = time.monotonic_ns) -> None:
         if window_us <= 0:
             raise ValueError(f"poll window must be positive, not {window_us} µs")
         self.window_ns = window_us * 1000
@@ -58,6 +59,7 @@ class BusyPoll:
         self._backoff = 0
         self._started_ns = 0
         self._context_switches = switches
+        self._clock = clock       # nanoseconds; injected by tests
         self._turns = 0
         self._switches = 0        # context switches when last looked at
         self.windows = 0          # windows opened
@@ -75,7 +77,7 @@ class BusyPoll:
         loop = self._loop
         if loop is None:
             loop = self._loop = asyncio.get_running_loop()
-        now = time.monotonic_ns()
+        now = self._clock()
         self._spinning, self._seen, self._useful = True, False, False
         self._started_ns, self._deadline = now, now + self.window_ns
         self._turns, self._switches = 0, self._context_switches()
@@ -83,7 +85,7 @@ class BusyPoll:
         loop.call_soon(self._spin)
 
     def _spin(self) -> None:
-        now = time.monotonic_ns()
+        now = self._clock()
         if self._seen:
             self._seen = False
             self._useful = True

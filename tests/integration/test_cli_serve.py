@@ -83,7 +83,7 @@ def test_serve_starts_and_stops_on_sigterm(config: tuple[Path, int], tmp_path: P
     assert f"serving iqn.2026-11.org.openvsan:disk0 LUN 0 (disk0, 16.0 MiB) on 127.0.0.1:{port}" in err
     assert "stopped" in err
     assert "Traceback" not in err, err  # a connection (made by wait_for_port) must not upset the server
-    assert (tmp_path / "data" / "state.db").exists()
+    assert (tmp_path / "data" / "state-kv.db").exists()
 
 
 def test_serve_port_in_use(config: tuple[Path, int], tmp_path: Path) -> None:
