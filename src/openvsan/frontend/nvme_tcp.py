@@ -146,6 +146,21 @@ class NvmeTcpServer(PortalServer):
         await self.sync_portals()
         self._discovery_changed()
 
+    async def update_subsystem(self, c: NvmeSubsystemConfig) -> None:
+        """A served subsystem's settings change in place (hosts allowed, DH-HMAC-CHAP hosts, model, portals):
+        controllers connected stay; new connections and the discovery log see the new settings."""
+        sub = self.fabric.subsystems[c.nqn]
+        sub.allowed_hosts = None if c.allowed_hosts is None else set(c.allowed_hosts)
+        sub.dhchap_hosts = dict(c.dhchap_hosts)
+        sub.model = c.model
+        cfg = next(x for x in self.configs if x.nqn == c.nqn)
+        cfg.portals, cfg.advertised_portals = c.portals, c.advertised_portals
+        cfg.allowed_hosts, cfg.dhchap_hosts, cfg.model = c.allowed_hosts, c.dhchap_hosts, c.model
+        self.fabric.placement[c.nqn] = self._place(cfg)
+        self._relisten()
+        await self.sync_portals()
+        self._discovery_changed()
+
     def _discovery_changed(self) -> None:
         self.fabric.generation += 1   # NVMe-oF 1.1 §5.3: GENCTR changes with the log's contents
         for ctrl in list(self.fabric.discovery.controllers.values()):
