@@ -412,6 +412,7 @@ class Node:
                     runtime = self.state.pool_devices
             except Exception as e:
                 failed = changes[len(done)] if len(done) < len(changes) else None
+                plane.desired = None   # undoing leads back to the state the node has: build from that
                 for c in reversed(done):
                     try:
                         await plane.handle(c.inverse())

@@ -19,6 +19,7 @@ from openvsan.node.specs import DeviceSpec, NbdExportSpec, NodeConfig, Subsystem
 from openvsan.node.store import VolumeIdentity
 from openvsan.volume import Volume
 from openvsan.volume.registry import build_stack
+from openvsan.volume.volume import SWAP_DRAIN_TIMEOUT
 
 if TYPE_CHECKING:
     from openvsan.node.node import Node
@@ -33,6 +34,7 @@ class DataPlane:
         self.desired: NodeConfig | None = None               # while a plan is carried out: where it leads
         self._set_aside: dict[tuple[str, str], Any] = {}     # (kind, name) -> object removed, not yet closed
         self._old_stacks: list[BlockDevice] = []             # stacks swapped out, closed at commit
+        self.swap_timeout = SWAP_DRAIN_TIMEOUT               # how long a swap or resize waits for I/O to drain
 
     # ---- one message
 
@@ -97,7 +99,7 @@ class DataPlane:
         user = next((v for v in self.node.volumes.values() if v.device is self.node.devices[c.key]), None)
         blocks = (spec.size or 0) // spec.block_size
         if user is not None:
-            await user.resize(blocks)   # the frontends report the new capacity
+            await user.resize(blocks, timeout=self.swap_timeout)   # the frontends report the new capacity
             return
         dev = self.node.devices[c.key]
         if not dev.capabilities.resizable:
@@ -136,12 +138,20 @@ class DataPlane:
 
             qos.set_limits(QosLimits.from_dict(new.qos))   # in place: waiting commands judged anew, no drain
         elif old.layers != new.layers:
+            kept = None
             if qos is not None and not new.qos:
                 from openvsan.volume.qos import QosLimits
 
+                kept = qos.limits
                 qos.set_limits(QosLimits())   # its waiting commands go now, so the drain below is quick
             # the stack changes under the frontends: in-flight I/O drains, new I/O waits, nobody sees an error
-            self._old_stacks.append(await vol.swap(build_stack(vol.device, new.layers)))
+            try:
+                self._old_stacks.append(await vol.swap(build_stack(vol.device, new.layers),
+                                                       timeout=self.swap_timeout))
+            except BaseException:
+                if kept is not None:
+                    qos.set_limits(kept)      # the swap changed nothing, so neither do the limits
+                raise
         if old.read_only != new.read_only:
             self._set_read_only(c.key, new.read_only)
 
@@ -213,18 +223,7 @@ class DataPlane:
 
     async def _update_subsystem(self, c: Change) -> None:
         spec: SubsystemSpec = c.new
-        server = self.node.nvme_server
-        sub = server.subsystem(c.key)
-        fresh = self.node.build_subsystem(spec)
-        sub.allowed_hosts = None if fresh.allowed_hosts is None else set(fresh.allowed_hosts)
-        sub.dhchap_hosts = dict(fresh.dhchap_hosts)
-        sub.model = fresh.model
-        cfg = next(x for x in server.configs if x.nqn == c.key)
-        cfg.portals, cfg.advertised_portals = fresh.portals, fresh.advertised_portals
-        server.fabric.placement[c.key] = server._place(cfg)
-        server._relisten()
-        await server.sync_portals()
-        server._discovery_changed()
+        await self.node.nvme_server.update_subsystem(self.node.build_subsystem(spec))
 
     async def _add_namespace(self, c: Change) -> None:
         from openvsan.protocol.nvme.subsystem import Namespace

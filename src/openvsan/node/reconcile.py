@@ -100,6 +100,9 @@ def _refuse_fixed(actual: NodeConfig, desired: NodeConfig) -> None:
         if new is not None and dataclasses.replace(dev, size=new.size) != new:
             raise PlanRefused(f"device {name}: only its size can change while serving (grow a file or ram device); "
                               "to change its type, file or block size, delete its volume and create it anew")
+        if new is not None and new.size != dev.size and (new.size is None or dev.size is None):
+            raise PlanRefused(f"device {name}: a file device that takes its file's size (no size =) cannot change "
+                              "size while serving; give it size = the file's size first (a restart with --config)")
         if new is not None and new.size is not None and dev.size is not None and new.size < dev.size:
             raise PlanRefused(f"device {name}: {format_size(new.size)} is smaller than its {format_size(dev.size)}; "
                               "a device in service does not shrink (data would be cut off)")
