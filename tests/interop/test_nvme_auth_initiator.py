@@ -95,8 +95,9 @@ def test_dhchap_round_trips_and_refusals(vsan: Callable[..., VsanServer]) -> Non
     assert f"host {BI} failed DH-HMAC-CHAP on queue 0 of {NQN}: authentication failed" in log  # its Failure2
     for secret in (UNI_SECRET, BI_SECRET, CTRL_SECRET, WRONG):
         assert secret.split(":")[2] not in log
-    # the secrets are kept out of state.db
-    assert UNI_SECRET.encode() not in (server.data_dir / "state.db").read_bytes()
+    # the secrets are kept out of the state store (its write-ahead log included)
+    stored = b"".join(p.read_bytes() for p in server.data_dir.glob("state-kv.db*"))
+    assert stored and UNI_SECRET.encode() not in stored
 
     server.restart()                         # the hosts and their secrets come back from the store
     asyncio.run(roundtrip(server, BI, BI_SECRET, CTRL_SECRET, query=""))

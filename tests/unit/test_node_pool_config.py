@@ -1,5 +1,5 @@
 """[[pools]] in the node config: parsing, every error a config can make about a pool, and the store's round trip
-(with the schema 2 -> 3 migration that lets a volume live on a pool)."""
+(and the migration of a schema 2 state.db, before volumes could live on a pool)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import pytest
 from test_node_config import error  # one line, no newline, else the test fails
 
 from openvsan.node.config import PoolSpec, VolumeSpec, parse_config
-from openvsan.node.store import _MIGRATIONS, SCHEMA_VERSION, Store
+from openvsan.node.legacy_store import _MIGRATIONS, SCHEMA_VERSION
+from openvsan.node.store import Store, StoreError
 
 
 def devices(n: int = 6, **over: Any) -> list[dict[str, Any]]:
@@ -122,7 +123,7 @@ def test_store_round_trip_and_runtime_devices(tmp_path: Path) -> None:
 def test_store_refuses_a_volume_on_no_pool(tmp_path: Path) -> None:
     c = parse_config(cfg())
     broken = type(c)(c.node, c.devices, (VolumeSpec("vol0", None, False, pool="nope"),), c.targets, pools=c.pools)
-    with Store.open(tmp_path) as s, pytest.raises(sqlite3.IntegrityError):
+    with Store.open(tmp_path) as s, pytest.raises(StoreError, match=r'volumes\[0\].pool: unknown pool "nope"'):
         s.import_config(broken)
 
 
@@ -132,20 +133,22 @@ def test_schema_2_database_migrates_with_its_volumes(tmp_path: Path) -> None:
     db.execute("CREATE TABLE schema_version (version INTEGER NOT NULL)")
     db.execute("INSERT INTO schema_version VALUES (2)")
     db.executescript(_MIGRATIONS[0] + _MIGRATIONS[1])
+    db.execute("INSERT INTO node VALUES ('name', 'n1')")
     db.execute("INSERT INTO devices VALUES ('r0', 0, 'ram', 1048576, 512, NULL, NULL, 0)")
     db.execute("INSERT INTO volumes VALUES ('disk0', 0, 'r0', 1)")
     db.execute("INSERT INTO targets VALUES ('iqn.2026-11.org.openvsan:t', 0, NULL, 1, 1)")
     db.execute("INSERT INTO luns VALUES ('iqn.2026-11.org.openvsan:t', 0, 'disk0')")
     db.commit()
     db.close()
-    with Store(tmp_path / "state.db") as s:
-        assert s.schema_version() == SCHEMA_VERSION == 5
+    with Store.open(tmp_path) as s:
         state = s.load().config
         assert state.volumes == (VolumeSpec("disk0", "r0", True),)
         assert state.targets[0].luns[0].volume == "disk0"
-        assert s._db.execute("PRAGMA foreign_keys").fetchone() == (1,)
         s.import_config(parse_config(cfg()))
         assert s.load().config.volumes[0].pool == "pool0"
+    old = sqlite3.connect(tmp_path / "state.db.migrated")
+    assert old.execute("SELECT version FROM schema_version").fetchone() == (SCHEMA_VERSION,) == (5,)
+    assert old.execute("SELECT pool FROM volumes").fetchall() == [(None,)]   # upgraded in place, then kept
 
 
 def test_example_raid5_config(tmp_path: Path) -> None:

@@ -82,7 +82,7 @@ def serve(
                                "with every change made while serving (vsan volume / export / qos / config "
                                "apply).")] = None,
     data_dir: Annotated[Path | None, typer.Option(
-        "--data-dir", help="Where desired state (state.db) and persistent reservations live. Default: "
+        "--data-dir", help="Where desired state (state-kv.db) and persistent reservations live. Default: "
                            "[node].data_dir, else $XDG_STATE_HOME/openvsan or ~/.local/state/openvsan.")] = None,
     log_level: Annotated[str, typer.Option("--log-level", help="debug, info, warning or error.")] = "info",
 ) -> None:
@@ -104,8 +104,8 @@ def serve(
         for line in access.open_exports(cfg):
             log.warning("%s", line)
     data = effective_data_dir(cfg.node if cfg is not None else NodeSettings(""), data_dir)
-    if cfg is None and not (data / "state.db").exists():
-        fail(f"no desired state in {data} (no state.db): give --config FILE the first time, or the --data-dir "
+    if cfg is None and not Store.holds_state(data):
+        fail(f"no desired state in {data} (no state-kv.db): give --config FILE the first time, or the --data-dir "
              "of a node that ran before", EXIT_USAGE)
     try:
         data.mkdir(parents=True, exist_ok=True, mode=0o700)

@@ -30,7 +30,7 @@ from openvsan.node.plane import DataPlane
 from openvsan.node.pools import PoolSetupError, ServedPools, flush_and_close, why
 from openvsan.node.reconcile import Change, plan
 from openvsan.node.specs import DeviceSpec, NbdExportSpec, NodeConfig, SubsystemSpec, TargetSpec, VolumeSpec
-from openvsan.node.store import Store, StoredState, VolumeIdentity
+from openvsan.node.store import StoredState, VolumeIdentity, import_desired
 from openvsan.node.values import format_size
 from openvsan.protocol.auth_throttle import AuthThrottle
 from openvsan.volume import Volume
@@ -407,9 +407,10 @@ class Node:
                 identities = {**self.state.identities, **plane.new_identities}
                 for name in forget:
                     identities.pop(name, None)
-                with Store.open(self.data_dir) as store:
-                    store.import_config(desired, identities=plane.new_identities, forget=forget)
-                    runtime = self.state.pool_devices
+                # off the event loop (a commit waits for fsync); refused if the stored state moved on since
+                revision = await import_desired(self.data_dir, desired, identities=plane.new_identities,
+                                                forget=forget, expect_revision=self.state.revision)
+                runtime = self.state.pool_devices
             except Exception as e:
                 failed = changes[len(done)] if len(done) < len(changes) else None
                 plane.desired = None   # undoing leads back to the state the node has: build from that
@@ -423,7 +424,7 @@ class Node:
                 what = f"{failed}: " if failed is not None else "storing the new state: "
                 raise NodeError(f"{what.lstrip('+-~ ')}{why(e)}; nothing was changed") from e
             plane.desired = None
-            self.state = StoredState(desired, identities, runtime)
+            self.state = StoredState(desired, identities, runtime, revision)
             await plane.commit()
             for c in changes:
                 log.info("applied: %s", c)

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 from openvsan.block import BlockDevice, FileDevice
 from openvsan.node.control import RequestError
 from openvsan.node.specs import PoolSpec
-from openvsan.node.store import STATE_DB, Store, StoredState
+from openvsan.node.store import STATE_DB, StoredState, record_pool_devices
 from openvsan.node.values import format_size, parse_size
 
 if TYPE_CHECKING:
@@ -259,11 +259,14 @@ class ServedPools(Mapping[str, ServedPool]):
         """Remember which devices the pool holds beyond the config's, so the next start finds them."""
         declared = set(sp.spec.members) | set(sp.spec.spares)
         extra = [sp.ref(d) for d in sp.held() if sp.ref(d) not in declared]
-        try:
-            with Store(self.data_dir / STATE_DB) as store:
-                store.set_pool_runtime_devices(sp.spec.name, extra)
-        except Exception as e:  # noqa: BLE001 - the pool runs on; only the next start would miss the device
-            log.error("pool %s: cannot record its devices in %s: %s", sp.spec.name, STATE_DB, e)
+        name = sp.spec.name
+
+        def recorded(f: Any) -> None:
+            if (e := f.exception()) is not None:  # the pool runs on; only the next start would miss the device
+                log.error("pool %s: cannot record its devices in %s: %s", name, STATE_DB, e)
+
+        # on the store's writer thread, in order: the event loop does not wait for the commit's fsync
+        record_pool_devices(self.data_dir, name, extra).add_done_callback(recorded)
 
     async def _sample_rebuilds(self) -> None:
         while True:

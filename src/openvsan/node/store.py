@@ -1,162 +1,90 @@
-"""The node's desired state in SQLite (`<data_dir>/state.db`), and each volume's stable identity.
+"""The node's desired state in a StateStore (node/statestore.py), each volume's stable identity, and secrets.
 
-`vsan serve` imports a validated config here in one transaction (the config file wins over what was
-stored), then assembles the node from what the store holds. A volume's uuid and serial are made once, the
-first time its name is seen, and kept for good: SCSI NAA/T10 ids are derived from them, and an initiator
-that sees a new id thinks it is looking at a new disk.
+The store is SQLite in the data dir (`state-kv.db`, the embedded default: `Store.open(data_dir)`) or etcd for a
+cluster (`Store.etcd(endpoints, secrets_dir)`). `vsan serve` imports a validated config here (the config file
+wins over what was stored), then assembles the node from what the store holds; the live node stores each
+change it applies (`import_desired`, off its event loop).
+
+Layout: one object per key, so a cluster can watch and compare-and-swap one object. Values are the object's
+part of node/render.py's config document (and its "position", so the config's order is kept):
+
+    /desired                 {"format", "source", "imported"}: rewritten by every import that changes
+                             anything, so its revision is the desired state's revision (If-Match)
+    /node                    [node]
+    /devices/<name>          [[devices]]            /pools/<name>  [[pools]]     /volumes/<name>  [[volumes]]
+    /iscsi/targets/<iqn>     [[iscsi.targets]], chap and mutual_chap with their user only
+    /nvme                    [nvme] less its subsystems (there when the section is)
+    /nvme/subsystems/<nqn>   [[nvme.subsystems]], hosts as {"nqn", "bidirectional"}
+    /nbd                     [nbd] less its exports
+    /nbd/exports/<name>      [[nbd.exports]]
+    /identities/<volume>     {"uuid", "serial", "created"}: kept by imports, dropped only by forget=
+    /pool-devices/<pool>     {"refs"}: devices a running pool took in (`vsan pool replace`), kept by imports
+
+A name's "/" and "%" are written %2F and %25 in its key. load() puts the document together again and parses
+it with node/config.py parse_config, so what is stored is checked on the way out as it was on the way in.
+
+Secrets (CHAP, mutual CHAP, DH-HMAC-CHAP) never enter the store: they are in `secrets.json` in the data dir
+(0600), so a dump of the store carries none. A volume's uuid and serial are made once, the first time its name
+is seen, and kept: SCSI NAA/T10 ids are derived from them, and an initiator that sees a new id thinks it is
+looking at a new disk.
+
+A data dir of an older openvsan (the relational `state.db`, node/legacy_store.py) is migrated when it is first
+opened: everything it held goes into the store in one transaction, then it is renamed `state.db.migrated`.
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import dataclasses
 import json
+import logging
 import os
-import sqlite3
+import threading
 import uuid
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Self
+from typing import Any, Self, TypeVar
 
-from openvsan.node.specs import (
-    DEFAULT_POLL_US,
-    ChapSpec,
-    DeviceSpec,
-    HostAuthSpec,
-    LunSpec,
-    NamespaceSpec,
-    NbdExportSpec,
-    NbdTlsSpec,
-    NodeConfig,
-    NodeSettings,
-    NvmeSpec,
-    PoolSpec,
-    SubsystemSpec,
-    TargetSpec,
-    VolumeSpec,
-)
-from openvsan.node.values import Portal
+from openvsan.node import statestore
+from openvsan.node.config import ConfigError, parse_config
+from openvsan.node.legacy_store import LEGACY_STATE_DB, LegacyStateDb, LegacyStoreError
+from openvsan.node.render import config_document
+from openvsan.node.specs import NodeConfig, NodeSettings
+from openvsan.node.statestore import STATE_DB_NAME, Conflict, Entry, SqliteStateStore, StateStore
 
-SCHEMA_VERSION = 5
-STATE_DB = "state.db"
-SECRETS = "secrets.json"   # beside state.db, mode 0600: every secret, so a dump of the state carries none
+log = logging.getLogger("openvsan.store")
 
-# Each entry moves the schema from version i to i+1; a released migration is never edited.
-_MIGRATIONS: list[str] = [
-    """
-    CREATE TABLE node (key TEXT PRIMARY KEY, value TEXT NOT NULL);
-    CREATE TABLE devices (
-        name TEXT PRIMARY KEY, position INTEGER NOT NULL, type TEXT NOT NULL CHECK (type IN ('ram', 'file', 'null')),
-        size INTEGER, block_size INTEGER NOT NULL, backing TEXT, path TEXT, direct INTEGER NOT NULL DEFAULT 0);
-    CREATE TABLE volumes (
-        name TEXT PRIMARY KEY, position INTEGER NOT NULL,
-        device TEXT NOT NULL UNIQUE REFERENCES devices (name), read_only INTEGER NOT NULL DEFAULT 0);
-    -- never deleted by an import: a name keeps its identity even while it is out of the config
-    CREATE TABLE volume_identities (
-        name TEXT PRIMARY KEY, uuid TEXT NOT NULL UNIQUE, serial TEXT NOT NULL UNIQUE, created TEXT NOT NULL);
-    CREATE TABLE targets (
-        iqn TEXT PRIMARY KEY, position INTEGER NOT NULL, alias TEXT, portal_group_tag INTEGER NOT NULL,
-        any_initiator INTEGER NOT NULL);
-    CREATE TABLE target_portals (
-        iqn TEXT NOT NULL REFERENCES targets (iqn) ON DELETE CASCADE, advertised INTEGER NOT NULL,
-        position INTEGER NOT NULL, host TEXT NOT NULL, port INTEGER NOT NULL,
-        PRIMARY KEY (iqn, advertised, host, port));
-    CREATE TABLE luns (
-        iqn TEXT NOT NULL REFERENCES targets (iqn) ON DELETE CASCADE, lun INTEGER NOT NULL,
-        volume TEXT NOT NULL REFERENCES volumes (name), PRIMARY KEY (iqn, lun));
-    CREATE TABLE acls (
-        iqn TEXT NOT NULL REFERENCES targets (iqn) ON DELETE CASCADE, position INTEGER NOT NULL,
-        initiator TEXT NOT NULL, PRIMARY KEY (iqn, initiator));
-    -- role 'initiator': the secret the initiator proves (CHAP), 'target': the one we prove back (mutual)
-    CREATE TABLE chap_users (
-        iqn TEXT NOT NULL REFERENCES targets (iqn) ON DELETE CASCADE,
-        role TEXT NOT NULL CHECK (role IN ('initiator', 'target')), user TEXT NOT NULL, secret TEXT NOT NULL,
-        PRIMARY KEY (iqn, role));
-    """,
-    # 2: NVMe/TCP subsystems and NBD exports
-    """
-    CREATE TABLE nvme_portals (position INTEGER NOT NULL, host TEXT NOT NULL, port INTEGER NOT NULL,
-        PRIMARY KEY (host, port));
-    CREATE TABLE subsystems (
-        nqn TEXT PRIMARY KEY, position INTEGER NOT NULL, serial TEXT NOT NULL, model TEXT NOT NULL,
-        any_host INTEGER NOT NULL);
-    CREATE TABLE subsystem_portals (
-        nqn TEXT NOT NULL REFERENCES subsystems (nqn) ON DELETE CASCADE, advertised INTEGER NOT NULL,
-        position INTEGER NOT NULL, host TEXT NOT NULL, port INTEGER NOT NULL,
-        PRIMARY KEY (nqn, advertised, host, port));
-    CREATE TABLE namespaces (
-        nqn TEXT NOT NULL REFERENCES subsystems (nqn) ON DELETE CASCADE, nsid INTEGER NOT NULL,
-        volume TEXT NOT NULL REFERENCES volumes (name), PRIMARY KEY (nqn, nsid));
-    CREATE TABLE host_acls (
-        nqn TEXT NOT NULL REFERENCES subsystems (nqn) ON DELETE CASCADE, position INTEGER NOT NULL,
-        host TEXT NOT NULL, PRIMARY KEY (nqn, host));
-    CREATE TABLE nbd_exports (
-        name TEXT PRIMARY KEY, position INTEGER NOT NULL, volume TEXT NOT NULL REFERENCES volumes (name),
-        read_only INTEGER NOT NULL, description TEXT NOT NULL);
-    CREATE TABLE nbd_portals (
-        name TEXT NOT NULL REFERENCES nbd_exports (name) ON DELETE CASCADE, position INTEGER NOT NULL,
-        host TEXT NOT NULL, port INTEGER NOT NULL, PRIMARY KEY (name, host, port));
-    """,
-    # 3: pools, and volumes that live on a pool instead of a device. The volumes table is rebuilt (SQLite's
-    # "making other kinds of table schema changes" procedure; _migrate turns foreign keys off around it).
-    """
-    CREATE TABLE pools (
-        name TEXT PRIMARY KEY, position INTEGER NOT NULL,
-        level TEXT NOT NULL CHECK (level IN ('raid0', 'raid1', 'raid10', 'raid5', 'raid6')),
-        chunk INTEGER NOT NULL, rebuild_rate INTEGER);
-    CREATE TABLE pool_members (
-        pool TEXT NOT NULL REFERENCES pools (name) ON DELETE CASCADE, spare INTEGER NOT NULL,
-        position INTEGER NOT NULL, device TEXT NOT NULL UNIQUE REFERENCES devices (name),
-        PRIMARY KEY (pool, spare, position));
-    -- devices a running pool took in by `vsan pool replace` or `add-spare`: a config device's name or
-    -- file:PATH:SIZE. Not from the config, so an import keeps them (like volume_identities).
-    CREATE TABLE pool_runtime_devices (
-        pool TEXT NOT NULL, position INTEGER NOT NULL, ref TEXT NOT NULL, PRIMARY KEY (pool, ref));
-    CREATE TABLE volumes_new (
-        name TEXT PRIMARY KEY, position INTEGER NOT NULL,
-        device TEXT UNIQUE REFERENCES devices (name), pool TEXT UNIQUE REFERENCES pools (name),
-        read_only INTEGER NOT NULL DEFAULT 0, CHECK ((device IS NULL) <> (pool IS NULL)));
-    INSERT INTO volumes_new (name, position, device, pool, read_only)
-        SELECT name, position, device, NULL, read_only FROM volumes;
-    DROP TABLE volumes;
-    ALTER TABLE volumes_new RENAME TO volumes;
-    """,
-    # 4: hardening (issue 10). CHAP secrets leave state.db for secrets.json (the config, imported at every
-    # start, puts them back); access policy per export; DH-HMAC-CHAP hosts (their secrets in secrets.json);
-    # NBD TLS. Node settings beyond poll_us are keys of the node table.
-    """
-    CREATE TABLE chap_users_new (
-        iqn TEXT NOT NULL REFERENCES targets (iqn) ON DELETE CASCADE,
-        role TEXT NOT NULL CHECK (role IN ('initiator', 'target')), user TEXT NOT NULL, PRIMARY KEY (iqn, role));
-    INSERT INTO chap_users_new (iqn, role, user) SELECT iqn, role, user FROM chap_users;
-    DROP TABLE chap_users;
-    ALTER TABLE chap_users_new RENAME TO chap_users;
-    ALTER TABLE targets ADD COLUMN allow_unauthenticated INTEGER NOT NULL DEFAULT 0;
-    ALTER TABLE subsystems ADD COLUMN allow_unauthenticated INTEGER NOT NULL DEFAULT 0;
-    ALTER TABLE subsystems ADD COLUMN dhchap_hashes TEXT NOT NULL DEFAULT 'sha256,sha384,sha512';
-    ALTER TABLE subsystems ADD COLUMN dhchap_dhgroups TEXT NOT NULL
-        DEFAULT 'null,ffdhe2048,ffdhe3072,ffdhe4096,ffdhe6144,ffdhe8192';
-    CREATE TABLE dhchap_hosts (
-        nqn TEXT NOT NULL REFERENCES subsystems (nqn) ON DELETE CASCADE, position INTEGER NOT NULL,
-        host TEXT NOT NULL, bidirectional INTEGER NOT NULL, PRIMARY KEY (nqn, host));
-    ALTER TABLE nbd_exports ADD COLUMN tls TEXT NOT NULL DEFAULT 'off' CHECK (tls IN ('off', 'optional', 'require'));
-    ALTER TABLE nbd_exports ADD COLUMN allow_unauthenticated INTEGER NOT NULL DEFAULT 0;
-    """,
-    # 5: the live node (issue 11): a volume's QoS limits (JSON: the volume/qos.py knobs that are set)
-    """
-    ALTER TABLE volumes ADD COLUMN qos TEXT NOT NULL DEFAULT '{}';
-    """,
-]
+T = TypeVar("T")
 
-# NodeSettings fields kept as keys of the node table (JSON values), beyond name, data_dir and poll_us
-_NODE_KEYS = ("max_connections", "max_unauthenticated", "max_unauthenticated_per_source", "trust_foreign_files",
-              "auth_delay_max", "auth_lockout_failures", "auth_lockout_seconds")
+FORMAT_VERSION = 1      # of the layout above; a store written in a newer one is refused
+STATE_DB = STATE_DB_NAME  # "state-kv.db", in the data dir
+MIGRATED = "state.db.migrated"
+SECRETS = "secrets.json"  # in the data dir, mode 0600: every secret, so a dump of the state carries none
+
+DESIRED = "/desired"
+_SINGLE = ("/node", "/nvme", "/nbd")
+_LISTS = {"/devices/": "devices", "/pools/": "pools", "/volumes/": "volumes"}
+_CHILDREN = ("/iscsi/targets/", "/nvme/subsystems/", "/nbd/exports/")
+IDENTITIES = "/identities/"
+POOL_DEVICES = "/pool-devices/"
+_RETRIES = 20  # an import that lost a race re-reads and tries again (without expect_revision)
 
 
 class StoreError(RuntimeError):
-    """The state database cannot be used (newer schema, unreadable, corrupt)."""
+    """The desired state cannot be stored or read (newer format, unreadable, invalid); str() is one line."""
+
+
+class StateConflict(StoreError, Conflict):
+    """import_config(expect_revision=) found the desired state at another revision: someone changed it since."""
+
+    def __init__(self, where: str, expected: int, actual: int) -> None:
+        Conflict.__init__(self, DESIRED, expected, actual)
+        text = (f"{where}: the desired state changed since revision {expected} (it is at revision {actual} now); "
+                "read it again and retry")
+        self.args = (text,)
 
 
 @dataclass(frozen=True)
@@ -171,31 +99,164 @@ class StoredState:
     identities: dict[str, VolumeIdentity]
     # pool name -> devices its members and spares include beyond the config's (Store.set_pool_runtime_devices)
     pool_devices: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    revision: int | None = None  # of the desired state it was read at (Store.revision); None: not known
+
+
+def _seg(name: str) -> str:
+    return name.replace("%", "%25").replace("/", "%2F")
+
+
+def is_desired_key(key: str) -> bool:
+    """Whether `key` holds part of the config (not an identity, not what a running pool took in)."""
+    return key in _SINGLE or key.startswith((*_LISTS, *_CHILDREN))
+
+
+def _secrets_doc(cfg: NodeConfig) -> dict[str, Any]:
+    return {
+        "version": 1,
+        "chap": {t.iqn: {role: c.secret for role, c in (("initiator", t.chap), ("target", t.mutual_chap)) if c}
+                 for t in cfg.targets if t.chap or t.mutual_chap},
+        "dhchap": {sub.nqn: {h.nqn: {"secret": h.dhchap_secret, "ctrl_secret": h.dhchap_ctrl_secret}
+                             for h in sub.hosts} for sub in cfg.subsystems if sub.hosts},
+    }
+
+
+def config_objects(cfg: NodeConfig) -> dict[str, dict[str, Any]]:
+    """The keys and values that hold `cfg` (without its secrets and its source)."""
+    doc = config_document(cfg)
+    out: dict[str, dict[str, Any]] = {"/node": doc["node"]}
+    for prefix, section in _LISTS.items():
+        for i, part in enumerate(doc.get(section, ())):
+            out[prefix + _seg(part["name"])] = {"position": i, **part}
+    for i, t in enumerate(doc.get("iscsi", {}).get("targets", ())):
+        t = {**t, **{k: {"user": t[k]["user"]} for k in ("chap", "mutual_chap") if k in t}}
+        out["/iscsi/targets/" + _seg(t["iqn"])] = {"position": i, **t}
+    if "nvme" in doc:
+        nvme = dict(doc["nvme"])
+        for i, (s, spec) in enumerate(zip(nvme.pop("subsystems"), cfg.subsystems, strict=True)):
+            if "hosts" in s:
+                s = {**s, "hosts": [{"nqn": h.nqn, "bidirectional": h.dhchap_ctrl_secret is not None}
+                                    for h in spec.hosts]}
+            out["/nvme/subsystems/" + _seg(s["nqn"])] = {"position": i, **s}
+        out["/nvme"] = nvme
+    if "nbd" in doc:
+        nbd = dict(doc["nbd"])
+        for i, e in enumerate(nbd.pop("exports")):
+            out["/nbd/exports/" + _seg(e["name"])] = {"position": i, **e}
+        out["/nbd"] = nbd
+    # as the store gives them back (lists, not tuples), so a comparison with what is stored is exact
+    normal: dict[str, dict[str, Any]] = json.loads(json.dumps(out))
+    return normal
+
+
+def config_from_objects(objects: Mapping[str, Mapping[str, Any]], secrets: Mapping[str, Any],
+                        secret_of: Callable[[Mapping[str, Any], tuple[str, ...], str], str]) -> NodeConfig:
+    """The inverse of config_objects: put the document together, with the secrets, and parse it. Raises
+    ConfigError (the document is not a valid config), or KeyError/TypeError/ValueError (not our layout)."""
+
+    def ordered(prefix: str) -> list[dict[str, Any]]:
+        parts = sorted((v for k, v in objects.items() if k.startswith(prefix)), key=lambda v: int(v["position"]))
+        return [{k: x for k, x in v.items() if k != "position"} for v in parts]
+
+    doc: dict[str, Any] = {"node": dict(objects["/node"])}
+    for prefix, section in _LISTS.items():
+        if parts := ordered(prefix):
+            doc[section] = parts
+    if targets := ordered("/iscsi/targets/"):
+        for t in targets:
+            for role, k in (("initiator", "chap"), ("target", "mutual_chap")):
+                if k in t:
+                    t[k] = {"user": t[k]["user"],
+                            "secret": secret_of(secrets, ("chap", t["iqn"], role), f"CHAP secret of {t['iqn']}")}
+        doc["iscsi"] = {"targets": targets}
+    subsystems = ordered("/nvme/subsystems/")
+    if "/nvme" in objects or subsystems:
+        for s in subsystems:
+            if "hosts" in s:
+                nqn = s["nqn"]
+                s["hosts"] = [
+                    {"nqn": h["nqn"],
+                     "dhchap_secret": secret_of(secrets, ("dhchap", nqn, h["nqn"], "secret"),
+                                                f"DH-HMAC-CHAP secret of {h['nqn']} for {nqn}"),
+                     **({"dhchap_ctrl_secret": secret_of(secrets, ("dhchap", nqn, h["nqn"], "ctrl_secret"),
+                                                         f"DH-HMAC-CHAP controller secret of {h['nqn']} for {nqn}")}
+                        if h["bidirectional"] else {})}
+                    for h in s["hosts"]]
+        doc["nvme"] = {**objects.get("/nvme", {}), "subsystems": subsystems}
+    exports = ordered("/nbd/exports/")
+    if "/nbd" in objects or exports:
+        doc["nbd"] = {**objects.get("/nbd", {}), "exports": exports}
+    return parse_config(doc)
+
+
+class _Loop:
+    """A private event loop on a thread of its own: the StateStore API is async, Store's is sync, and a Store
+    may be used from a thread that runs an event loop of its own (which this one then never touches)."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="store-loop", daemon=True)
+        self.thread.start()
+
+    def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join()
+        self.loop.close()
 
 
 class Store:
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        fresh = not path.exists()
+    """The desired state in `kv` (made by `open_kv` on the store's own loop), secrets in `secrets_dir`.
+    Each call is synchronous: in an event loop that serves I/O use import_desired / record_pool_devices."""
+
+    def __init__(self, open_kv: Callable[[], StateStore], secrets_dir: Path, *, where: str) -> None:
+        self.secrets_dir = secrets_dir
+        self.where = where
+        self._loop = _Loop()
+
+        async def make() -> StateStore:
+            return open_kv()
+
         try:
-            # autocommit mode: transactions are ours to open (BEGIN IMMEDIATE) and close
-            self._db = sqlite3.connect(path, isolation_level=None)
-            if fresh:
-                os.chmod(path, 0o600)  # CHAP secrets live here
-            self._db.execute("PRAGMA synchronous = FULL")
-            # deleted rows and dropped tables are zeroed, so secrets a migration moved out leave no trace
-            self._db.execute("PRAGMA secure_delete = ON")
-            self._migrate()
-        except sqlite3.DatabaseError as e:
-            raise StoreError(f"{path}: cannot use the state database: {e}") from None
+            self._kv: StateStore = self._run(make())
+        except BaseException:
+            self._loop.close()
+            raise
 
     @classmethod
     def open(cls, data_dir: Path) -> Store:
+        """The data dir's SQLite store, made if need be (and an old state.db migrated into it)."""
         data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-        return cls(data_dir / STATE_DB)
+        _wait_for_writer()
+        store = cls(lambda: SqliteStateStore.in_data_dir(data_dir), data_dir, where=str(data_dir / STATE_DB))
+        try:
+            store._migrate_legacy(data_dir / LEGACY_STATE_DB)
+        except BaseException:
+            store.close()
+            raise
+        return store
+
+    @classmethod
+    def etcd(cls, endpoints: Sequence[str] | str, secrets_dir: Path, *, prefix: str = "/openvsan") -> Store:
+        """The desired state in etcd under `prefix`; the secrets stay in this node's `secrets_dir`."""
+        from openvsan.cluster.etcd import EtcdStateStore
+
+        first = endpoints if isinstance(endpoints, str) else endpoints[0]
+        return cls(lambda: EtcdStateStore(endpoints, prefix=prefix), secrets_dir, where=f"etcd at {first}{prefix}")
+
+    @staticmethod
+    def holds_state(data_dir: Path) -> bool:
+        """Whether a node ran with this data dir (its store, or an old state.db to migrate, is there)."""
+        return (data_dir / STATE_DB).exists() or (data_dir / LEGACY_STATE_DB).exists()
 
     def close(self) -> None:
-        self._db.close()
+        if self._loop.thread.is_alive():
+            try:
+                self._loop.run(self._kv.close())
+            finally:
+                self._loop.close()
 
     def __enter__(self) -> Self:
         return self
@@ -203,76 +264,53 @@ class Store:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    @contextmanager
-    def _transaction(self) -> Iterator[sqlite3.Connection]:
-        self._db.execute("BEGIN IMMEDIATE")
+    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
         try:
-            yield self._db
-        except BaseException:
-            self._db.execute("ROLLBACK")
+            return self._loop.run(coro)
+        except StoreError:
             raise
-        self._db.execute("COMMIT")
+        except statestore.StoreError as e:
+            raise StoreError(f"{self.where}: cannot use the state store: {e}") from None
 
-    def _migrate(self) -> None:
-        # a migration may rebuild a table others reference (3: volumes), which SQLite only allows with foreign
-        # keys off; they are checked before the migration commits, and on again after
-        self._db.execute("PRAGMA foreign_keys = OFF")
-        try:
-            with self._transaction() as db:
-                db.execute("CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL)")
-                row = db.execute("SELECT version FROM schema_version").fetchone()
-                version = row[0] if row else 0
-                if version > SCHEMA_VERSION:
-                    raise StoreError(f"{self.path}: written by a newer openvsan (schema {version}, this one knows "
-                                     f"{SCHEMA_VERSION}); upgrade openvsan or use another --data-dir")
-                for script in _MIGRATIONS[version:]:
-                    for statement in script.split(";\n"):
-                        if statement.strip():
-                            db.execute(statement)
-                if db.execute("PRAGMA foreign_key_check").fetchone() is not None:
-                    raise StoreError(f"{self.path}: the state database breaks its own references after migrating "
-                                     f"from schema {version}; use another --data-dir")
-                if not row:
-                    db.execute("INSERT INTO schema_version VALUES (?)", (SCHEMA_VERSION,))
-                elif version < SCHEMA_VERSION:
-                    db.execute("UPDATE schema_version SET version = ?", (SCHEMA_VERSION,))
-        finally:
-            self._db.execute("PRAGMA foreign_keys = ON")
+    # --- the format -------------------------------------------------------------------------------
 
-    def schema_version(self) -> int:
-        return int(self._db.execute("SELECT version FROM schema_version").fetchone()[0])
+    def _check_format(self, desired: Entry | None) -> None:
+        version = desired.value.get("format") if desired is not None else FORMAT_VERSION
+        if not isinstance(version, int):
+            raise StoreError(f"{self.where}: {DESIRED} has no format version; this is not openvsan's state")
+        if version > FORMAT_VERSION:
+            raise StoreError(f"{self.where}: written by a newer openvsan (format {version}, this one knows "
+                             f"{FORMAT_VERSION}); upgrade openvsan or use another --data-dir")
 
-    # --- writing --------------------------------------------------------------------------------
+    def format_version(self) -> int:
+        desired = self._run(self._kv.get(DESIRED))
+        self._check_format(desired)
+        return int(desired.value["format"]) if desired is not None else FORMAT_VERSION
 
-    # --- secrets (secrets.json beside state.db) ---------------------------------------------------
+    def revision(self) -> int:
+        """The desired state's revision: what import_config(expect_revision=) compares with; 0 when empty."""
+        desired = self._run(self._kv.get(DESIRED))
+        return desired.revision if desired is not None else 0
+
+    # --- secrets (secrets.json in the data dir) --------------------------------------------------
 
     @property
     def secrets_path(self) -> Path:
-        return self.path.with_name(SECRETS)
+        return self.secrets_dir / SECRETS
 
     def _write_secrets(self, cfg: NodeConfig) -> None:
         """Replace secrets.json with the config's secrets: a new 0600 file, synced, renamed over the old one."""
-        doc = {
-            "version": 1,
-            "chap": {t.iqn: {role: c.secret for role, c in (("initiator", t.chap), ("target", t.mutual_chap)) if c}
-                     for t in cfg.targets if t.chap or t.mutual_chap},
-            "dhchap": {sub.nqn: {h.nqn: {"secret": h.dhchap_secret, "ctrl_secret": h.dhchap_ctrl_secret}
-                                 for h in sub.hosts} for sub in cfg.subsystems if sub.hosts},
-        }
-        tmp = self.path.with_name(f".{SECRETS}.{os.getpid()}.tmp")
+        self.secrets_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        tmp = self.secrets_dir / f".{SECRETS}.{os.getpid()}.{threading.get_ident()}.tmp"
         tmp.unlink(missing_ok=True)
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
-            os.write(fd, json.dumps(doc, indent=1, sort_keys=True).encode())
+            os.write(fd, json.dumps(_secrets_doc(cfg), indent=1, sort_keys=True).encode())
             os.fsync(fd)
         finally:
             os.close(fd)
         os.replace(tmp, self.secrets_path)
-        dfd = os.open(self.path.parent, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
+        _sync_dir(self.secrets_dir)
 
     def _read_secrets(self) -> dict[str, Any]:
         try:
@@ -293,172 +331,7 @@ class Store:
                                  "write it again") from None
         return doc if isinstance(doc, dict) else {}
 
-    def import_config(self, cfg: NodeConfig, *, identities: dict[str, VolumeIdentity] | None = None,
-                      forget: tuple[str, ...] = ()) -> None:
-        """Make `cfg` the desired state, all or nothing. Identities of known volume names are kept; a new
-        volume takes the one in `identities` if given (the live node made it when it created the volume),
-        else a new one; the names in `forget` lose theirs (volumes deleted: a volume made later under the
-        same name is another disk, which an initiator must not take for this one). Secrets go to
-        secrets.json first: a failure after that leaves the old state with secrets it may no longer use,
-        never state that names a secret nobody wrote."""
-        self._write_secrets(cfg)
-        with self._transaction() as db:
-            for name in forget:
-                db.execute("DELETE FROM volume_identities WHERE name = ?", (name,))
-            for name, ident in (identities or {}).items():
-                db.execute("INSERT OR IGNORE INTO volume_identities VALUES (?, ?, ?, ?)",
-                           (name, str(ident.uuid), ident.serial, datetime.now(UTC).isoformat(timespec="seconds")))
-            for table in ("nbd_portals", "nbd_exports", "dhchap_hosts", "host_acls", "namespaces", "subsystem_portals", "subsystems",
-                          "nvme_portals", "chap_users", "acls", "luns", "target_portals", "targets", "volumes",
-                          "pool_members", "pools", "devices", "node"):
-                db.execute(f"DELETE FROM {table}")
-            db.executemany("INSERT INTO node VALUES (?, ?)", [
-                ("name", cfg.node.name),
-                ("data_dir", str(cfg.node.data_dir) if cfg.node.data_dir else ""),
-                ("source", str(cfg.source) if cfg.source else ""),
-                ("imported", datetime.now(UTC).isoformat(timespec="seconds")),
-                ("nvme", "1" if cfg.nvme is not None else ""),
-                ("poll_us", str(cfg.node.poll_us)),
-                *((k, json.dumps(getattr(cfg.node, k))) for k in _NODE_KEYS),
-                *((f"nbd_tls_{k}", json.dumps(str(v) if isinstance(v, Path) else v))
-                  for k, v in (dataclasses.asdict(cfg.nbd_tls).items() if cfg.nbd_tls else ())),
-            ])
-            db.executemany("INSERT INTO devices VALUES (?, ?, ?, ?, ?, ?, ?, ?)", [
-                (d.name, i, d.type, d.size, d.block_size, _str(d.backing), _str(d.path), int(d.direct))
-                for i, d in enumerate(cfg.devices)])
-            db.executemany("INSERT INTO pools VALUES (?, ?, ?, ?, ?)", [
-                (p.name, i, p.level, p.chunk, p.rebuild_rate) for i, p in enumerate(cfg.pools)])
-            db.executemany("INSERT INTO pool_members VALUES (?, ?, ?, ?)", [
-                (p.name, spare, j, d) for p in cfg.pools
-                for spare, names in ((0, p.members), (1, p.spares)) for j, d in enumerate(names)])
-            db.executemany("INSERT INTO volumes (name, position, device, pool, read_only, qos) "
-                           "VALUES (?, ?, ?, ?, ?, ?)", [
-                (v.name, i, v.device, v.pool, int(v.read_only), json.dumps(v.qos, sort_keys=True))
-                for i, v in enumerate(cfg.volumes)])
-            for v in cfg.volumes:
-                self._ensure_identity(db, v.name)
-            for i, t in enumerate(cfg.targets):
-                db.execute("INSERT INTO targets VALUES (?, ?, ?, ?, ?, ?)",
-                           (t.iqn, i, t.alias, t.portal_group_tag, int(t.allowed_initiators is None),
-                            int(t.allow_unauthenticated)))
-                db.executemany("INSERT INTO target_portals VALUES (?, ?, ?, ?, ?)",
-                               [(t.iqn, 0, j, p.host, p.port) for j, p in enumerate(t.portals)]
-                               + [(t.iqn, 1, j, p.host, p.port) for j, p in enumerate(t.advertised_portals)])
-                db.executemany("INSERT INTO luns VALUES (?, ?, ?)", [(t.iqn, x.lun, x.volume) for x in t.luns])
-                db.executemany("INSERT INTO acls VALUES (?, ?, ?)",
-                               [(t.iqn, j, n) for j, n in enumerate(t.allowed_initiators or ())])
-                for role, chap in (("initiator", t.chap), ("target", t.mutual_chap)):
-                    if chap:
-                        db.execute("INSERT INTO chap_users VALUES (?, ?, ?)", (t.iqn, role, chap.user))
-            if cfg.nvme is not None:
-                db.executemany("INSERT INTO nvme_portals VALUES (?, ?, ?)",
-                               [(j, p.host, p.port) for j, p in enumerate(cfg.nvme.portals)])
-            for i, sub in enumerate(cfg.subsystems):
-                db.execute("INSERT INTO subsystems VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                           (sub.nqn, i, sub.serial, sub.model, int(sub.allowed_hosts is None),
-                            int(sub.allow_unauthenticated), ",".join(sub.dhchap_hashes),
-                            ",".join(sub.dhchap_dhgroups)))
-                db.executemany("INSERT INTO dhchap_hosts VALUES (?, ?, ?, ?)",
-                               [(sub.nqn, j, h.nqn, int(h.dhchap_ctrl_secret is not None))
-                                for j, h in enumerate(sub.hosts)])
-                db.executemany("INSERT INTO subsystem_portals VALUES (?, ?, ?, ?, ?)",
-                               [(sub.nqn, 0, j, p.host, p.port) for j, p in enumerate(sub.portals)]
-                               + [(sub.nqn, 1, j, p.host, p.port) for j, p in enumerate(sub.advertised_portals)])
-                db.executemany("INSERT INTO namespaces VALUES (?, ?, ?)",
-                               [(sub.nqn, n.nsid, n.volume) for n in sub.namespaces])
-                db.executemany("INSERT INTO host_acls VALUES (?, ?, ?)",
-                               [(sub.nqn, j, h) for j, h in enumerate(sub.allowed_hosts or ())])
-            for i, e in enumerate(cfg.nbd_exports):
-                db.execute("INSERT INTO nbd_exports VALUES (?, ?, ?, ?, ?, ?, ?)",
-                           (e.name, i, e.volume, int(e.read_only), e.description, e.tls,
-                            int(e.allow_unauthenticated)))
-                db.executemany("INSERT INTO nbd_portals VALUES (?, ?, ?, ?)",
-                               [(e.name, j, p.host, p.port) for j, p in enumerate(e.portals)])
-
-    @staticmethod
-    def _ensure_identity(db: sqlite3.Connection, name: str) -> None:
-        if db.execute("SELECT 1 FROM volume_identities WHERE name = ?", (name,)).fetchone():
-            return
-        u = uuid.uuid4()
-        # the serial is the uuid's hex: unique, ASCII (SPC-4 7.8.16), and short enough for every initiator
-        db.execute("INSERT INTO volume_identities VALUES (?, ?, ?, ?)",
-                   (name, str(u), u.hex, datetime.now(UTC).isoformat(timespec="seconds")))
-
-    # --- reading --------------------------------------------------------------------------------
-
-    def identities(self) -> dict[str, VolumeIdentity]:
-        return {name: VolumeIdentity(uuid.UUID(u), serial)
-                for name, u, serial in self._db.execute("SELECT name, uuid, serial FROM volume_identities")}
-
-    def load(self) -> StoredState:
-        db = self._db
-        node = dict(db.execute("SELECT key, value FROM node").fetchall())
-        devices = tuple(
-            DeviceSpec(name, kind, size, bs, Path(backing) if backing else None, Path(path) if path else None,
-                       bool(direct))
-            for name, kind, size, bs, backing, path, direct in db.execute(
-                "SELECT name, type, size, block_size, backing, path, direct FROM devices ORDER BY position"))
-        volumes = tuple(VolumeSpec(name, dev, bool(ro), pool=pool, qos=json.loads(qos))
-                        for name, dev, pool, ro, qos in db.execute(
-                            "SELECT name, device, pool, read_only, qos FROM volumes ORDER BY position"))
-        secrets = self._read_secrets()
-        targets = []
-        for iqn, alias, tpgt, any_initiator, open_ in db.execute(
-                "SELECT iqn, alias, portal_group_tag, any_initiator, allow_unauthenticated FROM targets "
-                "ORDER BY position").fetchall():
-            portals: dict[int, list[Portal]] = {0: [], 1: []}
-            for adv, host, port in db.execute("SELECT advertised, host, port FROM target_portals WHERE iqn = ? "
-                                              "ORDER BY advertised, position", (iqn,)):
-                portals[adv].append(Portal(host, port))
-            luns = tuple(LunSpec(lun, vol) for lun, vol in db.execute(
-                "SELECT lun, volume FROM luns WHERE iqn = ? ORDER BY lun", (iqn,)))
-            acl = tuple(n for (n,) in db.execute("SELECT initiator FROM acls WHERE iqn = ? ORDER BY position",
-                                                 (iqn,)))
-            chap = {role: ChapSpec(user, self._secret(secrets, ("chap", iqn, role), f"CHAP secret of {iqn}"))
-                    for role, user in db.execute("SELECT role, user FROM chap_users WHERE iqn = ?", (iqn,))}
-            targets.append(TargetSpec(iqn, luns, tuple(portals[0]), tuple(portals[1]),
-                                      None if any_initiator else acl, chap.get("initiator"), chap.get("target"),
-                                      alias, tpgt, bool(open_)))
-        extra = {k: json.loads(node[k]) for k in _NODE_KEYS if k in node}
-        settings = NodeSettings(node.get("name", ""), Path(node["data_dir"]) if node.get("data_dir") else None,
-                                int(node.get("poll_us", DEFAULT_POLL_US)), **extra)
-        tls = {k.removeprefix("nbd_tls_"): json.loads(v) for k, v in node.items() if k.startswith("nbd_tls_")}
-        nbd_tls = None
-        if tls:
-            nbd_tls = NbdTlsSpec(Path(tls["cert"]), Path(tls["key"]), Path(tls["ca"]) if tls.get("ca") else None,
-                                 bool(tls.get("verify_client")))
-        cfg = NodeConfig(settings, devices, volumes, tuple(targets),
-                         source=Path(node["source"]) if node.get("source") else None,
-                         nvme=self._load_nvme(secrets) if node.get("nvme") else None, nbd_exports=self._load_nbd(),
-                         pools=self._load_pools(), nbd_tls=nbd_tls)
-        runtime = {p.name: self.pool_runtime_devices(p.name) for p in cfg.pools}
-        return StoredState(cfg, self.identities(), {k: v for k, v in runtime.items() if v})
-
-    def _load_pools(self) -> tuple[PoolSpec, ...]:
-        db = self._db
-        out = []
-        for name, level, chunk, rate in db.execute(
-                "SELECT name, level, chunk, rebuild_rate FROM pools ORDER BY position").fetchall():
-            devs: dict[int, list[str]] = {0: [], 1: []}
-            for spare, device in db.execute("SELECT spare, device FROM pool_members WHERE pool = ? "
-                                            "ORDER BY spare, position", (name,)):
-                devs[spare].append(device)
-            out.append(PoolSpec(name, level, tuple(devs[0]), tuple(devs[1]), chunk, rate))
-        return tuple(out)
-
-    # --- what running pools took in (not desired state: kept across imports) -----------------------
-
-    def pool_runtime_devices(self, pool: str) -> tuple[str, ...]:
-        return tuple(r for (r,) in self._db.execute(
-            "SELECT ref FROM pool_runtime_devices WHERE pool = ? ORDER BY position", (pool,)))
-
-    def set_pool_runtime_devices(self, pool: str, refs: tuple[str, ...] | list[str]) -> None:
-        with self._transaction() as db:
-            db.execute("DELETE FROM pool_runtime_devices WHERE pool = ?", (pool,))
-            db.executemany("INSERT INTO pool_runtime_devices VALUES (?, ?, ?)",
-                           [(pool, i, r) for i, r in enumerate(dict.fromkeys(refs))])
-
-    def _secret(self, secrets: dict[str, Any], path: tuple[str, ...], what: str) -> str:
+    def _secret(self, secrets: Mapping[str, Any], path: tuple[str, ...], what: str) -> str:
         value: Any = secrets
         for k in path:
             value = value.get(k) if isinstance(value, dict) else None
@@ -466,45 +339,222 @@ class Store:
             raise StoreError(f"{self.secrets_path}: the {what} is missing; serve with --config to write it again")
         return value
 
-    def _load_nvme(self, secrets: dict[str, Any]) -> NvmeSpec:
-        db = self._db
-        portals = tuple(Portal(h, p) for h, p in db.execute("SELECT host, port FROM nvme_portals ORDER BY position"))
-        subsystems = []
-        for nqn, serial, model, any_host, open_, hashes, groups in db.execute(
-                "SELECT nqn, serial, model, any_host, allow_unauthenticated, dhchap_hashes, dhchap_dhgroups "
-                "FROM subsystems ORDER BY position").fetchall():
-            sp: dict[int, list[Portal]] = {0: [], 1: []}
-            for adv, host, port in db.execute("SELECT advertised, host, port FROM subsystem_portals WHERE nqn = ? "
-                                              "ORDER BY advertised, position", (nqn,)):
-                sp[adv].append(Portal(host, port))
-            namespaces = tuple(NamespaceSpec(nsid, vol) for nsid, vol in db.execute(
-                "SELECT nsid, volume FROM namespaces WHERE nqn = ? ORDER BY nsid", (nqn,)))
-            hosts = tuple(h for (h,) in db.execute("SELECT host FROM host_acls WHERE nqn = ? ORDER BY position",
-                                                   (nqn,)))
-            auth = tuple(
-                HostAuthSpec(host, self._secret(secrets, ("dhchap", nqn, host, "secret"), f"DH-HMAC-CHAP secret of "
-                                                f"{host} for {nqn}"),
-                             self._secret(secrets, ("dhchap", nqn, host, "ctrl_secret"), f"DH-HMAC-CHAP controller "
-                                          f"secret of {host} for {nqn}") if bidirectional else None)
-                for host, bidirectional in db.execute(
-                    "SELECT host, bidirectional FROM dhchap_hosts WHERE nqn = ? ORDER BY position", (nqn,)))
-            subsystems.append(SubsystemSpec(nqn, namespaces, tuple(sp[0]), tuple(sp[1]),
-                                            None if any_host else hosts, serial, model, auth,
-                                            tuple(hashes.split(",")) if hashes else (),
-                                            tuple(groups.split(",")) if groups else (), bool(open_)))
-        return NvmeSpec(portals, tuple(subsystems))
+    # --- writing ----------------------------------------------------------------------------------
 
-    def _load_nbd(self) -> tuple[NbdExportSpec, ...]:
-        db = self._db
-        out = []
-        for name, volume, ro, description, tls, open_ in db.execute(
-                "SELECT name, volume, read_only, description, tls, allow_unauthenticated FROM nbd_exports "
-                "ORDER BY position").fetchall():
-            portals = tuple(Portal(h, p) for h, p in db.execute(
-                "SELECT host, port FROM nbd_portals WHERE name = ? ORDER BY position", (name,)))
-            out.append(NbdExportSpec(name, volume, portals, bool(ro), description, tls, bool(open_)))
-        return tuple(out)
+    def import_config(self, cfg: NodeConfig, *, identities: Mapping[str, VolumeIdentity] | None = None,
+                      forget: Sequence[str] = (), expect_revision: int | None = None) -> int:
+        """Make `cfg` the desired state, all or nothing (one transaction: puts of what is new or changed,
+        deletes of what went); returns the desired state's revision. Identities of known volume names are
+        kept; a new volume takes the one in `identities` if given (the live node made it when it created the
+        volume), else a new one; the names in `forget` lose theirs (volumes deleted: a volume made later under
+        the same name is another disk, which an initiator must not take for this one). `expect_revision`: the
+        revision the caller read (Store.revision, StoredState.revision); StateConflict if it moved on.
+
+        `cfg` is checked first: what is stored must parse back to it (a config that breaks its own references
+        is a StoreError, and nothing is written). Secrets go to secrets.json before the transaction: a failure
+        after that leaves the old state with secrets it may no longer use, never state that names a secret
+        nobody wrote."""
+        objects = config_objects(cfg)
+        try:
+            back = config_from_objects(objects, _secrets_doc(cfg), self._secret)
+        except ConfigError as e:
+            raise StoreError(f"{self.where}: cannot store this desired state: {e}") from None
+        if back != cfg:
+            wrong = next((f.name for f in dataclasses.fields(cfg)
+                          if f.compare and getattr(back, f.name) != getattr(cfg, f.name)), "?")
+            raise StoreError(f"{self.where}: cannot store this desired state: its {wrong} would not read back the "
+                             "same (an openvsan bug: please report it)")
+        return self._run(self._import(cfg, objects, dict(identities or {}), tuple(forget), expect_revision))
+
+    async def _import(self, cfg: NodeConfig, objects: dict[str, dict[str, Any]],
+                      identities: dict[str, VolumeIdentity], forget: tuple[str, ...],
+                      expect_revision: int | None) -> int:
+        secrets_written = False
+        for _ in range(_RETRIES):
+            current = {e.key: e for e in await self._kv.list("/")}
+            desired = current.get(DESIRED)
+            self._check_format(desired)
+            at = desired.revision if desired is not None else 0
+            if expect_revision is not None and expect_revision != at:
+                raise StateConflict(self.where, expect_revision, at)
+            if not secrets_written:
+                self._write_secrets(cfg)  # on the store's own loop: no event loop that serves I/O waits here
+                secrets_written = True
+            puts = {k: v for k, v in objects.items() if k not in current or current[k].value != v}
+            deletes = [k for k in current if is_desired_key(k) and k not in objects]
+            source = str(cfg.source) if cfg.source is not None else None
+            if puts or deletes or desired is None or desired.value.get("source") != source:
+                puts[DESIRED] = {"format": FORMAT_VERSION, "source": source, "imported": _now()}
+            compares = {DESIRED: at}
+            names = [*identities, *(v.name for v in cfg.volumes)]
+            for name in dict.fromkeys(names):
+                key = IDENTITIES + _seg(name)
+                if key in current and name not in forget:
+                    continue
+                compares[key] = current[key].revision if key in current else 0
+                ident = identities.get(name) or _new_identity()
+                puts[key] = {"uuid": str(ident.uuid), "serial": ident.serial, "created": _now()}
+            deletes += [k for k in (IDENTITIES + _seg(n) for n in forget) if k in current and k not in puts]
+            try:
+                rev = await self._kv.txn(compares, puts, deletes)
+            except Conflict as e:
+                if expect_revision is not None and e.key == DESIRED:
+                    raise StateConflict(self.where, expect_revision, e.actual) from None
+                continue  # another writer got in between: read again
+            return rev if DESIRED in puts else at
+        raise StoreError(f"{self.where}: the desired state keeps changing under this import; try again")
+
+    # --- reading ----------------------------------------------------------------------------------
+
+    def identities(self) -> dict[str, VolumeIdentity]:
+        return self._identities(self._run(self._kv.list(IDENTITIES)))
+
+    def _identities(self, entries: list[Entry]) -> dict[str, VolumeIdentity]:
+        out = {}
+        for e in entries:
+            name = e.key.removeprefix(IDENTITIES).replace("%2F", "/").replace("%25", "%")
+            try:
+                out[name] = VolumeIdentity(uuid.UUID(e.value["uuid"]), str(e.value["serial"]))
+            except (KeyError, TypeError, ValueError):
+                raise StoreError(f"{self.where}: {e.key} is not a volume identity; use another --data-dir") from None
+        return out
+
+    def load(self) -> StoredState:
+        """The desired state, identities and pool devices, as of one revision. An empty store gives a config
+        with nothing in it (and a node without a name)."""
+        return self._run(self._load())
+
+    async def _load(self) -> StoredState:
+        entries = await self._kv.list("/")
+        by_key = {e.key: e for e in entries}
+        desired = by_key.get(DESIRED)
+        self._check_format(desired)
+        objects = {e.key: e.value for e in entries if is_desired_key(e.key)}
+        if not objects:
+            cfg = NodeConfig(NodeSettings(""))
+        else:
+            secrets = self._read_secrets()
+            try:
+                cfg = config_from_objects(objects, secrets, self._secret)
+            except ConfigError as e:
+                raise StoreError(f"{self.where}: the stored desired state is not valid: {e}; serve with --config "
+                                 "FILE to replace it") from None
+            except (KeyError, TypeError, ValueError, AttributeError) as e:
+                raise StoreError(f"{self.where}: the stored desired state is unreadable ({type(e).__name__}: {e}); "
+                                 "serve with --config FILE to replace it") from None
+            source = desired.value.get("source") if desired is not None else None
+            if source:
+                cfg = dataclasses.replace(cfg, source=Path(source))
+        pools = {p.name for p in cfg.pools}
+        runtime = {k: v for k, v in self._pool_devices(entries).items() if k in pools and v}
+        return StoredState(cfg, self._identities([e for e in entries if e.key.startswith(IDENTITIES)]), runtime,
+                           desired.revision if desired is not None else 0)
+
+    # --- what running pools took in (not desired state: kept across imports) -----------------------
+
+    def _pool_devices(self, entries: list[Entry]) -> dict[str, tuple[str, ...]]:
+        out = {}
+        for e in entries:
+            if e.key.startswith(POOL_DEVICES):
+                refs = e.value.get("refs")
+                if not isinstance(refs, list) or not all(isinstance(r, str) for r in refs):
+                    raise StoreError(f"{self.where}: {e.key} has no list of device refs; use another --data-dir")
+                out[e.key.removeprefix(POOL_DEVICES).replace("%2F", "/").replace("%25", "%")] = tuple(refs)
+        return out
+
+    def pool_runtime_devices(self, pool: str) -> tuple[str, ...]:
+        return self._pool_devices(self._run(self._kv.list(POOL_DEVICES + _seg(pool)))).get(pool, ())
+
+    def set_pool_runtime_devices(self, pool: str, refs: tuple[str, ...] | list[str]) -> None:
+        key = POOL_DEVICES + _seg(pool)
+        refs = list(dict.fromkeys(refs))
+        self._run(self._kv.put(key, {"refs": refs}) if refs else self._kv.delete(key))
+
+    # --- migration of a data dir an older openvsan kept (state.db) -----------------------------------
+
+    def _migrate_legacy(self, legacy: Path) -> None:
+        if not legacy.exists():
+            return
+        if self._run(self._kv.get(DESIRED)) is None:
+            try:
+                with LegacyStateDb(legacy) as old:
+                    cfg = old.load() if old.holds_state() else None
+                    identities, pool_devices, schema = old.identities(), old.pool_runtime_devices(), old.found_version
+            except LegacyStoreError as e:
+                raise StoreError(str(e)) from None
+            puts: dict[str, Mapping[str, Any]] = {}
+            if cfg is not None:
+                # the secrets stay in secrets.json, where the old store kept them: these objects carry none
+                puts.update(config_objects(cfg))
+                puts[DESIRED] = {"format": FORMAT_VERSION, "source": str(cfg.source) if cfg.source else None,
+                                 "imported": _now(), "migrated_from": f"{LEGACY_STATE_DB} schema {schema}"}
+            for name, (u, serial, created) in identities.items():
+                puts[IDENTITIES + _seg(name)] = {"uuid": str(u), "serial": serial, "created": created}
+            for pool, refs in pool_devices.items():
+                puts[POOL_DEVICES + _seg(pool)] = {"refs": list(refs)}
+            # all or nothing: a crash before this commit migrates again at the next open
+            self._run(self._kv.txn({DESIRED: 0}, puts))
+            log.info("%s: migrated the desired state of %s (schema %d) into it", self.where, legacy, schema)
+        # kept, not deleted: the old openvsan's own copy, should anyone go back
+        target = legacy.with_name(MIGRATED)
+        n = 1
+        while target.exists():
+            target, n = legacy.with_name(f"{MIGRATED}.{n}"), n + 1
+        os.rename(legacy, target)
+        _sync_dir(legacy.parent)
 
 
-def _str(p: Path | None) -> str | None:
-    return str(p) if p is not None else None
+def _new_identity() -> VolumeIdentity:
+    u = uuid.uuid4()
+    # the serial is the uuid's hex: unique, ASCII (SPC-4 7.8.16), and short enough for every initiator
+    return VolumeIdentity(u, u.hex)
+
+
+def _now() -> str:
+    return datetime.now(UTC).isoformat(timespec="seconds")
+
+
+def _sync_dir(path: Path) -> None:
+    dfd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+
+
+# --- for a running node: the store's work off its event loop ------------------------------------------
+
+# one thread, so the writes a node makes land in the order it made them
+_on_writer = threading.local()
+_writer = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="store-writer",
+                                                initializer=lambda: setattr(_on_writer, "yes", True))
+
+
+def _wait_for_writer() -> None:
+    """Let the writes this process queued land first, so a Store opened here reads what the node wrote."""
+    if not getattr(_on_writer, "yes", False):
+        _writer.submit(lambda: None).result()
+
+
+async def import_desired(data_dir: Path, cfg: NodeConfig, *,
+                         identities: Mapping[str, VolumeIdentity] | None = None, forget: Sequence[str] = (),
+                         expect_revision: int | None = None) -> int:
+    """Store.open(data_dir).import_config(...) on the writer thread: an event loop awaiting it never waits for
+    SQLite's fsync (or etcd's round trips)."""
+
+    def work() -> int:
+        with Store.open(data_dir) as store:
+            return store.import_config(cfg, identities=identities, forget=forget, expect_revision=expect_revision)
+
+    return await asyncio.wrap_future(_writer.submit(work))
+
+
+def record_pool_devices(data_dir: Path, pool: str, refs: Sequence[str]) -> concurrent.futures.Future[None]:
+    """Store.open(data_dir).set_pool_runtime_devices(...) on the writer thread, in call order; the caller may
+    go on at once (a running pool does not wait for the record of what it took in)."""
+
+    def work() -> None:
+        with Store.open(data_dir) as store:
+            store.set_pool_runtime_devices(pool, list(refs))
+
+    return _writer.submit(work)
