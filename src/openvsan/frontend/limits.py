@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 log = logging.getLogger("openvsan.frontend")
 
-# descriptors kept for what is not a connection: device and member files, state.db, listening and control
+# descriptors kept for what is not a connection: device and member files, the state store, listening and control
 # sockets, and the accept of a connection that is then refused
 FD_RESERVE = 64
 

@@ -444,7 +444,7 @@ class Node:
 
 
 class DataDirLock:
-    """One `vsan serve` per data dir: a second one would fight over state.db and the devices."""
+    """One `vsan serve` per data dir: a second one would fight over the state store and the devices."""
 
     def __init__(self, data_dir: Path) -> None:
         self.path = data_dir / "serve.lock"
