@@ -96,3 +96,19 @@ def test_compare_pool_smoke(tmp_path: Path) -> None:
         assert case["ratio"]["raid5"] > 0
     # the one vsan serve was sampled while each volume was driven
     assert all(m["rss_beyond_shm_bytes"] > 0 for m in doc["memory"].values()), doc["memory"]
+
+
+def test_compare_qos_smoke(tmp_path: Path) -> None:
+    """Issue 11's A/B: one node, a plain RAM volume and one with a QoS layer never reached (about 15 s)."""
+    require("iscsi-perf", "iscsi-readcapacity16", "taskset", "fio")
+    doc = run_script("compare_qos.py", tmp_path / "qos.json", timeout=70)
+    assert [(c["tool"], c["case"]) for c in doc["cases"]] == [("iscsi-perf", "4k-randread-qd32"),
+                                                              ("fio-nbd", "4k-randread-qd32")]
+    for case in doc["cases"]:
+        assert set(case["targets"]) == {"plain", "qos"}
+        for name, t in case["targets"].items():
+            assert t["iops"] > 0 and t["target_cpu_us_per_io"] > 0, (case["tool"], name, t)
+        assert case["ratio"] > 0
+    # the limits were far above what was reached: nothing waited, yet every read went through the layer
+    stats = doc["qos_stats"]
+    assert stats["throttled"] == 0 and stats["read_ops"] > 0, stats
