@@ -1,7 +1,7 @@
 """Fixtures for the tests that run a real `vsan serve` (tests/interop, tests/fault).
 
-The helpers live in tests/interop/vsan_harness.py; this puts that folder on sys.path so every test
-folder can `import vsan_harness`.
+The helpers live in tests/interop/vsan_harness.py and tests/support/; this puts those folders on sys.path
+so every test folder can `import vsan_harness` and the shared helpers.
 """
 
 from __future__ import annotations
@@ -13,8 +13,12 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent / "interop"))
+sys.path.insert(0, str(Path(__file__).parent / "support"))  # helpers shared by the test tiers
 
 from vsan_harness import VsanServer, free_port, make_device
+
+# fixtures shared by the tiers (tests/support/cli_stubs.py: files, stubbed)
+pytest_plugins = ["cli_stubs"]
 
 StartVsan = Callable[..., VsanServer]
 
