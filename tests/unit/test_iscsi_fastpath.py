@@ -11,7 +11,9 @@ import struct
 import uuid
 from typing import Any
 
-from openvsan.block.device import Buffer, SyncRead, SyncWrite
+from fastpath_fakes import AsyncOnly, Counting, Wire
+
+from openvsan.block.device import SyncRead, SyncWrite
 from openvsan.block.ram import RamDevice
 from openvsan.frontend.config import IscsiTargetConfig
 from openvsan.frontend.iscsi import Connection, IscsiServer
@@ -22,66 +24,6 @@ from openvsan.volume import Volume
 IQN = "iqn.2026-11.org.openvsan:fast"
 BS = 512
 BLOCKS = 4096
-
-
-class Wire:
-    """A transport that keeps what the target sends."""
-
-    def __init__(self) -> None:
-        self.out = bytearray()
-        self.writes = 0
-
-    def writelines(self, parts: list[Buffer]) -> None:
-        self.writes += 1
-        for p in parts:
-            self.out += p
-
-    def write(self, data: Buffer) -> None:
-        self.writes += 1
-        self.out += data
-
-    def get_extra_info(self, key: str, default: Any = None) -> Any:
-        return default
-
-    def is_closing(self) -> bool:
-        return False
-
-    def close(self) -> None:
-        pass
-
-    def pause_reading(self) -> None:
-        pass
-
-    def resume_reading(self) -> None:
-        pass
-
-
-class AsyncOnly:
-    """The same RAM, without a fast path (capabilities say so): every command takes the normal path."""
-
-    def __init__(self, inner: RamDevice) -> None:
-        self.inner = inner
-        self.block_size, self.num_blocks = inner.block_size, inner.num_blocks
-        self.capabilities = inner.capabilities.but(sync_read=False, sync_write=False)
-
-    def __getattr__(self, name: str) -> Any:
-        if name in ("read_now", "write_now"):
-            raise AttributeError(name)
-        return getattr(self.inner, name)
-
-
-class Counting(RamDevice):
-    def __init__(self, *a: Any, **kw: Any) -> None:
-        super().__init__(*a, **kw)
-        self.fast = 0
-
-    def read_now(self, lba: int, blocks: int) -> bytes:
-        self.fast += 1
-        return super().read_now(lba, blocks)
-
-    def write_now(self, lba: int, data: Buffer) -> bool:
-        self.fast += 1
-        return super().write_now(lba, data)
 
 
 def cmd(itt: int, cmdsn: int, cdb: bytes, *, read: bool = False, write: bool = False, edtl: int = 0,

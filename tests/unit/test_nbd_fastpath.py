@@ -11,10 +11,10 @@ import struct
 import uuid
 from typing import Any
 
+from fastpath_fakes import AsyncOnly, Counting, Wire
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from openvsan.block.device import Buffer
 from openvsan.block.ram import RamDevice
 from openvsan.frontend.config import NbdExportConfig
 from openvsan.frontend.nbd import Connection, NbdServer
@@ -26,63 +26,6 @@ BLOCKS = 2048
 SIZE = BS * BLOCKS
 PORTAL = ("127.0.0.1", 10809)
 NAMES = ("rw", "ro")
-
-
-class Wire:
-    """A transport that keeps what the server sends."""
-
-    def __init__(self) -> None:
-        self.out = bytearray()
-
-    def writelines(self, parts: list[Buffer]) -> None:
-        for p in parts:
-            self.out += p
-
-    def write(self, data: Buffer) -> None:
-        self.out += data
-
-    def get_extra_info(self, key: str, default: Any = None) -> Any:
-        return default
-
-    def is_closing(self) -> bool:
-        return False
-
-    def close(self) -> None:
-        pass
-
-    def pause_reading(self) -> None:
-        pass
-
-    def resume_reading(self) -> None:
-        pass
-
-
-class AsyncOnly:
-    """The same RAM, without a fast path (capabilities say so): every request takes the normal path."""
-
-    def __init__(self, inner: RamDevice) -> None:
-        self.inner = inner
-        self.block_size, self.num_blocks = inner.block_size, inner.num_blocks
-        self.capabilities = inner.capabilities.but(sync_read=False, sync_write=False)
-
-    def __getattr__(self, name: str) -> Any:
-        if name in ("read_now", "write_now"):
-            raise AttributeError(name)
-        return getattr(self.inner, name)
-
-
-class Counting(RamDevice):
-    def __init__(self, *a: Any, **kw: Any) -> None:
-        super().__init__(*a, **kw)
-        self.fast = 0
-
-    def read_now(self, lba: int, blocks: int) -> Buffer:
-        self.fast += 1
-        return super().read_now(lba, blocks)
-
-    def write_now(self, lba: int, data: Buffer) -> bool:
-        self.fast += 1
-        return super().write_now(lba, data)
 
 
 # --- a client, from proto.md ---------------------------------------------------------------------

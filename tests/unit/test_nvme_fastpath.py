@@ -13,11 +13,11 @@ import uuid
 from collections import Counter
 from typing import Any
 
+from fastpath_fakes import AsyncOnly, Counting, Wire
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from nvme_host import HostReader, capsule, connect_cmd, connect_data, icreq, sqe
 
-from openvsan.block.device import Buffer
 from openvsan.block.ram import RamDevice
 from openvsan.frontend.config import NvmeNamespaceConfig, NvmeSubsystemConfig
 from openvsan.frontend.nvme_tcp import Connection, NvmeTcpServer
@@ -35,63 +35,6 @@ OTHER_KEY = 0xABCD
 MY_KEY = 0x1234
 FUA = 1 << 30
 PRINFO = 1 << 26     # CDW12 PRINFO bit: no protection information here, execute_io ignores it
-
-
-class Wire:
-    """A transport that keeps what the target sends."""
-
-    def __init__(self) -> None:
-        self.out = bytearray()
-
-    def writelines(self, parts: list[Buffer]) -> None:
-        for p in parts:
-            self.out += p
-
-    def write(self, data: Buffer) -> None:
-        self.out += data
-
-    def get_extra_info(self, key: str, default: Any = None) -> Any:
-        return default
-
-    def is_closing(self) -> bool:
-        return False
-
-    def close(self) -> None:
-        pass
-
-    def pause_reading(self) -> None:
-        pass
-
-    def resume_reading(self) -> None:
-        pass
-
-
-class AsyncOnly:
-    """The same RAM, without a fast path (capabilities say so): every command takes the normal path."""
-
-    def __init__(self, inner: RamDevice) -> None:
-        self.inner = inner
-        self.block_size, self.num_blocks = inner.block_size, inner.num_blocks
-        self.capabilities = inner.capabilities.but(sync_read=False, sync_write=False)
-
-    def __getattr__(self, name: str) -> Any:
-        if name in ("read_now", "write_now"):
-            raise AttributeError(name)
-        return getattr(self.inner, name)
-
-
-class Counting(RamDevice):
-    def __init__(self, *a: Any, **kw: Any) -> None:
-        super().__init__(*a, **kw)
-        self.fast = 0
-
-    def read_now(self, lba: int, blocks: int) -> Buffer:
-        self.fast += 1
-        return super().read_now(lba, blocks)
-
-    def write_now(self, lba: int, data: Buffer) -> bool:
-        self.fast += 1
-        return super().write_now(lba, data)
 
 
 # --- the stream: commands (bytes for the I/O queue) and changes made between them ---------------------
