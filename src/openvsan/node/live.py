@@ -5,7 +5,6 @@ the difference while it serves (Node.apply). Nothing is stored unless all of it 
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -74,15 +73,26 @@ async def _apply_config(node: Node, desired: NodeConfig, *, dry_run: bool = Fals
 
 
 def _doc(node: Node) -> dict[str, Any]:
-    return copy.deepcopy(config_document(node.state.config))
+    # config_document builds every table and list anew: the command may edit it in place
+    return config_document(node.state.config)
+
+
+def _no_volume(name: str, known: list[str]) -> RequestError:
+    return RequestError(f"no volume named {name!r} (volumes: {', '.join(known) or 'none'}); `vsan volume list` "
+                        "shows them")
 
 
 def _volume_entry(doc: dict[str, Any], name: str) -> dict[str, Any]:
     for v in doc.get("volumes", []):
         if v["name"] == name:
             return v  # type: ignore[no-any-return]
-    known = ", ".join(v["name"] for v in doc.get("volumes", [])) or "none"
-    raise RequestError(f"no volume named {name!r} (volumes: {known}); `vsan volume list` shows them")
+    raise _no_volume(name, [v["name"] for v in doc.get("volumes", [])])
+
+
+def _known_volume(node: Node, name: str) -> None:
+    names = [v.name for v in node.state.config.volumes]
+    if name not in names:
+        raise _no_volume(name, names)
 
 
 # ---- volumes
@@ -184,12 +194,15 @@ async def volume_delete(node: Node, args: dict[str, Any]) -> Any:
     return {"changes": changes}
 
 
-def _describe(node: Node, name: str) -> dict[str, Any]:
+def _describe(node: Node, name: str, doc: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One volume as `vsan volume show` prints it; `doc` is the node's config document, when the caller
+    has it already (volume list: rendered once for every volume)."""
     cfg = node.state.config
     spec = cfg.volume(name)
     ident = node.state.identities.get(name)
     out: dict[str, Any] = {"name": name, "read_only": spec.read_only, "device": spec.device, "pool": spec.pool,
-                           "exports": _exports_of(config_document(cfg), name), "qos": dict(spec.qos)}
+                           "exports": _exports_of(doc if doc is not None else config_document(cfg), name),
+                           "qos": dict(spec.qos)}
     if ident is not None:
         out.update(uuid=str(ident.uuid), serial=ident.serial)
     out.update(node.plane.stats(name) or {})
@@ -198,13 +211,14 @@ def _describe(node: Node, name: str) -> dict[str, Any]:
 
 @command("volume.list")
 async def volume_list(node: Node, args: dict[str, Any]) -> Any:
-    return [_describe(node, v.name) for v in node.state.config.volumes]
+    doc = config_document(node.state.config)
+    return [_describe(node, v.name, doc) for v in node.state.config.volumes]
 
 
 @command("volume.show")
 async def volume_show(node: Node, args: dict[str, Any]) -> Any:
     name = _arg(args, "name", str)
-    _volume_entry(_doc(node), name)
+    _known_volume(node, name)
     return _describe(node, name)
 
 
@@ -351,10 +365,8 @@ async def qos_set(node: Node, args: dict[str, Any]) -> Any:
 @command("qos.show")
 async def qos_show(node: Node, args: dict[str, Any]) -> Any:
     name = _arg(args, "volume", str)
-    d = _describe(node, name) if any(v.name == name for v in node.state.config.volumes) else None
-    if d is None:
-        _volume_entry(_doc(node), name)
-    assert d is not None
+    _known_volume(node, name)
+    d = _describe(node, name)
     return {"volume": name, "qos": d["qos"], "stats": d.get("qos_stats")}
 
 

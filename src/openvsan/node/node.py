@@ -256,8 +256,7 @@ class Node:
         await self.nbd_server.start()
 
     def _volume_spec(self, name: str) -> VolumeSpec:
-        desired = self.plane.desired if self.plane.desired is not None else self.state.config
-        return desired.volume(name)
+        return self.plane.config.volume(name)
 
     def lun_for(self, volume: str) -> Any:
         """The one SCSI logical unit of a volume, shared by every target that exports it (one PR state)."""
@@ -419,7 +418,6 @@ class Node:
                         await plane.handle(c.inverse())
                     except Exception:
                         log.exception("undoing %s failed", c)
-                plane.desired = None
                 await plane.commit()
                 what = f"{failed}: " if failed is not None else "storing the new state: "
                 raise NodeError(f"{what.lstrip('+-~ ')}{why(e)}; nothing was changed") from e

@@ -36,6 +36,12 @@ class DataPlane:
         self._old_stacks: list[BlockDevice] = []             # stacks swapped out, closed at commit
         self.swap_timeout = SWAP_DRAIN_TIMEOUT               # how long a swap or resize waits for I/O to drain
 
+    @property
+    def config(self) -> NodeConfig:
+        """The state the objects being built belong to: where a plan leads while it is carried out (and
+        undone: Node.apply clears `desired` first), else the node's."""
+        return self.desired if self.desired is not None else self.node.state.config
+
     # ---- one message
 
     async def handle(self, c: Change) -> None:
@@ -167,7 +173,7 @@ class DataPlane:
                         ns.read_only = read_only
         for e in node.nbd_exports:
             if e.volume.name == volume:
-                spec = next((x for x in (self.desired or node.state.config).nbd_exports if x.name == e.name), None)
+                spec = next((x for x in self.config.nbd_exports if x.name == e.name), None)
                 e.read_only = read_only or bool(spec and spec.read_only)
 
     # ---- iSCSI
@@ -229,7 +235,7 @@ class DataPlane:
         from openvsan.protocol.nvme.subsystem import Namespace
 
         vol = self.node.volumes[c.new.volume]
-        read_only = self.node._volume_spec(c.new.volume).read_only
+        read_only = self.config.volume(c.new.volume).read_only
         self.node.nvme_server.subsystem(c.parent).add_namespace(Namespace(c.new.nsid, vol, read_only))
 
     async def _remove_namespace(self, c: Change) -> None:
