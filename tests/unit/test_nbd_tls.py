@@ -5,8 +5,6 @@ with its preflight. The asyncio NbdServer with a real TLS client is in tests/int
 
 from __future__ import annotations
 
-import asyncio
-import logging
 import ssl
 import struct
 import subprocess
@@ -30,7 +28,7 @@ from openvsan.protocol.nbd import (
     StartTls,
 )
 from openvsan.protocol.nbd.handshake import TlsMode
-from openvsan.protocol.nbd.wire import IHAVEOPT, Info, Opt, Rep
+from openvsan.protocol.nbd.wire import Info, Opt, Rep
 from openvsan.volume import Volume
 
 MiB = 1 << 20
@@ -250,60 +248,10 @@ def test_forced_tls_while_shutting_down_still_says_tls_reqd() -> None:
     assert reply_types(c, Opt.LIST) == [Rep.ERR_TLS_REQD]
 
 
-# --- the asyncio server, with a TLS client in process ------------------------------------------------
-@pytest.fixture(autouse=True)
-def fresh_connection_log(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Dropped connections are logged at a bounded rate (frontend/ratelog.py): each test starts with a quiet one,
-    so the drop it causes is logged whole whatever the tests before it dropped."""
-    from openvsan.frontend import portals
-    from openvsan.frontend.ratelog import RateLog
-
-    monkeypatch.setattr(portals, "connection_log", RateLog(logging.getLogger("openvsan.frontend")))
-
-
+# --- the TLS credentials (the servers that use them are tests/integration/test_nbd_tls_server.py)
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
     return make_pki(tmp_path_factory.mktemp("pki"))
-
-
-def client_context(d: Path) -> ssl.SSLContext:
-    ctx = ssl.create_default_context(cafile=d / "ca-cert.pem")
-    if (d / "client-cert.pem").exists():
-        ctx.load_cert_chain(d / "client-cert.pem", d / "client-key.pem")
-    return ctx
-
-
-class Plain:
-    """A raw client: greeting, fixed newstyle flags, options and their replies."""
-
-    def __init__(self, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
-        self.r, self.w = r, w
-
-    @classmethod
-    async def connect(cls, port: int) -> Plain:
-        r, w = await asyncio.open_connection("127.0.0.1", port)
-        await r.readexactly(18)
-        w.write(struct.pack(">I", 3))
-        return cls(r, w)
-
-    def send_option(self, opt: int, data: bytes = b"") -> None:
-        self.w.write(struct.pack(">QII", IHAVEOPT, opt, len(data)) + data)
-
-    async def replies(self) -> list[tuple[int, bytes]]:
-        out = []
-        while True:
-            _, _, rep, n = struct.unpack(">QIII", await self.r.readexactly(20))
-            out.append((rep, await self.r.readexactly(n)))
-            if rep not in (Rep.INFO, Rep.SERVER, Rep.META_CONTEXT):
-                return out
-
-    async def option(self, opt: int, data: bytes = b"") -> list[tuple[int, bytes]]:
-        self.send_option(opt, data)
-        return await self.replies()
-
-    async def starttls(self, d: Path) -> None:
-        assert await self.option(Opt.STARTTLS) == [(Rep.ACK, b"")]
-        await self.w.start_tls(client_context(d), server_hostname="localhost")
 
 
 def test_server_without_credentials_refuses_tls_exports() -> None:
