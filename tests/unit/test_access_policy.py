@@ -9,7 +9,8 @@ from typing import Any
 import pytest
 
 from openvsan.node.access import check_access_policy, exports, open_exports
-from openvsan.node.config import ConfigError, HostAuthSpec, NbdTlsSpec, parse_config
+from openvsan.node.config import ConfigError, parse_config
+from openvsan.node.specs import HostAuthSpec, NbdTlsSpec
 
 CHAP = {"user": "alice", "secret": "twelve+chars"}
 HOST = "nqn.2014-08.org.nvmexpress:uuid:0f0e0d0c-0b0a-0908-0706-050403020100"
@@ -81,7 +82,7 @@ def test_other_volumes_and_all_open_configs_are_untouched() -> None:
 def test_authenticated_everywhere_passes() -> None:
     cfg = parse_config(config(nbd={"allow_unauthenticated": True}, nvme={"allow_unauthenticated": True}))
     sub = dataclasses.replace(cfg.subsystems[0], allowed_hosts=(HOST,), allow_unauthenticated=False,
-                              hosts=(HostAuthSpec(HOST, "DHHC-1:00:x:"),))
+                              hosts=(HostAuthSpec(HOST, "DHHC-1:00:AAECAwQFBgcICQoLDA0ODxAREhMUFRYXGBkaGxwdHh+KfiaR:"),))
     nbd = dataclasses.replace(cfg.nbd_exports[0], tls="require", allow_unauthenticated=False)
     assert cfg.nvme is not None
     good = dataclasses.replace(cfg, nvme=dataclasses.replace(cfg.nvme, subsystems=(sub,)), nbd_exports=(nbd,),

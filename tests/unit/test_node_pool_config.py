@@ -10,8 +10,9 @@ from typing import Any
 import pytest
 from test_node_config import error  # one line, no newline, else the test fails
 
-from openvsan.node.config import PoolSpec, VolumeSpec, parse_config
+from openvsan.node.config import parse_config
 from openvsan.node.legacy_store import _MIGRATIONS, SCHEMA_VERSION
+from openvsan.node.specs import PoolSpec, VolumeSpec
 from openvsan.node.store import Store, StoreError
 
 

@@ -276,7 +276,7 @@ def test_nvme_and_nbd_round_trip(tmp_path: Path) -> None:
 
 def hardened(cfg):
     """`cfg` with every issue-10 field away from its default."""
-    from openvsan.node.config import HostAuthSpec, NamespaceSpec, NbdExportSpec, NbdTlsSpec, NvmeSpec, SubsystemSpec
+    from openvsan.node.specs import HostAuthSpec, NamespaceSpec, NbdExportSpec, NbdTlsSpec, NvmeSpec, SubsystemSpec
     from openvsan.node.values import Portal
 
     node = dc.replace(cfg.node, max_connections=100, max_unauthenticated=10, max_unauthenticated_per_source=3,

@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from openvsan.node.config import parse_config
-from openvsan.node.reconcile import Change, PlanRefused, plan
+from openvsan.node.reconcile import Change, PlanRefused, plan, without_children
 from openvsan.node.specs import NodeConfig
 
 
@@ -35,9 +35,9 @@ def model_of(cfg: NodeConfig) -> dict[str, dict[Any, Any]]:
     return {
         "devices": {d.name: d for d in cfg.devices},
         "volumes": {v.name: v for v in cfg.volumes},
-        "targets": {t.iqn: dataclasses.replace(t, luns=()) for t in cfg.targets},
+        "targets": {t.iqn: without_children(t, "luns") for t in cfg.targets},
         "luns": {(t.iqn, str(x.lun)): x for t in cfg.targets for x in t.luns},
-        "subsystems": {s.nqn: dataclasses.replace(s, namespaces=()) for s in cfg.subsystems},
+        "subsystems": {s.nqn: without_children(s, "namespaces") for s in cfg.subsystems},
         "namespaces": {(s.nqn, str(x.nsid)): x for s in cfg.subsystems for x in s.namespaces},
         "nbd": {e.name: e for e in cfg.nbd_exports},
     }

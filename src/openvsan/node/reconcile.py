@@ -9,6 +9,7 @@ half-way leaves the node as it was (node/node.py Node.apply)."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -78,8 +79,13 @@ def _by(items: Iterable[Any], key: str) -> dict[Any, Any]:
     return {getattr(x, key): x for x in items}
 
 
-def _without(spec: Any, *names: str) -> Any:
-    return dataclasses.replace(spec, **{n: () for n in names})
+def without_children(spec: Any, *names: str) -> Any:
+    """A target or subsystem alone, its LUNs or namespaces (changes of their own) left out. No config declares
+    one without them, so the copy is made past the spec's checks (dataclasses.replace would run them)."""
+    out = copy.copy(spec)
+    for n in names:
+        object.__setattr__(out, n, ())
+    return out
 
 
 def _refuse_fixed(actual: NodeConfig, desired: NodeConfig) -> None:
@@ -156,7 +162,7 @@ def _exports(removes: list[Change], adds: list[Change], kind: str, child: str, n
         if key not in new:
             removes.extend(Change("remove", child, str(getattr(x, number)), x, parent=key)
                            for x in getattr(spec, field))
-            parent_removes.append(Change("remove", kind, key, _without(spec, field)))
+            parent_removes.append(Change("remove", kind, key, without_children(spec, field)))
             continue
         kept = _by(getattr(new[key], field), number)
         for x in getattr(spec, field):
@@ -165,12 +171,12 @@ def _exports(removes: list[Change], adds: list[Change], kind: str, child: str, n
     removes.extend(parent_removes)
     for key, spec in new.items():
         if key not in old:
-            adds.append(Change("add", kind, key, None, _without(spec, field)))
+            adds.append(Change("add", kind, key, None, without_children(spec, field)))
             adds.extend(Change("add", child, str(getattr(x, number)), None, x, parent=key)
                         for x in getattr(spec, field))
             continue
-        if _without(old[key], field) != _without(spec, field):
-            adds.append(Change("update", kind, key, _without(old[key], field), _without(spec, field)))
+        if without_children(old[key], field) != without_children(spec, field):
+            adds.append(Change("update", kind, key, without_children(old[key], field), without_children(spec, field)))
         had = _by(getattr(old[key], field), number)
         for x in getattr(spec, field):
             if had.get(getattr(x, number)) != x:

@@ -1,14 +1,47 @@
-"""The node's desired state as typed specs: frozen dataclasses that the TOML config (node/config.py parses and
-validates them), the store (node/store.py) and the node (node/node.py) share. Each field's default is the
-product's default; docs/security.md and README.md explain the ones of the [node] limits."""
+"""The node's desired state as typed specs, declared once: pydantic v2 dataclasses that the TOML config
+(node/config.py), the control socket (node/live.py edits the same document), the store (node/store.py) and the
+REST API to come validate their input with, and that the node (node/node.py) runs from.
+
+Each field's type and the checks that need only its own table are here, with the one-line message users
+read (`<what is wrong>; <how to mend>`; node/config.py puts the key path in front). Scalars are strict: a TOML
+string is never read as a number, nor true as 1. Unknown keys are refused. Checks that look across tables
+(a LUN naming an unknown volume, a device in two pools, two protocols on one port) stay in node/config.py.
+Each field's default is the product's default; docs/security.md and README.md explain the ones of the [node]
+limits. A spec built in code (`DeviceSpec("ram0", "ram", 1 << 30)`) passes the same checks.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import json
+import socket
+from collections.abc import Callable
+from dataclasses import field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, TypeVar
 
-from openvsan.node.values import Portal
+from pydantic import (
+    AfterValidator,
+    BeforeValidator,
+    ConfigDict,
+    PlainSerializer,
+    Strict,
+    ValidationInfo,
+    WithJsonSchema,
+    field_validator,
+    model_validator,
+)
+from pydantic.dataclasses import dataclass
+
+from openvsan.node.values import (
+    Portal,
+    check_chap_secret,
+    check_iscsi_name,
+    check_nbd_export_name,
+    check_nqn,
+    check_object_name,
+    parse_portal,
+    parse_size,
+)
 
 DEFAULT_CHUNK = 64 * 1024
 DEFAULT_POLL_US = 50
@@ -20,56 +53,381 @@ DEFAULT_MAX_UNAUTHENTICATED_PER_SOURCE = 32
 DEFAULT_AUTH_DELAY_MAX = 8.0          # seconds: the cap of the doubling delay after failed authentications
 DEFAULT_AUTH_LOCKOUT_FAILURES = 10    # failures in a row from one (initiator, address) before a lockout; 0: never
 DEFAULT_AUTH_LOCKOUT_SECONDS = 300
+MAX_AUTH_DELAY = 60.0   # seconds: beyond it a held login runs into the initiator's own login timeout
+MAX_MAX_CONNECTIONS = 1 << 20   # Linux's default fs.nr_open: no process can hold more descriptors
+MAX_POLL_US = 10_000
 DHCHAP_HASHES = ("sha256", "sha384", "sha512")
 DHCHAP_DHGROUPS = ("null", "ffdhe2048", "ffdhe3072", "ffdhe4096", "ffdhe6144", "ffdhe8192")
+DEVICE_TYPES = ("ram", "file", "null")
+# the keys each device type takes
+DEVICE_KEYS = {
+    "ram": ("name", "type", "size", "block_size", "backing"),
+    "file": ("name", "type", "size", "block_size", "path", "direct"),
+    "null": ("name", "type", "size", "block_size"),
+}
+# the pool levels a config names, and the fewest members each needs (RAID 10: mirrored pairs, so also even)
+POOL_LEVELS = {"raid0": 1, "raid1": 2, "raid10": 4, "raid5": 3, "raid6": 4}
+MAX_CHUNK = 16 << 20
+BLOCK_SIZES = (512, 4096)
+MAX_LUN = 16383  # SAM-5 flat/peripheral addressing as Linux and Windows use it: 14 bits
+MAX_NSID = 0xFFFFFFFE  # NVMe Base 2.0 §3.2.1.2: 0 and FFFFFFFFh are not valid namespace IDs
+ISCSI_PORT, NVME_PORT, NBD_PORT = 3260, 4420, 10809  # IANA: iSCSI; NVMe/TCP I/O controllers; NBD
+NBD_TLS_MODES = ("off", "optional", "require")
+DATA_DIR_REF = "${data_dir}"   # a device path or backing starting with this lies in the node's data dir
+
+T = TypeVar("T")
 
 
-@dataclass(frozen=True)
+class SpecError(ValueError):
+    """A check's one line (what is wrong; how to mend it). `at`: the key path, below the value checked, that
+    the line is about: ("size",) when a device's check of its size and block size fails on the size."""
+
+    def __init__(self, message: str, *at: str | int, subject: bool = False) -> None:
+        super().__init__(message)
+        self.at = at
+        self.subject = subject   # the line starts with a key below `at` as its subject: "qos.bps_limit is -1; ..."
+
+
+class Hint:
+    """Annotated metadata: how to mend the key when it is missing (node/config.py prints it)."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+
+class Table:
+    """Annotated metadata on a spec class's field holding tables: what one such table is called in errors."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+
+
+def fmt(v: object) -> str:
+    """A value as an error line shows it: a string quoted as TOML writes it (a newline as \\n: one line)."""
+    return json.dumps(v, ensure_ascii=False) if isinstance(v, str) else repr(v)
+
+
+def _names(kinds: tuple[type, ...]) -> str:
+    words = {str: "a string", int: "an integer", bool: "true or false", list: "a list", dict: "a table"}
+    return " or ".join(words.get(k, k.__name__) for k in kinds)
+
+
+def expect(value: object, *kinds: type) -> None:
+    """Refuse a value of another type than `kinds`, as a strict field would (a bool is not a number here)."""
+    if (isinstance(value, bool) and bool not in kinds) or not isinstance(value, kinds):
+        raise SpecError(f"expected {_names(kinds)}, found {fmt(value)}")
+
+
+def _check(fn: Callable[[Any], T]) -> AfterValidator:
+    return AfterValidator(fn)
+
+
+def _secret(fn: Callable[[Any], T]) -> AfterValidator:
+    """A secret's check; outside a config document a secret may be "": one the spec does not carry (the
+    state a store migrates, whose secrets stay in secrets.json)."""
+    def check(v: Any, info: ValidationInfo) -> Any:
+        return v if v == "" and not (info.context or {}).get("document") else fn(v)
+    return AfterValidator(check)
+
+
+def _in_range(lo: float, hi: float, mend: str) -> AfterValidator:
+    """`<v> is out of range; <mend>` outside lo..hi (mend says the range and what its ends mean)."""
+    def check(v: float) -> float:
+        if not lo <= v <= hi:
+            raise SpecError(f"{v} is out of range; {mend}")
+        return v
+    return AfterValidator(check)
+
+
+def _printable(limit: int) -> AfterValidator:
+    def check(v: str) -> str:
+        if len(v.encode()) > limit or not v.isprintable():
+            raise SpecError(f"use up to {limit} bytes of printable text")
+        return v
+    return AfterValidator(check)
+
+
+def _size(v: object) -> object:
+    if isinstance(v, int | str) and not isinstance(v, bool):
+        return parse_size(v)
+    expect(v, int, str)
+    return v
+
+
+def _rate(v: object) -> object:
+    # "200MiB/s" reads as well as "200MiB": the unit is per second either way
+    return _size(v.removesuffix("/s") if isinstance(v, str) else v)
+
+
+def _portal(v: object) -> Portal:
+    return v if isinstance(v, Portal) else parse_portal(v)
+
+
+def _unique(values: tuple[T, ...], show: Callable[[T], str] = fmt) -> tuple[T, ...]:
+    for i, v in enumerate(values):
+        if v in values[:i]:
+            raise SpecError(f"{show(v)} is listed twice; remove one", i)
+    return values
+
+
+Str = Annotated[str, Strict()]
+Int = Annotated[int, Strict()]
+Bool = Annotated[bool, Strict()]
+Number = Annotated[float, Strict()]       # an integer or a float, not a bool
+Name = Annotated[str, Strict(), _check(check_object_name)]
+Size = Annotated[int, BeforeValidator(_size)]
+# written "host:port" (and so in JSON and the REST API's schema), a Portal once read
+PortalT = Annotated[Portal, BeforeValidator(_portal), PlainSerializer(str, return_type=str),
+                    WithJsonSchema({"type": "string", "examples": ["127.0.0.1:3260", "[::1]:3260"]})]
+Portals = Annotated[tuple[PortalT, ...], AfterValidator(lambda v: _unique(v, str))]
+IscsiName = Annotated[str, Strict(), _check(check_iscsi_name)]
+SubsystemNqn = Annotated[str, Strict(), _check(check_nqn)]
+HostNqn = Annotated[str, Strict(), _check(lambda v: check_nqn(v, subsystem=False))]
+SPEC = ConfigDict(extra="forbid", arbitrary_types_allowed=True)
+
+
+# [node]'s caps on connections, whole first: (key, default, what it counts)
+_CAPS = (("max_connections", DEFAULT_MAX_CONNECTIONS, "connections of all protocols together"),
+         ("max_unauthenticated", DEFAULT_MAX_UNAUTHENTICATED, "connections that have not logged in"),
+         ("max_unauthenticated_per_source", DEFAULT_MAX_UNAUTHENTICATED_PER_SOURCE,
+          "connections not logged in from one address"))
+
+
+def _host_name() -> str:
+    return socket.gethostname().split(".")[0]
+
+
+def _path(v: object, info: ValidationInfo, *, data_dir: bool = False) -> object:
+    """A path as written: relative to the config file's directory (context base_dir); with data_dir, one that
+    starts with ${data_dir} lies in the node's data dir (context data_dir)."""
+    if v is None or isinstance(v, Path):
+        return v
+    if not isinstance(v, str):
+        raise SpecError(f"expected a string, found {fmt(v)}")
+    ctx = info.context or {}
+    if data_dir and DATA_DIR_REF in v:
+        rest = v[len(DATA_DIR_REF):]
+        if not v.startswith(DATA_DIR_REF):
+            raise SpecError(f'{DATA_DIR_REF} may only start a path, e.g. "{DATA_DIR_REF}/disk0.img"')
+        if not rest.startswith("/") or not rest.strip("/"):
+            raise SpecError(f'name a file in the data dir, e.g. "{DATA_DIR_REF}/disk0.img"')
+        if ctx.get("data_dir") is None:
+            raise SpecError(f"{DATA_DIR_REF}: no data dir to put it in; give the path itself")
+        return Path(ctx["data_dir"]) / rest.lstrip("/")
+    path = Path(v).expanduser()
+    base = ctx.get("base_dir")
+    return path if path.is_absolute() or base is None else Path(base) / path
+
+
+@dataclass(frozen=True, config=SPEC)
 class NodeSettings:
-    name: str
+    """[node]. `name`: "" only in a node not yet given one (an empty store)."""
+
+    name: Str = field(default_factory=_host_name)
     data_dir: Path | None = None
-    poll_us: int = DEFAULT_POLL_US  # adaptive busy-poll window after each command (frontend/busypoll.py); 0: off
-    max_connections: int = DEFAULT_MAX_CONNECTIONS            # every protocol's connections together
-    max_unauthenticated: int = DEFAULT_MAX_UNAUTHENTICATED    # connections that have not logged in, all sources
-    max_unauthenticated_per_source: int = DEFAULT_MAX_UNAUTHENTICATED_PER_SOURCE   # ... from one address
-    trust_foreign_files: bool = False   # open device/member files another user owns or others may write
-    auth_delay_max: float = DEFAULT_AUTH_DELAY_MAX
-    auth_lockout_failures: int = DEFAULT_AUTH_LOCKOUT_FAILURES
-    auth_lockout_seconds: int = DEFAULT_AUTH_LOCKOUT_SECONDS
+    # adaptive busy-poll window after each command (frontend/busypoll.py); 0: off
+    poll_us: Annotated[Int, _in_range(0, MAX_POLL_US, f"use 0 (no polling) to {MAX_POLL_US} microseconds "
+                                                     f"(default {DEFAULT_POLL_US})")] = DEFAULT_POLL_US
+    max_connections: Int = DEFAULT_MAX_CONNECTIONS            # every protocol's connections together
+    max_unauthenticated: Int = DEFAULT_MAX_UNAUTHENTICATED    # connections that have not logged in, all sources
+    max_unauthenticated_per_source: Int = DEFAULT_MAX_UNAUTHENTICATED_PER_SOURCE   # ... from one address
+    trust_foreign_files: Bool = False   # open device/member files another user owns or others may write
+    auth_delay_max: Annotated[Number, _in_range(0, MAX_AUTH_DELAY, f"use 0 (no delay) to {MAX_AUTH_DELAY:g} seconds "
+                                                f"(default {DEFAULT_AUTH_DELAY_MAX:g})")] = DEFAULT_AUTH_DELAY_MAX
+    auth_lockout_failures: Annotated[Int, _in_range(0, 1_000_000, "use 0 (never lock out) or the failures in a "
+                                                    "row that lock a peer out (default "
+                                                    f"{DEFAULT_AUTH_LOCKOUT_FAILURES})")] = DEFAULT_AUTH_LOCKOUT_FAILURES
+    auth_lockout_seconds: Annotated[Int, _in_range(1, 86_400, "use 1 to 86400 seconds (default "
+                                                   f"{DEFAULT_AUTH_LOCKOUT_SECONDS}; auth_lockout_failures = 0 turns "
+                                                   "lockouts off)")] = DEFAULT_AUTH_LOCKOUT_SECONDS
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str, info: ValidationInfo) -> str:
+        return v if v == "" and not (info.context or {}).get("document") else check_object_name(v)
+
+    @field_validator("data_dir", mode="before")
+    @classmethod
+    def _data_dir(cls, v: object, info: ValidationInfo) -> object:
+        return _path(v, info)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _cap_defaults(cls, data: Any) -> Any:
+        """A cap left out is its default, or the cap above it when that is lower (max_connections = 100 alone
+        makes max_unauthenticated 100)."""
+        if not isinstance(data, dict):
+            return data
+        top = MAX_MAX_CONNECTIONS
+        out = dict(data)
+        for key, default, _ in _CAPS:
+            value = out.setdefault(key, min(default, top))
+            top = value if isinstance(value, int) and not isinstance(value, bool) else top
+        return out
+
+    @model_validator(mode="after")
+    def _caps(self) -> NodeSettings:
+        """Each cap within 1 and the one before it: a cap on a part cannot be above the cap on the whole."""
+        top, before = MAX_MAX_CONNECTIONS, ""
+        for key, default, what in _CAPS:
+            value = getattr(self, key)
+            if not 1 <= value <= top:
+                above = f" (it cannot be above {before} = {top})" if before else ""
+                raise SpecError(f"{value} is out of range{above}; use 1 to {top} {what} (default {default})", key)
+            before, top = key, value
+        return self
 
 
-@dataclass(frozen=True)
+_TYPE_HINT = Hint(f'add type = "ram" (one of: {", ".join(DEVICE_TYPES)})')
+_LEVEL_HINT = Hint(f'add level = "raid5" (one of: {", ".join(POOL_LEVELS)})')
+
+
+@dataclass(frozen=True, config=SPEC)
 class DeviceSpec:
-    name: str
-    type: str                       # ram | file | null
-    size: int | None                # bytes; None only for a file device that takes the file's size
-    block_size: int = 512
+    name: Annotated[Name, Hint('give the device a name, e.g. name = "ram0"')]
+    type: Annotated[Str, _TYPE_HINT]   # ram | file | null
+    size: Size | None = None        # bytes; None only for a file device that takes the file's size
+    block_size: Int = 512
     backing: Path | None = None     # ram: a file (in /dev/shm) that keeps the contents across restarts
     path: Path | None = None        # file: the file or block device
-    direct: bool = False            # file: O_DIRECT
+    direct: Bool = False            # file: O_DIRECT
+
+    @model_validator(mode="before")
+    @classmethod
+    def _keys_of_type(cls, data: Any) -> Any:
+        """A key of another device type is named as such (`path` on a ram device), not as unknown."""
+        if isinstance(data, dict) and isinstance(data.get("type"), str) and data["type"] in DEVICE_KEYS:
+            kind = data["type"]
+            for key in data:
+                if key not in DEVICE_KEYS[kind] and any(key in keys for keys in DEVICE_KEYS.values()):
+                    owner = " or ".join(fmt(k) for k, keys in DEVICE_KEYS.items() if key in keys)
+                    raise SpecError(f"not a key of a {kind} device (it belongs to type = {owner}); remove it", key)
+        return data
+
+    @field_validator("type")
+    @classmethod
+    def _type(cls, v: str) -> str:
+        if v not in DEVICE_TYPES:
+            raise SpecError(f"unknown device type {fmt(v)}; use one of: {', '.join(DEVICE_TYPES)}")
+        return v
+
+    @field_validator("block_size")
+    @classmethod
+    def _block_size(cls, v: int) -> int:
+        if v not in BLOCK_SIZES:
+            raise SpecError(f"{v} is not supported; use 512 or 4096")
+        return v
+
+    @field_validator("backing", "path", mode="before")
+    @classmethod
+    def _file(cls, v: object, info: ValidationInfo) -> object:
+        return _path(v, info, data_dir=True)
+
+    @model_validator(mode="after")
+    def _whole(self) -> DeviceSpec:
+        if self.size is not None and self.size % self.block_size:
+            raise SpecError(f"{self.size} bytes is not a whole number of {self.block_size}-byte blocks; use "
+                            f"{self.size - self.size % self.block_size or self.block_size}", "size")
+        if self.size is None and self.type != "file":
+            raise SpecError(f'missing; a {self.type} device needs a size, e.g. size = "1GiB"', "size")
+        if self.type == "file" and self.path is None:
+            raise SpecError('missing; add path = "${data_dir}/disk0.img" (a file or block device)', "path")
+        return self
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, config=SPEC)
 class PoolSpec:
     """A RAID pool over devices (openvsan.pool); serve creates it on blank members, else assembles it."""
 
-    name: str
-    level: str                      # raid0 | raid1 | raid10 | raid5 | raid6
-    members: tuple[str, ...]        # device names, slot order at creation
-    spares: tuple[str, ...] = ()
-    chunk: int = DEFAULT_CHUNK      # bytes
-    rebuild_rate: int | None = None  # bytes/s of member data; None: as fast as the members go
+    name: Annotated[Name, Hint('give the pool a name, e.g. name = "pool0"')]
+    level: Annotated[Str, _LEVEL_HINT]
+    members: Annotated[tuple[Str, ...], Hint('list its devices, e.g. members = ["d0", "d1", "d2"]')]  # slot order
+    spares: tuple[Str, ...] = ()
+    chunk: Size = DEFAULT_CHUNK      # bytes
+    rebuild_rate: Annotated[int, BeforeValidator(_rate)] | None = None  # bytes/s of member data; None: no cap
+
+    @field_validator("level", mode="after")
+    @classmethod
+    def _level(cls, v: str) -> str:
+        if v.lower() not in POOL_LEVELS:
+            raise SpecError(f"unknown level {fmt(v.lower())}; use one of: {', '.join(POOL_LEVELS)}")
+        return v.lower()
+
+    @field_validator("members", "spares", mode="before")
+    @classmethod
+    def _devices(cls, v: object) -> object:
+        if isinstance(v, list | tuple):
+            for i, d in enumerate(v):
+                if not isinstance(d, str):
+                    raise SpecError(f"expected a device name, found {fmt(d)}", i)
+                if d in v[:i]:
+                    raise SpecError(f"device {fmt(d)} is listed twice in this pool; list it once", i)
+        return v
+
+    @field_validator("chunk")
+    @classmethod
+    def _chunk(cls, v: int) -> int:
+        if v & (v - 1) or not 4096 <= v <= MAX_CHUNK:
+            raise SpecError(f'{v} bytes; use a power of two from 4KiB to 16MiB, e.g. chunk = "64KiB"')
+        return v
+
+    @model_validator(mode="after")
+    def _shape(self) -> PoolSpec:
+        n = len(self.members)
+        need = POOL_LEVELS[self.level]
+        if n < need:
+            raise SpecError(f"{self.level} needs at least {need} members, {n} given; add {need - n} more", "members")
+        if self.level == "raid10" and n % 2:
+            raise SpecError(f"raid10 needs an even number of members (mirrored pairs), {n} given; add or remove one",
+                            "members")
+        if self.spares and self.level == "raid0":
+            raise SpecError("raid0 has no redundancy to rebuild a spare from; remove spares or use a redundant level",
+                            "spares")
+        return self
 
 
-@dataclass(frozen=True)
+def _qos(v: object) -> object:
+    """qos = { read_iops_limit = 1000, bps_limit = "100MB", ... } (volume/qos.py QosLimits, Ceph librbd's
+    knobs): the knobs set, validated; bytes/s knobs take sizes ("100MB", "1GiB"); 0 means no limit."""
+    from openvsan.volume.qos import QosError, QosLimits
+
+    if not isinstance(v, dict):
+        raise SpecError(f"expected a table, found {fmt(v)}")
+    values: dict[str, Any] = {}
+    for key, value in v.items():
+        if isinstance(value, str) and "_bps_" in f"_{key}" and not key.endswith("_seconds"):
+            try:
+                value = parse_size(value)
+            except ValueError as e:
+                raise SpecError(str(e), key) from None
+        values[key] = value
+    try:
+        limits = QosLimits.from_dict(values)
+    except QosError as e:
+        raise SpecError(str(e).removeprefix("qos: "), subject=True) from None
+    return dict(limits.to_dict()) if not limits.unlimited else {}
+
+
+@dataclass(frozen=True, config=SPEC)
 class VolumeSpec:
-    name: str
-    device: str | None              # None: the volume lives on `pool`
-    read_only: bool = False
-    pool: str | None = None
+    name: Annotated[Name, Hint('give the volume a name, e.g. name = "disk0"')]
+    # None: the volume lives on `pool`
+    device: Str | None = None
+    read_only: Bool = False
+    pool: Str | None = None
     # QoS limits (volume/qos.py QosLimits knobs that are set: read_iops_limit, bps_burst, ...); empty: none,
     # and then no QoS layer at all in its stack
-    qos: dict[str, float] = field(default_factory=dict, hash=False)
+    qos: Annotated[dict[str, int | float], BeforeValidator(_qos)] = field(default_factory=dict, hash=False)
+
+    @model_validator(mode="after")
+    def _one_home(self) -> VolumeSpec:
+        if self.device is not None and self.pool is not None:
+            raise SpecError(f"names both device {fmt(self.device)} and pool {fmt(self.pool)}; a volume lives on one "
+                            "of them: remove one")
+        if self.device is None and self.pool is None:
+            raise SpecError('missing; name the device it lives on, e.g. device = "ram0" (or a pool: pool = "pool0")',
+                            "device")
+        return self
 
     @property
     def layers(self) -> list[dict[str, Any]]:
@@ -77,93 +435,270 @@ class VolumeSpec:
         return [{"type": "qos", **self.qos}] if self.qos else []
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, config=SPEC)
 class ChapSpec:
-    user: str
-    secret: str
+    user: Annotated[Str, Hint('add user = "name"')]
+    secret: Annotated[Str, Hint('add secret = "12 to 16 bytes"'), _secret(check_chap_secret)]
+
+    @field_validator("user")
+    @classmethod
+    def _user(cls, v: str) -> str:
+        if not v or not v.isprintable():
+            raise SpecError("the user name must be printable and not empty")
+        return v
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, config=SPEC)
 class LunSpec:
-    lun: int
-    volume: str
+    lun: Annotated[Int, Hint("add lun = 0"), _in_range(0, MAX_LUN, f"use 0 to {MAX_LUN}")]
+    volume: Annotated[Str, Hint('add volume = "disk0"')]
 
 
-@dataclass(frozen=True)
+def _exported(items: tuple[Any, ...], number: str, what: str, owner: str) -> tuple[Any, ...]:
+    """A target's LUNs or a subsystem's namespaces: each number once, each volume once, sorted by number;
+    at least one."""
+    numbers: set[int] = set()
+    volumes: set[str] = set()
+    for i, x in enumerate(items):
+        n = getattr(x, number)
+        if n in numbers:
+            raise SpecError(f"{what} {n} is already used in this {owner}; pick another number", i, number)
+        if x.volume in volumes:
+            raise SpecError(f"volume {fmt(x.volume)} is already a {what} of this {owner}; "
+                            "export it once", i, "volume")
+        numbers.add(n)
+        volumes.add(x.volume)
+    return tuple(sorted(items, key=lambda x: getattr(x, number)))
+
+
+@dataclass(frozen=True, config=SPEC)
 class TargetSpec:
-    iqn: str
-    luns: tuple[LunSpec, ...]
-    portals: tuple[Portal, ...]
-    advertised_portals: tuple[Portal, ...] = ()
-    allowed_initiators: tuple[str, ...] | None = None  # None: any initiator
-    chap: ChapSpec | None = None
-    mutual_chap: ChapSpec | None = None
-    alias: str | None = None
-    portal_group_tag: int = 1
-    allow_unauthenticated: bool = False   # served open although another export of one of its volumes is not
+    iqn: Annotated[IscsiName, Hint('add iqn = "iqn.2026-11.org.example:disk0"')]
+    luns: Annotated[tuple[LunSpec, ...], Table('a table { lun = 0, volume = "disk0" }')]
+    portals: Portals        # in a config: the [iscsi] portals unless its own
+    advertised_portals: Portals = ()
+    allowed_initiators: tuple[IscsiName, ...] | None = None  # None: any initiator
+    chap: Annotated[ChapSpec | None, Table('a table { user = "...", secret = "..." }')] = None
+    mutual_chap: Annotated[ChapSpec | None, Table('a table { user = "...", secret = "..." }')] = None
+    alias: Annotated[Str, _printable(255)] | None = None
+    portal_group_tag: Annotated[Int, _in_range(1, 65535, "use 1 to 65535")] = 1
+    allow_unauthenticated: Bool = False   # served open although another export of one of its volumes is not
+
+    @field_validator("luns")
+    @classmethod
+    def _luns(cls, v: tuple[LunSpec, ...]) -> tuple[LunSpec, ...]:
+        if not v:
+            raise SpecError('missing or empty; add luns = [{ lun = 0, volume = "disk0" }]')
+        return _exported(v, "lun", "LUN", "target")
+
+    @field_validator("allowed_initiators")
+    @classmethod
+    def _initiators(cls, v: tuple[str, ...] | None) -> tuple[str, ...] | None:
+        return v if v is None else _unique(v)
+
+    @model_validator(mode="after")
+    def _chaps(self) -> TargetSpec:
+        if self.mutual_chap and not self.chap:
+            raise SpecError('needs chap too (the initiator authenticates first); add chap = { user = "...", '
+                            'secret = "..." }', "mutual_chap")
+        if self.mutual_chap and self.chap and self.chap.secret and self.mutual_chap.secret == self.chap.secret:
+            # RFC 7143 §12.1.3: a secret is never used in both directions
+            raise SpecError("must differ from chap.secret (RFC 7143 §12.1.3)", "mutual_chap", "secret")
+        return self
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, config=SPEC)
 class NamespaceSpec:
-    nsid: int
-    volume: str
+    nsid: Annotated[Int, Hint("add nsid = 1 (namespace IDs start at 1)"),
+                    _in_range(1, MAX_NSID, f"use 1 to {MAX_NSID} (NVMe Base 2.0 §3.2.1.2)")]
+    volume: Annotated[Str, Hint('add volume = "disk0"')]
 
 
-@dataclass(frozen=True)
+def _dhchap_secret(v: str) -> str:
+    from openvsan.protocol.nvme.auth import parse_secret  # NVMe Base 2.0 §8.13.5.7: the DHHC-1 form
+
+    parse_secret(v)      # its SecretError (a ValueError) says what is wrong, never the secret
+    return v.strip()
+
+
+def _dhchap_value(v: object) -> object:
+    if not isinstance(v, str):
+        raise SpecError('expected a string "DHHC-1:00:<base64>:" as `nvme gen-dhchap-key` prints it')
+    return v
+
+
+DhchapSecret = Annotated[str, BeforeValidator(_dhchap_value), _secret(_dhchap_secret)]
+
+
+@dataclass(frozen=True, config=SPEC)
 class HostAuthSpec:
     """A host's DH-HMAC-CHAP secrets (NVMe Base 2.0 §8.13), in the DHHC-1 form `nvme gen-dhchap-key` writes."""
 
-    nqn: str
-    dhchap_secret: str                    # the host proves it knows this
-    dhchap_ctrl_secret: str | None = None  # bidirectional: the controller proves this back
+    nqn: Annotated[HostNqn, Hint('add nqn = "<the host NQN>" (nvme show-hostnqn)')]
+    # the host proves it knows this
+    dhchap_secret: Annotated[DhchapSecret, Hint('add dhchap_secret = "DHHC-1:00:...:" (make one with nvme '
+                                                'gen-dhchap-key)')]
+    dhchap_ctrl_secret: DhchapSecret | None = None  # bidirectional: the controller proves this back
+
+    @model_validator(mode="after")
+    def _own_key(self) -> HostAuthSpec:
+        from openvsan.protocol.nvme.auth import parse_secret
+
+        if self.dhchap_ctrl_secret and self.dhchap_secret and (
+                parse_secret(self.dhchap_ctrl_secret).key == parse_secret(self.dhchap_secret).key):
+            raise SpecError("the same key as dhchap_secret; give the controller a secret of its own (nvme "
+                            "gen-dhchap-key)", "dhchap_ctrl_secret")
+        return self
 
 
-@dataclass(frozen=True)
+def _choices(known: tuple[str, ...], what: str) -> BeforeValidator:
+    """A list of names out of `known`, each once, not empty; the order is the preference."""
+    def check(v: object) -> object:
+        if not isinstance(v, list | tuple):
+            return v
+        for j, x in enumerate(v):
+            if not isinstance(x, str) or x not in known:
+                raise SpecError(f"{fmt(x)} is not one of the {what}: {', '.join(known)}", j)
+            if x in v[:j]:
+                raise SpecError(f"{fmt(x)} is listed twice; remove one", j)
+        if not v:
+            raise SpecError(f"empty; list one or more of {', '.join(known)} (or leave it out for all)")
+        return v
+    return BeforeValidator(check)
+
+
+def _ascii(most: int, what: str, *, least: int = 0) -> AfterValidator:
+    def check(v: str) -> str:
+        if not least <= len(v) <= most or not v.isascii() or not v.isprintable():
+            span = f"up to {most}" if not least else f"{least} to {most}"
+            raise SpecError(f"use {span} printable ASCII characters ({what})")
+        return v
+    return AfterValidator(check)
+
+
+@dataclass(frozen=True, config=SPEC)
 class SubsystemSpec:
-    nqn: str
-    namespaces: tuple[NamespaceSpec, ...]
-    portals: tuple[Portal, ...]
-    advertised_portals: tuple[Portal, ...] = ()
-    allowed_hosts: tuple[str, ...] | None = None  # None: any host NQN
-    serial: str = ""                              # "": derived from the NQN (stable across restarts)
-    model: str = "openvsan"
-    hosts: tuple[HostAuthSpec, ...] = ()          # hosts that authenticate with DH-HMAC-CHAP
-    dhchap_hashes: tuple[str, ...] = DHCHAP_HASHES
-    dhchap_dhgroups: tuple[str, ...] = DHCHAP_DHGROUPS
-    allow_unauthenticated: bool = False
+    nqn: Annotated[SubsystemNqn, Hint('add nqn = "nqn.2026-11.org.example:disk0"')]
+    namespaces: Annotated[tuple[NamespaceSpec, ...], Table('a table { nsid = 1, volume = "disk0" }')]
+    portals: Portals        # in a config: the [nvme] portals unless its own
+    advertised_portals: Portals = ()
+    allowed_hosts: tuple[HostNqn, ...] | None = None  # None: any host NQN
+    # "": derived from the NQN (stable across restarts); NVMe Base 2.0 Figure 275 (Identify Controller SN, MN)
+    serial: Annotated[Str, _ascii(20, "Identify Controller SN")] = ""
+    model: Annotated[Str, _ascii(40, "Identify Controller MN", least=1)] = "openvsan"
+    # hosts that authenticate with DH-HMAC-CHAP
+    hosts: Annotated[tuple[HostAuthSpec, ...], Table('a table { nqn = "nqn.2014-08.org.nvmexpress:uuid:...", '
+                                                     'dhchap_secret = "DHHC-1:00:...:" }')] = ()
+    dhchap_hashes: Annotated[tuple[Str, ...], _choices(DHCHAP_HASHES, "hash functions")] = DHCHAP_HASHES
+    dhchap_dhgroups: Annotated[tuple[Str, ...], _choices(DHCHAP_DHGROUPS, "DH groups")] = DHCHAP_DHGROUPS
+    allow_unauthenticated: Bool = False
+
+    @field_validator("namespaces")
+    @classmethod
+    def _namespaces(cls, v: tuple[NamespaceSpec, ...]) -> tuple[NamespaceSpec, ...]:
+        if not v:
+            raise SpecError('missing or empty; add namespaces = [{ nsid = 1, volume = "disk0" }]')
+        return _exported(v, "nsid", "namespace", "subsystem")
+
+    @field_validator("allowed_hosts")
+    @classmethod
+    def _hosts(cls, v: tuple[str, ...] | None) -> tuple[str, ...] | None:
+        return v if v is None else _unique(v)
+
+    @field_validator("hosts")
+    @classmethod
+    def _auth_hosts(cls, v: tuple[HostAuthSpec, ...]) -> tuple[HostAuthSpec, ...]:
+        for i, h in enumerate(v):
+            if any(x.nqn == h.nqn for x in v[:i]):
+                raise SpecError(f"host {fmt(h.nqn)} is listed twice in this subsystem; remove one", i, "nqn")
+        return v
 
 
-@dataclass(frozen=True)
+def _inherit(data: Any, items: str, keys: tuple[str, ...], *, port: int, required: str) -> Any:
+    """A section's portals are the default of each of its tables (`items`) that names none. `required`:
+    "always", "some" (when some table names none) or "never"."""
+    if not isinstance(data, dict):
+        return data
+    tables = data.get(items, [])
+    tables = tables if isinstance(tables, list) else []
+    lacking = any(isinstance(x, dict) and "portals" not in x for x in tables)
+    if "portals" not in data and (required == "always" or (required == "some" and lacking)):
+        raise SpecError(f'missing; add portals = ["127.0.0.1:{port}"]', "portals")
+    if data.get("portals") == [] and required != "never" and (required == "always" or lacking):
+        raise SpecError(f'empty; list at least one, e.g. ["127.0.0.1:{port}"]', "portals")
+    if not any(k in data for k in keys):
+        return data
+    own = [{**{k: data[k] for k in keys if k in data and k not in x}, **x} if isinstance(x, dict) else x
+           for x in tables]
+    return {**data, items: own}
+
+
+@dataclass(frozen=True, config=SPEC)
 class NvmeSpec:
     """The [nvme] section: its portals serve the discovery subsystem and are the subsystems' default."""
 
-    portals: tuple[Portal, ...] = ()
-    subsystems: tuple[SubsystemSpec, ...] = ()
+    portals: Portals = ()
+    subsystems: Annotated[tuple[SubsystemSpec, ...], Table("an [[nvme.subsystems]] table")] = ()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _defaults(cls, data: Any) -> Any:
+        subsystems = data.get("subsystems") if isinstance(data, dict) else None
+        return _inherit(data, "subsystems", ("portals",), port=NVME_PORT,
+                        required="some" if subsystems else "always")
+
+    @field_validator("subsystems")
+    @classmethod
+    def _unique_nqns(cls, v: tuple[SubsystemSpec, ...]) -> tuple[SubsystemSpec, ...]:
+        for i, s in enumerate(v):
+            if any(x.nqn == s.nqn for x in v[:i]):
+                raise SpecError(f"subsystem {fmt(s.nqn)} is already defined; give each subsystem its own nqn", i, "nqn")
+        return v
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, config=SPEC)
 class NbdExportSpec:
-    name: str
-    volume: str
-    portals: tuple[Portal, ...]
-    read_only: bool = False
-    description: str = ""
-    tls: str = "off"                     # off | optional | require (NBD_OPT_STARTTLS); needs [nbd] tls
-    allow_unauthenticated: bool = False
+    name: Annotated[Str, Hint('add name = "disk0" (what clients ask for)'), _check(check_nbd_export_name)]
+    volume: Annotated[Str, Hint('add volume = "disk0"')]
+    portals: Portals        # in a config: the [nbd] portals unless its own
+    read_only: Bool = False
+    description: Annotated[Str, _printable(4096)] = ""
+    # off | optional | require (NBD_OPT_STARTTLS); needs [nbd] tls; in a config "require" when [nbd] has tls
+    tls: Str = "off"
+    allow_unauthenticated: Bool = False
+
+    @field_validator("tls")
+    @classmethod
+    def _tls(cls, v: str) -> str:
+        if v not in NBD_TLS_MODES:
+            raise SpecError(f"{fmt(v)} is not a TLS mode; use one of: {', '.join(NBD_TLS_MODES)}")
+        return v
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, config=SPEC)
 class NbdTlsSpec:
     """[nbd] tls: the server's X.509 credentials; with verify_client, a client certificate signed by `ca`
     is required (that, not the name a client asks for, is what authenticates an NBD client)."""
 
-    cert: Path
-    key: Path
+    cert: Annotated[Path, Hint('add cert = "server-cert.pem" (the server\'s PEM certificate)')]
+    key: Annotated[Path, Hint('add key = "server-key.pem" (its PEM private key)')]
     ca: Path | None = None
-    verify_client: bool = False
+    verify_client: Bool = False
+
+    @field_validator("cert", "key", "ca", mode="before")
+    @classmethod
+    def _file(cls, v: object, info: ValidationInfo) -> object:
+        return _path(v, info)
+
+    @model_validator(mode="after")
+    def _needs_ca(self) -> NbdTlsSpec:
+        if self.verify_client and self.ca is None:
+            raise SpecError('missing; verify_client = true needs the CA that signs client certificates, e.g. ca = '
+                            '"ca-cert.pem"', "ca")
+        return self
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, config=SPEC)
 class NodeConfig:
     node: NodeSettings
     devices: tuple[DeviceSpec, ...] = ()
@@ -200,3 +735,74 @@ class NodeConfig:
             if name in p.members or name in p.spares:
                 return f"pool {p.name}"
         return None
+
+
+# ---- the config document: the sections of the TOML file (and of the REST API's node document)
+
+
+@dataclass(frozen=True, config=SPEC)
+class IscsiSection:
+    """[iscsi]: its portals (and advertised portals) are each target's unless it names its own."""
+
+    portals: Portals = ()
+    advertised_portals: Portals = ()
+    targets: Annotated[tuple[TargetSpec, ...], Table("an [[iscsi.targets]] table")] = ()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _defaults(cls, data: Any) -> Any:
+        return _inherit(data, "targets", ("portals", "advertised_portals"), port=ISCSI_PORT, required="some")
+
+    @field_validator("targets")
+    @classmethod
+    def _unique_iqns(cls, v: tuple[TargetSpec, ...]) -> tuple[TargetSpec, ...]:
+        for i, t in enumerate(v):
+            if any(x.iqn == t.iqn for x in v[:i]):
+                raise SpecError(f"target {fmt(t.iqn)} is already defined; give each target its own iqn", i, "iqn")
+        return v
+
+
+@dataclass(frozen=True, config=SPEC)
+class NbdSection:
+    """[nbd]: its portals are each export's unless it names its own; with tls, exports require TLS unless
+    they say otherwise."""
+
+    portals: Portals = ()
+    exports: Annotated[tuple[NbdExportSpec, ...], Table("an [[nbd.exports]] table")] = ()
+    tls: Annotated[NbdTlsSpec | None, Table('a table, e.g. tls = { cert = "server-cert.pem", key = '
+                                            '"server-key.pem" }')] = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _defaults(cls, data: Any) -> Any:
+        data = _inherit(data, "exports", ("portals",), port=NBD_PORT, required="some")
+        if isinstance(data, dict) and isinstance(data.get("exports"), list):
+            mode = "require" if "tls" in data else "off"
+            data = {**data, "exports": [{"tls": mode, **x} if isinstance(x, dict) else x for x in data["exports"]]}
+        return data
+
+    @model_validator(mode="after")
+    def _credentials(self) -> NbdSection:
+        names: set[str] = set()
+        for i, e in enumerate(self.exports):
+            if e.name in names:
+                raise SpecError(f"an NBD export named {fmt(e.name)} is already defined; give each export its own name",
+                                "exports", i, "name")
+            names.add(e.name)
+            if e.tls != "off" and self.tls is None:
+                raise SpecError(f'"{e.tls}" needs the server\'s TLS credentials; add [nbd] tls = {{ cert = '
+                                '"server-cert.pem", key = "server-key.pem" } or set tls = "off"', "exports", i, "tls")
+        return self
+
+
+@dataclass(frozen=True, config=SPEC)
+class ConfigDocument:
+    """The whole TOML document as written; node/config.py checks it across tables and makes the NodeConfig."""
+
+    node: NodeSettings = field(default_factory=NodeSettings)
+    devices: Annotated[tuple[DeviceSpec, ...], Table("a [[devices]] table"), Hint("add [[devices]] tables")] = ()
+    pools: Annotated[tuple[PoolSpec, ...], Table("a [[pools]] table"), Hint("add [[pools]] tables")] = ()
+    volumes: Annotated[tuple[VolumeSpec, ...], Table("a [[volumes]] table"), Hint("add [[volumes]] tables")] = ()
+    iscsi: IscsiSection | None = None
+    nvme: NvmeSpec | None = None
+    nbd: NbdSection | None = None
