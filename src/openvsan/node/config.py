@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import os
 import tomllib
 import typing
@@ -83,9 +84,15 @@ def parse_config(data: dict[str, Any], *, base_dir: Path | None = None, data_dir
     """A config document (parsed TOML, or the document the control socket edits) as a NodeConfig: the specs'
     own checks (node/specs.py), then the checks across tables; the first failure raises ConfigError."""
     context: dict[str, Any] = {"document": True, "base_dir": base_dir}
-    # ${data_dir} in a device path needs the data dir, which [node] may set: [node] first, alone
-    node = data.get("node", {}) if isinstance(data, dict) else {}
-    context["data_dir"] = effective_data_dir(_validate({"node": node}, context).node, data_dir)
+
+    @functools.cache
+    def data_dir_of() -> Path:
+        """For a device path that starts with ${data_dir}: the data dir, which [node] may set ([node] read
+        first, alone)."""
+        node = data.get("node", {}) if isinstance(data, dict) else {}
+        return effective_data_dir(_validate({"node": node}, context).node, data_dir)
+
+    context["data_dir"] = data_dir_of
     doc = _validate(data, context)
     _check_devices(doc.devices)
     _check_pools(doc.pools, doc.devices)

@@ -183,7 +183,8 @@ Portals = Annotated[tuple[PortalT, ...], AfterValidator(lambda v: _unique(v, str
 IscsiName = Annotated[str, Strict(), _check(check_iscsi_name)]
 SubsystemNqn = Annotated[str, Strict(), _check(check_nqn)]
 HostNqn = Annotated[str, Strict(), _check(lambda v: check_nqn(v, subsystem=False))]
-SPEC = ConfigDict(extra="forbid", arbitrary_types_allowed=True)
+# the schemas are built at first use: a CLI call that parses no config (`vsan volume list`) does not pay for them
+SPEC = ConfigDict(extra="forbid", arbitrary_types_allowed=True, defer_build=True)
 
 
 # [node]'s caps on connections, whole first: (key, default, what it counts)
@@ -211,9 +212,10 @@ def _path(v: object, info: ValidationInfo, *, data_dir: bool = False) -> object:
             raise SpecError(f'{DATA_DIR_REF} may only start a path, e.g. "{DATA_DIR_REF}/disk0.img"')
         if not rest.startswith("/") or not rest.strip("/"):
             raise SpecError(f'name a file in the data dir, e.g. "{DATA_DIR_REF}/disk0.img"')
-        if ctx.get("data_dir") is None:
+        data_dir_of = ctx.get("data_dir")   # a callable: the data dir is found only when a path names it
+        if data_dir_of is None:
             raise SpecError(f"{DATA_DIR_REF}: no data dir to put it in; give the path itself")
-        return Path(ctx["data_dir"]) / rest.lstrip("/")
+        return Path(data_dir_of()) / rest.lstrip("/")
     path = Path(v).expanduser()
     base = ctx.get("base_dir")
     return path if path.is_absolute() or base is None else Path(base) / path
