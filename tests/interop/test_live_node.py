@@ -122,10 +122,10 @@ def test_bad_requests_get_one_line_and_change_nothing(vsan: Callable[..., VsanSe
     server = example(vsan)
     before = vsan_cli(server, "volume", "list", "--json").stdout
     bad = [
-        (["volume", "create", "no/slash", "--size", "1MiB"], "volume name"),
+        (["volume", "create", "no/slash", "--size", "1MiB"], "name: 'no/slash' is not a usable name"),
         (["volume", "create", "odd", "--size", "1000"], "512-byte blocks"),
         (["volume", "create", "disk0", "--size", "1MiB"], "volume disk0 exists"),
-        (["volume", "create", "huge", "--size", "1MiB", "--backing", "tape"], "--backing"),
+        (["volume", "create", "huge", "--size", "1MiB", "--backing", "tape"], "backing: \"tape\" is not a backing"),
         (["volume", "resize", "disk0", "--size", "512MiB"], "does not shrink"),
         (["volume", "resize", "nope", "--size", "1GiB"], "no volume named 'nope'"),
         (["export", "add", "iscsi", IQN, "--volume", "nope"], "no volume named 'nope'"),
@@ -148,11 +148,17 @@ def test_bad_requests_get_one_line_and_change_nothing(vsan: Callable[..., VsanSe
     # a request the CLI would never send, straight to the control socket
     from openvsan.node.control import ControlError, call
 
-    for cmd, args in (("volume.create", {"name": 5}), ("export.add", {"protocol": "fc", "name": "x", "volume": "disk0"}),
-                      ("volume.delete", {}), ("qos.set", {"volume": "disk0", "limits": "fast"})):
+    for cmd, args, words in (
+            ("volume.create", {"name": 5}, "name: expected a string, found 5"),
+            ("volume.create", {"name": "v", "size": "1MiB", "read_only": "false"}, "read_only: expected true or false"),
+            ("volume.create", {"name": "v", "szie": "1MiB"}, 'szie: unknown key; did you mean "size"?'),
+            ("export.add", {"protocol": "fc", "name": "x", "volume": "disk0"}, '"fc" is not a protocol'),
+            ("export.add", {"protocol": "nbd", "name": "x", "volume": "disk0", "portals": ["nowhere"]}, "portals[0]"),
+            ("volume.delete", {}, "name: missing"),
+            ("qos.set", {"volume": "disk0", "limits": "fast"}, 'limits: expected a table, found "fast"')):
         with pytest.raises(ControlError) as e:
             call(server.data_dir, cmd, **args)
-        assert "\n" not in str(e.value), str(e.value)
+        assert "\n" not in str(e.value) and words in str(e.value), (cmd, args, str(e.value))
     assert vsan_cli(server, "volume", "list", "--json").stdout == before
     assert capacity(server, 0) == 1 << 30
 

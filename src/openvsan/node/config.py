@@ -38,7 +38,7 @@ from openvsan.node.specs import (
 from openvsan.node.values import Portal
 
 __all__ = ["DEVICE_TYPES", "ConfigError", "default_data_dir", "effective_data_dir", "exposed_secrets",
-           "load_config", "parse_config", "preflight"]
+           "load_config", "one_line", "parse_config", "preflight"]
 
 
 class ConfigError(ValueError):
@@ -132,7 +132,7 @@ def _validate(data: Any, context: dict[str, Any]) -> ConfigDocument:
     try:
         return _DOCUMENT.validate_python(data, context=context)
     except ValidationError as e:
-        raise ConfigError(_one_line(e)) from None
+        raise ConfigError(one_line(e)) from None
 
 
 # ---- pydantic's errors as our one line: `<key path>: <what is wrong>; <how to mend>`
@@ -163,10 +163,10 @@ def _unwrap(t: Any) -> tuple[Any, list[Any]]:
         return t, meta
 
 
-def _walk(loc: tuple[str | int, ...]) -> tuple[Any, list[Any]]:
-    """The spec class (or other type) declared at `loc` in the document, with the metadata of the field that
-    holds it (its Hint, its Table)."""
-    t: Any = ConfigDocument
+def _walk(root: Any, loc: tuple[str | int, ...]) -> tuple[Any, list[Any]]:
+    """The spec class (or other type) declared at `loc` in `root`, with the metadata of the field that holds
+    it (its Hint, its Table)."""
+    t: Any = root
     meta: list[Any] = []
     for seg in loc:
         base, more = _unwrap(t)
@@ -183,8 +183,9 @@ def _walk(loc: tuple[str | int, ...]) -> tuple[Any, list[Any]]:
     return base, meta + more
 
 
-def _one_line(e: ValidationError) -> str:
-    """The first of pydantic's errors (a missing key whose typo is also there: the typo) as our one line."""
+def one_line(e: ValidationError, root: Any = ConfigDocument) -> str:
+    """The first of pydantic's errors in validating a `root` (a missing key whose typo is also there: the
+    typo) as our one line."""
     errs = e.errors(include_url=False)
     err = errs[0]
     if err["type"] == "missing":
@@ -199,16 +200,16 @@ def _one_line(e: ValidationError) -> str:
         return f"{_key_path(loc)}: {err['ctx']['error']}"
     where = _key_path(loc)
     if kind == "missing":
-        hint = next((m.text for m in _walk(loc)[1] if isinstance(m, Hint)), "add it")
+        hint = next((m.text for m in _walk(root, loc)[1] if isinstance(m, Hint)), "add it")
         return f"{where}: missing; {hint}"
     if kind == "unexpected_keyword_argument":
-        owner, _ = _walk(loc[:-1])
+        owner, _ = _walk(root, loc[:-1])
         known = sorted(getattr(owner, "__pydantic_fields__", {}))
         close = difflib.get_close_matches(str(loc[-1]), known, n=1)
         mend = f'did you mean "{close[0]}"?' if close else "remove it"
         return f"{where}: unknown key; {mend} (known keys: {', '.join(known)})"
     if kind in ("dataclass_type", "dataclass_exact_type"):
-        what = next((m.what for m in _walk(loc)[1] if isinstance(m, Table)), "a table")
+        what = next((m.what for m in _walk(root, loc)[1] if isinstance(m, Table)), "a table")
         return f"{where}: expected {what}, found {fmt(err['input'])}"
     if kind in _TYPE_WORDS:
         return f"{where}: expected {_TYPE_WORDS[kind]}, found {fmt(err['input'])}"

@@ -10,12 +10,14 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from openvsan.node.config import ConfigError, load_config, parse_config
+from pydantic import TypeAdapter, ValidationError
+
+from openvsan.node import requests as R
+from openvsan.node.config import ConfigError, load_config, one_line, parse_config
 from openvsan.node.control import RequestError
 from openvsan.node.reconcile import Change, PlanRefused
 from openvsan.node.render import config_document
 from openvsan.node.specs import NodeConfig
-from openvsan.node.values import check_object_name, parse_portal, parse_size
 
 if TYPE_CHECKING:
     from openvsan.node.node import Node
@@ -23,34 +25,24 @@ if TYPE_CHECKING:
 Command = Callable[["Node", dict[str, Any]], Awaitable[Any]]
 COMMANDS: dict[str, Command] = {}
 
-BACKINGS = ("ram", "file", "null")
 DEFAULT_PORT = {"iscsi": 3260, "nvme": 4420, "nbd": 10809}
-PROTOCOLS = ("iscsi", "nvme", "nbd")
 
 
-def command(name: str) -> Callable[[Command], Command]:
-    def register(fn: Command) -> Command:
-        COMMANDS[name] = fn
-        return fn
+def command(name: str, body: type[Any] = R.Plain) -> Callable[[Callable[[Node, Any], Awaitable[Any]]], Command]:
+    """Register a command whose arguments are a `body` (node/requests.py): validated there, with the
+    one-line errors a config gets, before the command runs."""
+    adapter: TypeAdapter[Any] = TypeAdapter(body)
+
+    def register(fn: Callable[[Node, Any], Awaitable[Any]]) -> Command:
+        async def run(node: Node, args: dict[str, Any]) -> Any:
+            try:
+                request = adapter.validate_python(args)
+            except ValidationError as e:
+                raise RequestError(one_line(e, body)) from None
+            return await fn(node, request)
+        COMMANDS[name] = run
+        return run
     return register
-
-
-def _arg(args: dict[str, Any], key: str, kind: type | tuple[type, ...], default: Any = ...) -> Any:
-    if key not in args or args[key] is None:
-        if default is ...:
-            raise RequestError(f"{key}: missing")
-        return default
-    value = args[key]
-    if not isinstance(value, kind) or (isinstance(value, bool) and kind in (int, (int, str))):
-        raise RequestError(f"{key}: {value!r} is not {getattr(kind, '__name__', 'valid')}")
-    return value
-
-
-def _size(args: dict[str, Any], key: str = "size") -> int:
-    try:
-        return parse_size(_arg(args, key, (int, str)))
-    except ValueError as e:
-        raise RequestError(f"--{key}: {e}") from None
 
 
 async def _apply(node: Node, doc: dict[str, Any], *, dry_run: bool = False,
@@ -97,53 +89,49 @@ def _known_volume(node: Node, name: str) -> None:
 
 # ---- volumes
 
-@command("volume.create")
-async def volume_create(node: Node, args: dict[str, Any]) -> Any:
-    name = _arg(args, "name", str)
-    try:
-        check_object_name(name)
-    except ValueError as e:
-        raise RequestError(f"volume name: {e}") from None
+@command("volume.create", R.VolumeCreate)
+async def volume_create(node: Node, args: R.VolumeCreate) -> Any:
+    name = args.name
     doc = _doc(node)
     if any(v["name"] == name for v in doc.get("volumes", [])):
         raise RequestError(f"volume {name} exists; pick another name, or `vsan volume delete {name}` first")
-    volume: dict[str, Any] = {"name": name, "read_only": bool(args.get("read_only", False))}
-    if args.get("pool") is not None:
-        volume["pool"] = _arg(args, "pool", str)
-    elif args.get("device") is not None:
-        volume["device"] = _arg(args, "device", str)
+    volume: dict[str, Any] = {"name": name, "read_only": args.read_only}
+    if args.pool is not None:
+        volume["pool"] = args.pool
+    elif args.device is not None:
+        volume["device"] = args.device
     else:
-        backing = _arg(args, "backing", str, "ram")
-        if backing not in BACKINGS:
-            raise RequestError(f"--backing: {backing!r}; use one of: {', '.join(BACKINGS)}")
         if any(d["name"] == name for d in doc.get("devices", [])):
             raise RequestError(f"a device named {name} exists; give the volume another name, or put it on that "
                                f"device with --device {name}")
-        device: dict[str, Any] = {"name": name, "type": backing, "size": _size(args),
-                                  "block_size": _arg(args, "block_size", int, 512)}
-        if backing == "file":
-            path = args.get("path") or str(node.data_dir / "volumes" / f"{name}.img")
+        if args.size is None:
+            raise RequestError("size: missing; give the volume's size (e.g. 256MiB), or a device or pool to put "
+                               "it on")
+        device: dict[str, Any] = {"name": name, "type": args.backing, "size": args.size,
+                                  "block_size": args.block_size}
+        if args.backing == "file":
+            path = args.path or str(node.data_dir / "volumes" / f"{name}.img")
             device["path"] = str(Path(path).absolute())
         doc.setdefault("devices", []).append(device)
         volume["device"] = name
     doc.setdefault("volumes", []).append(volume)
-    return {"changes": await _apply(node, doc, dry_run=bool(args.get("dry_run"))),
-            "volume": _describe(node, name) if not args.get("dry_run") else None}
+    return {"changes": await _apply(node, doc, dry_run=args.dry_run),
+            "volume": _describe(node, name) if not args.dry_run else None}
 
 
-@command("volume.resize")
-async def volume_resize(node: Node, args: dict[str, Any]) -> Any:
-    name = _arg(args, "name", str)
+@command("volume.resize", R.VolumeResize)
+async def volume_resize(node: Node, args: R.VolumeResize) -> Any:
+    name = args.name
     doc = _doc(node)
     v = _volume_entry(doc, name)
     if "pool" in v:
         raise RequestError(f"volume {name} is its pool's whole size; grow the pool instead")
     dev = next(d for d in doc["devices"] if d["name"] == v["device"])
-    size = _size(args)
+    size = args.size
     if size % dev["block_size"]:
-        raise RequestError(f"--size: {size} bytes is not a whole number of {dev['block_size']}-byte blocks")
+        raise RequestError(f"size: {size} bytes is not a whole number of {dev['block_size']}-byte blocks")
     dev["size"] = size
-    return {"changes": await _apply(node, doc, dry_run=bool(args.get("dry_run"))), "volume": _describe(node, name)}
+    return {"changes": await _apply(node, doc, dry_run=args.dry_run), "volume": _describe(node, name)}
 
 
 def _exports_of(doc: dict[str, Any], name: str) -> list[str]:
@@ -171,13 +159,13 @@ def _drop_exports(doc: dict[str, Any], name: str) -> None:
         nbd["exports"] = [e for e in nbd["exports"] if e["volume"] != name]
 
 
-@command("volume.delete")
-async def volume_delete(node: Node, args: dict[str, Any]) -> Any:
-    name = _arg(args, "name", str)
+@command("volume.delete", R.VolumeDelete)
+async def volume_delete(node: Node, args: R.VolumeDelete) -> Any:
+    name = args.name
     doc = _doc(node)
     v = _volume_entry(doc, name)
     exports = _exports_of(doc, name)
-    if exports and not args.get("force"):
+    if exports and not args.force:
         raise RequestError(f"volume {name} is exported ({'; '.join(exports)}); remove the exports first "
                            "(`vsan export remove ...`), or pass --force to remove them with it")
     _drop_exports(doc, name)
@@ -186,8 +174,8 @@ async def volume_delete(node: Node, args: dict[str, Any]) -> Any:
     if v.get("device") == name:   # made for it by `vsan volume create`: it goes too
         own = next(d for d in doc["devices"] if d["name"] == name)
         doc["devices"] = [d for d in doc["devices"] if d["name"] != name]
-    changes = await _apply(node, doc, dry_run=bool(args.get("dry_run")), forget=(name,))
-    if own is not None and own.get("path") and not args.get("dry_run"):
+    changes = await _apply(node, doc, dry_run=args.dry_run, forget=(name,))
+    if own is not None and own.get("path") and not args.dry_run:
         path = Path(own["path"])
         if path.parent == node.data_dir / "volumes" and path.is_file():
             path.unlink()   # a file we made in the data dir: its space comes back
@@ -210,30 +198,21 @@ def _describe(node: Node, name: str, doc: dict[str, Any] | None = None) -> dict[
 
 
 @command("volume.list")
-async def volume_list(node: Node, args: dict[str, Any]) -> Any:
+async def volume_list(node: Node, args: R.Plain) -> Any:
     doc = config_document(node.state.config)
     return [_describe(node, v.name, doc) for v in node.state.config.volumes]
 
 
-@command("volume.show")
-async def volume_show(node: Node, args: dict[str, Any]) -> Any:
-    name = _arg(args, "name", str)
-    _known_volume(node, name)
-    return _describe(node, name)
+@command("volume.show", R.VolumeShow)
+async def volume_show(node: Node, args: R.VolumeShow) -> Any:
+    _known_volume(node, args.name)
+    return _describe(node, args.name)
 
 
 # ---- exports
 
-def _portals(args: dict[str, Any], fallback: list[str], protocol: str) -> list[str]:
-    given = args.get("portals") or []
-    if not isinstance(given, list):
-        raise RequestError("portals: a list of HOST:PORT")
-    for p in given:
-        try:
-            parse_portal(p)
-        except ValueError as e:
-            raise RequestError(f"--portal: {e}") from None
-    return list(given) or fallback or [f"127.0.0.1:{DEFAULT_PORT[protocol]}"]
+def _portals(args: R.ExportAdd, fallback: list[str]) -> list[str]:
+    return [str(p) for p in args.portals] or fallback or [f"127.0.0.1:{DEFAULT_PORT[args.protocol]}"]
 
 
 def _free(used: set[int], first: int) -> int:
@@ -243,21 +222,18 @@ def _free(used: set[int], first: int) -> int:
     return n
 
 
-@command("export.add")
-async def export_add(node: Node, args: dict[str, Any]) -> Any:
-    protocol = _arg(args, "protocol", str)
-    name = _arg(args, "name", str)
-    volume = _arg(args, "volume", str)
+@command("export.add", R.ExportAdd)
+async def export_add(node: Node, args: R.ExportAdd) -> Any:
+    protocol, name, volume = args.protocol, args.name, args.volume
     doc = _doc(node)
     _volume_entry(doc, volume)
     if protocol == "iscsi":
         targets = doc.setdefault("iscsi", {}).setdefault("targets", [])
         t = next((x for x in targets if x["iqn"] == name), None)
         if t is None:
-            t = {"iqn": name, "luns": [], "portals": _portals(args, targets[0]["portals"] if targets else [],
-                                                               protocol)}
+            t = {"iqn": name, "luns": [], "portals": _portals(args, targets[0]["portals"] if targets else [])}
             targets.append(t)
-        lun = _arg(args, "lun", int, _free({x["lun"] for x in t["luns"]}, 0))
+        lun = args.lun if args.lun is not None else _free({x["lun"] for x in t["luns"]}, 0)
         t["luns"].append({"lun": lun, "volume": volume})
     elif protocol == "nvme":
         nvme = doc.setdefault("nvme", {})
@@ -265,33 +241,30 @@ async def export_add(node: Node, args: dict[str, Any]) -> Any:
         s = next((x for x in subs if x["nqn"] == name), None)
         if s is None:
             fallback = subs[0]["portals"] if subs else nvme.get("portals", [])
-            s = {"nqn": name, "namespaces": [], "portals": _portals(args, fallback, protocol)}
+            s = {"nqn": name, "namespaces": [], "portals": _portals(args, fallback)}
             subs.append(s)
             nvme.setdefault("portals", s["portals"]) if not subs[:-1] and not nvme.get("portals") else None
-        nsid = _arg(args, "nsid", int, _free({x["nsid"] for x in s["namespaces"]}, 1))
+        nsid = args.nsid if args.nsid is not None else _free({x["nsid"] for x in s["namespaces"]}, 1)
         s["namespaces"].append({"nsid": nsid, "volume": volume})
     elif protocol == "nbd":
         exports = doc.setdefault("nbd", {}).setdefault("exports", [])
         if any(e["name"] == name for e in exports):
             raise RequestError(f"NBD export {name} exists; pick another name or remove it first")
-        exports.append({"name": name, "volume": volume, "read_only": bool(args.get("read_only", False)),
-                        "portals": _portals(args, exports[0]["portals"] if exports else [], protocol)})
-    else:
-        raise RequestError(f"protocol {protocol!r}; use one of: {', '.join(PROTOCOLS)}")
-    return {"changes": await _apply(node, doc, dry_run=bool(args.get("dry_run")))}
+        exports.append({"name": name, "volume": volume, "read_only": args.read_only,
+                        "portals": _portals(args, exports[0]["portals"] if exports else [])})
+    return {"changes": await _apply(node, doc, dry_run=args.dry_run)}
 
 
-@command("export.remove")
-async def export_remove(node: Node, args: dict[str, Any]) -> Any:
-    protocol = _arg(args, "protocol", str)
-    name = _arg(args, "name", str)
+@command("export.remove", R.ExportRemove)
+async def export_remove(node: Node, args: R.ExportRemove) -> Any:
+    protocol, name = args.protocol, args.name
     doc = _doc(node)
     if protocol == "iscsi":
         iscsi = doc.get("iscsi", {})
         t = next((x for x in iscsi.get("targets", []) if x["iqn"] == name), None)
         if t is None:
             raise RequestError(f"no iSCSI target {name}; `vsan export list` shows the exports")
-        lun = args.get("lun")
+        lun = args.lun
         if lun is None:
             iscsi["targets"].remove(t)
         else:
@@ -305,7 +278,7 @@ async def export_remove(node: Node, args: dict[str, Any]) -> Any:
         s = next((x for x in nvme.get("subsystems", []) if x["nqn"] == name), None)
         if s is None:
             raise RequestError(f"no NVMe subsystem {name}; `vsan export list` shows the exports")
-        nsid = args.get("nsid")
+        nsid = args.nsid
         if nsid is None:
             nvme["subsystems"].remove(s)
         else:
@@ -319,13 +292,11 @@ async def export_remove(node: Node, args: dict[str, Any]) -> Any:
         if not any(e["name"] == name for e in nbd.get("exports", [])):
             raise RequestError(f"no NBD export {name}; `vsan export list` shows the exports")
         nbd["exports"] = [e for e in nbd["exports"] if e["name"] != name]
-    else:
-        raise RequestError(f"protocol {protocol!r}; use one of: {', '.join(PROTOCOLS)}")
-    return {"changes": await _apply(node, doc, dry_run=bool(args.get("dry_run")))}
+    return {"changes": await _apply(node, doc, dry_run=args.dry_run)}
 
 
 @command("export.list")
-async def export_list(node: Node, args: dict[str, Any]) -> Any:
+async def export_list(node: Node, args: R.Plain) -> Any:
     cfg = node.state.config
     out: list[dict[str, Any]] = []
     for t in cfg.targets:
@@ -341,16 +312,13 @@ async def export_list(node: Node, args: dict[str, Any]) -> Any:
 
 # ---- QoS
 
-@command("qos.set")
-async def qos_set(node: Node, args: dict[str, Any]) -> Any:
-    name = _arg(args, "volume", str)
-    limits = _arg(args, "limits", dict)
+@command("qos.set", R.QosSet)
+async def qos_set(node: Node, args: R.QosSet) -> Any:
+    name = args.volume
     doc = _doc(node)
     v = _volume_entry(doc, name)
-    qos = dict(v.get("qos", {}))
-    if args.get("clear"):
-        qos = {}
-    for key, value in limits.items():
+    qos = {} if args.clear else dict(v.get("qos", {}))
+    for key, value in args.limits.items():
         if value in (0, None):
             qos.pop(key, None)
         else:
@@ -359,12 +327,12 @@ async def qos_set(node: Node, args: dict[str, Any]) -> Any:
         v["qos"] = qos
     else:
         v.pop("qos", None)
-    return {"changes": await _apply(node, doc, dry_run=bool(args.get("dry_run"))), "volume": _describe(node, name)}
+    return {"changes": await _apply(node, doc, dry_run=args.dry_run), "volume": _describe(node, name)}
 
 
-@command("qos.show")
-async def qos_show(node: Node, args: dict[str, Any]) -> Any:
-    name = _arg(args, "volume", str)
+@command("qos.show", R.QosShow)
+async def qos_show(node: Node, args: R.QosShow) -> Any:
+    name = args.volume
     _known_volume(node, name)
     d = _describe(node, name)
     return {"volume": name, "qos": d["qos"], "stats": d.get("qos_stats")}
@@ -372,9 +340,9 @@ async def qos_show(node: Node, args: dict[str, Any]) -> Any:
 
 # ---- the whole desired state
 
-@command("config.apply")
-async def config_apply(node: Node, args: dict[str, Any]) -> Any:
-    path = Path(_arg(args, "path", str))
+@command("config.apply", R.ConfigApply)
+async def config_apply(node: Node, args: R.ConfigApply) -> Any:
+    path = Path(args.path)
     try:
         desired = load_config(path, data_dir=node.data_dir)
     except ConfigError as e:
@@ -382,9 +350,9 @@ async def config_apply(node: Node, args: dict[str, Any]) -> Any:
     except OSError as e:
         raise RequestError(f"{path}: {e.strerror}") from None
     gone = tuple(v.name for v in node.state.config.volumes if v.name not in {x.name for x in desired.volumes})
-    return {"changes": await _apply_config(node, desired, dry_run=bool(args.get("dry_run")), forget=gone)}
+    return {"changes": await _apply_config(node, desired, dry_run=args.dry_run, forget=gone)}
 
 
 @command("config.show")
-async def config_show(node: Node, args: dict[str, Any]) -> Any:
+async def config_show(node: Node, args: R.Plain) -> Any:
     return config_document(node.state.config)

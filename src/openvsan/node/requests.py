@@ -1,0 +1,127 @@
+"""The bodies of the live node's control commands (node/live.py), typed as the desired-state specs are
+(node/specs.py: strict scalars, unknown keys refused, the same field types and messages), so the control
+socket and the REST API to come take one declaration of each request and give the same one-line errors.
+What a request names (a volume, a target) is checked by the command against the node's state; what it makes
+is checked again as part of the whole desired state (node/config.py)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from pydantic import AfterValidator, ConfigDict, field_validator
+from pydantic.dataclasses import dataclass
+
+from openvsan.node.specs import BLOCK_SIZES, Bool, Hint, Int, Name, PortalT, Size, SpecError, Str, fmt
+
+REQUEST = ConfigDict(extra="forbid", arbitrary_types_allowed=True, defer_build=True)
+BACKINGS = ("ram", "file", "null")
+PROTOCOLS = ("iscsi", "nvme", "nbd")
+VolumeName = Annotated[Str, Hint("name the volume")]
+
+
+@dataclass(frozen=True, config=REQUEST)
+class Plain:
+    """A request with no arguments (volume.list, export.list, config.show)."""
+
+
+@dataclass(frozen=True, config=REQUEST)
+class VolumeCreate:
+    """A new volume: on a device of its own (`backing`, `size`, `block_size`, `path` of a file), or on an
+    existing `device` or `pool`."""
+
+    name: Annotated[Name, Hint("name the volume")]
+    size: Size | None = None
+    backing: Str = "ram"
+    block_size: Int = 512
+    path: Str | None = None        # a file backing: its file (default: <data_dir>/volumes/<name>.img)
+    device: Str | None = None
+    pool: Str | None = None
+    read_only: Bool = False
+    dry_run: Bool = False
+
+    @field_validator("backing")
+    @classmethod
+    def _backing(cls, v: str) -> str:
+        if v not in BACKINGS:
+            raise SpecError(f"{fmt(v)} is not a backing; use one of: {', '.join(BACKINGS)}")
+        return v
+
+    @field_validator("block_size")
+    @classmethod
+    def _block_size(cls, v: int) -> int:
+        if v not in BLOCK_SIZES:
+            raise SpecError(f"{v} is not supported; use 512 or 4096")
+        return v
+
+
+@dataclass(frozen=True, config=REQUEST)
+class VolumeResize:
+    name: VolumeName
+    size: Annotated[Size, Hint("give the new size, e.g. 512MiB")]
+    dry_run: Bool = False
+
+
+@dataclass(frozen=True, config=REQUEST)
+class VolumeDelete:
+    name: VolumeName
+    force: Bool = False            # remove its exports with it
+    dry_run: Bool = False
+
+
+@dataclass(frozen=True, config=REQUEST)
+class VolumeShow:
+    name: VolumeName
+
+
+def _protocol(v: str) -> str:
+    if v not in PROTOCOLS:
+        raise SpecError(f"{fmt(v)} is not a protocol; use one of: {', '.join(PROTOCOLS)}")
+    return v
+
+
+Protocol = Annotated[Str, Hint("add protocol: iscsi, nvme or nbd"), AfterValidator(_protocol)]
+
+
+@dataclass(frozen=True, config=REQUEST)
+class ExportAdd:
+    """Export `volume` as a LUN of iSCSI target `name`, a namespace of NVMe subsystem `name` or NBD export
+    `name` (a target or subsystem is made with its first export)."""
+
+    protocol: Protocol
+    name: Annotated[Str, Hint("name the target, subsystem or NBD export")]
+    volume: VolumeName
+    lun: Int | None = None         # default: the lowest free
+    nsid: Int | None = None        # default: the lowest free
+    portals: tuple[PortalT, ...] = ()   # a new target, subsystem or export: default those of the others
+    read_only: Bool = False        # NBD
+    dry_run: Bool = False
+
+
+@dataclass(frozen=True, config=REQUEST)
+class ExportRemove:
+    protocol: Protocol
+    name: Annotated[Str, Hint("name the target, subsystem or NBD export")]
+    lun: Int | None = None         # only this LUN (default: the whole target)
+    nsid: Int | None = None        # only this namespace (default: the whole subsystem)
+    dry_run: Bool = False
+
+
+@dataclass(frozen=True, config=REQUEST)
+class QosSet:
+    """Set (a value), or clear (0 or null) the QoS knobs named in `limits`; `clear`: start from none."""
+
+    volume: VolumeName
+    limits: Annotated[dict[str, Any], Hint("give the knobs, e.g. limits = { read_iops_limit = 1000 }")]
+    clear: Bool = False
+    dry_run: Bool = False
+
+
+@dataclass(frozen=True, config=REQUEST)
+class QosShow:
+    volume: VolumeName
+
+
+@dataclass(frozen=True, config=REQUEST)
+class ConfigApply:
+    path: Annotated[Str, Hint("name the config file")]
+    dry_run: Bool = False
