@@ -341,3 +341,30 @@ def test_apply_and_back_leaves_nothing_behind(tmp_path: Path) -> None:
 
     run(body)
     assert all(port_is_free(x) for x in (p.iscsi, p.nvme, p.nbd, *p.spare))
+
+
+def test_first_subsystem_added_live_serves_discovery_on_the_planned_portals(tmp_path: Path) -> None:
+    """A node with no [nvme] gets one while serving: its discovery service listens on the [nvme] portals of
+    the state being applied (not the node's own, which has none)."""
+    p = Ports()
+    start = base_doc(p)
+    del start["nvme"]
+    node = make_node(tmp_path, start)
+    discovery, own = p.spare[0], p.spare[1]
+    more = copy.deepcopy(start)
+    more["nvme"] = {"portals": [f"127.0.0.1:{discovery}"],
+                    "subsystems": [{"nqn": NQN, "portals": [f"127.0.0.1:{own}"],
+                                    "namespaces": [{"nsid": 1, "volume": "disk0"}]}]}
+
+    async def body() -> None:
+        await started(node)
+        try:
+            assert node.nvme_server is None
+            await node.apply(parse_config(more, data_dir=node.data_dir))
+            assert node.nvme_server is not None
+            assert node.nvme_server.discovery_portals == [("127.0.0.1", discovery)]
+            assert {("127.0.0.1", discovery), ("127.0.0.1", own)} <= listening(node)["NvmeTcpServer"]
+        finally:
+            await node.stop()
+
+    run(body)

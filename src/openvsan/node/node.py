@@ -235,8 +235,9 @@ class Node:
             log.warning("no iSCSI targets, NVMe subsystems or NBD exports are configured; nothing is exported")
 
     async def start_nvme(self, subsystems: list[Any], factory: Callable[..., Any] | None = None) -> None:
-        """Start the NVMe/TCP server (at start, or when a running node gets its first subsystem)."""
-        cfg = self.state.config
+        """Start the NVMe/TCP server (at start, or when a running node gets its first subsystem: then the
+        discovery portals are those of the state being applied)."""
+        cfg = self.plane.config
         self.subsystems = subsystems
         factory = factory or (self.factories.nvme_server if self.factories else None) or _real_nvme_server()
         discovery = [(p.host, p.port) for p in cfg.nvme.portals] if cfg.nvme is not None else []
