@@ -1,14 +1,22 @@
-"""--verify: the block pattern, and the engine catching a corrupted block through a FaultDevice."""
+"""--verify: the block pattern, and the engine catching a corrupted block through a FaultDevice (runs on simulated
+time: FakeClock, 1 ms a request)."""
 
 from __future__ import annotations
 
 import asyncio
 
+from fake_clock import FakeClock, Slow
+
 from openvsan.bench.engine import Plan
 from openvsan.bench.profiles import custom_job
-from openvsan.bench.runner import run_in_process
+from openvsan.bench.runner import RunResult, run_in_process
 from openvsan.bench.verify import Generations, check_buffer, make_block, make_buffer
 from openvsan.block import FaultDevice, RamDevice
+
+
+def simulated(dev: object, plan: Plan) -> RunResult:
+    clock = FakeClock()
+    return run_in_process(Slow(dev, clock, 0.001), plan, clock=clock.ns, sleep=clock.sleep)  # type: ignore[arg-type]
 
 
 def test_pattern_is_self_describing() -> None:
@@ -45,12 +53,12 @@ def test_mismatch_kinds_name_the_lba() -> None:
 def test_verify_catches_a_corrupted_block_through_a_fault_device() -> None:
     dev = FaultDevice(RamDevice(2048))  # 1 MiB
     write = Plan("ram", custom_job("randrw", "4k", qd=8, mix=50), duration=0.3, verify=True, precondition=True)
-    res = run_in_process(dev, write).result
+    res = simulated(dev, write).result
     assert res.mismatches == 0 and res.io_errors == 0 and res.write.count > 0
 
     asyncio.run(dev.corrupt(777, bit=1234))
     read = Plan("ram", custom_job("randread", "4k", qd=4), duration=0.3, verify=True)
-    res = run_in_process(dev, read).result
+    res = simulated(dev, read).result
     assert res.mismatches >= 1
     assert [p["lba"] for p in res.problems] == [777]  # listed once however often it is read
     assert res.problems[0]["kind"] == "corrupt" and "byte 154" in res.problems[0]["message"]
@@ -70,7 +78,7 @@ def test_final_pass_reads_back_everything_written() -> None:
             await dev.corrupt(300)
 
     dev.write = corrupting_write  # type: ignore[method-assign]
-    res = run_in_process(dev, plan).result
+    res = simulated(dev, plan).result
     assert hit and res.read.count == 0
     assert 300 in [p["lba"] for p in res.problems]
 

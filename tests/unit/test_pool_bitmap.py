@@ -1,5 +1,6 @@
 """The write-intent bitmap and the resync: the write hole closed, under power loss modelled by FaultDevice's
-volatile cache (unflushed writes lost or torn at random), for RAID 1, 5 and 6."""
+volatile cache (unflushed writes lost or torn at random), for RAID 1, 5 and 6. Time is simulated (FakeClock):
+the idle time before a bit is cleared, the members' latency, the moment of the crash."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import asyncio
 import random
 
 import pytest
+from fake_clock import FakeClock, SimulatedLatency, settle
 
 from openvsan.block import FaultDevice, RamDevice
 from openvsan.pool.bitmap import WriteIntentBitmap
@@ -21,14 +23,21 @@ HEADER = 64 * 1024
 ROWS = 32
 
 
-class Disk(FaultDevice):
-    """A member that outlives the pool object (close is a no-op), with a volatile write cache."""
+class Disk(SimulatedLatency, FaultDevice):
+    """A member that outlives the pool object (close is a no-op), with a volatile write cache and, given a
+    clock, `latency` seconds of simulated time per request."""
 
-    def __init__(self, name: str, latency: float = 0.0) -> None:
-        super().__init__(RamDevice((HEADER + ROWS * CHUNK) // BS), name=name, volatile_cache=True, latency=latency)
+    def __init__(self, name: str, clock: FakeClock | None = None, latency: float = 0.0) -> None:
+        super().__init__(RamDevice((HEADER + ROWS * CHUNK) // BS), name=name, volatile_cache=True)
+        self.clock, self.delay = clock, latency
 
     async def close(self) -> None:
         pass
+
+
+def timed(clock: FakeClock) -> dict[str, object]:
+    """A pool's clock and sleep: simulated."""
+    return {"clock": clock, "sleep": clock.sleep}
 
 
 # --- WriteIntentBitmap alone -------------------------------------------------------------------------------------
@@ -40,13 +49,14 @@ def test_bit_is_durable_before_the_write_and_cleared_when_idle() -> None:
         flushed = []
 
         async def store(block: int, content: bytes, fua: bool) -> None:
-            await asyncio.sleep(0.001)
+            await asyncio.sleep(0)  # the other writers run meanwhile
             stored.append((block, content, fua))
 
         async def flush() -> None:
             flushed.append(1)
 
-        bm = WriteIntentBitmap(regions=5000, region_rows=4, block_size=512, store=store, idle_s=0.05)
+        clock = FakeClock()
+        bm = WriteIntentBitmap(regions=5000, region_rows=4, block_size=512, store=store, idle_s=0.5, clock=clock)
         assert bm.byte_size == 1024 and bm.regions_of(0, 9) == range(3)
         # two writers to one clean region, and one to a region in another bitmap block: every bit is durable
         # (written with FUA) by the time begin() returns; the second writer of region 1 adds no write
@@ -61,7 +71,9 @@ def test_bit_is_durable_before_the_write_and_cleared_when_idle() -> None:
         assert await bm.clear_idle(flush) == 0  # region 1 still has a writer in flight; 4100 not idle yet
         bm.end([1])
         bm.end([4100])
-        await asyncio.sleep(0.06)
+        clock.advance(0.25)
+        assert await bm.clear_idle(flush) == 0 and flushed == []  # idle, but not for idle_s yet
+        clock.advance(0.25)  # (sums a float clock holds exactly: idle for idle_s, to the bit)
         bm.pending_resync.add(4100)  # a region waiting for resync keeps its bit
         assert await bm.clear_idle(flush) == 1
         assert flushed == [1] and bm.dirty() == [4100]
@@ -76,7 +88,7 @@ def test_a_write_after_the_idle_check_keeps_its_bit() -> None:
         async def store(block: int, content: bytes, fua: bool) -> None:
             pass
 
-        bm = WriteIntentBitmap(regions=8, region_rows=1, block_size=512, store=store, idle_s=0.0)
+        bm = WriteIntentBitmap(regions=8, region_rows=1, block_size=512, store=store, idle_s=0.0, clock=FakeClock())
         await bm.begin([3])
         bm.end([3])
 
@@ -95,8 +107,9 @@ def test_a_write_after_the_idle_check_keeps_its_bit() -> None:
 
 def test_bitmap_on_the_members_follows_writes() -> None:
     async def go() -> None:
+        clock = FakeClock()
         ds = [Disk(f"d{i}") for i in range(3)]
-        pool = await Pool.create(ds, 5, CHUNK, data_offset=HEADER, bitmap_region=4, bitmap_idle_s=0.05)
+        pool = await Pool.create(ds, 5, CHUNK, data_offset=HEADER, bitmap_region=4, bitmap_idle_s=0.05, **timed(clock))
         assert pool.bitmap is not None
         await pool.write(2 * 9 * CB, b"\1" * BS)  # row 9: region 2
 
@@ -105,7 +118,9 @@ def test_bitmap_on_the_members_follows_writes() -> None:
             return raw[0]
 
         assert [await on_disk(d) for d in ds] == [4, 4, 4]
-        await asyncio.sleep(0.2)  # idle: flushed, then cleared
+        await clock.sleep(0.04)  # the cleaner has looked (every idle_s / 2): not idle long enough
+        assert pool.status().dirty_regions == 1
+        await clock.sleep(0.04)  # idle for idle_s at the next look: flushed, then cleared
         assert pool.status().dirty_regions == 0
         await pool.flush()
         assert [await on_disk(d) for d in ds] == [0, 0, 0]
@@ -123,9 +138,11 @@ def test_torn_stripe_is_resynced_before_a_member_loss_can_expose_it() -> None:
     row = 5
     state: dict[str, object] = {}
 
+    clock = FakeClock()
+
     async def before_crash() -> list[Disk]:
         ds = [Disk(f"d{i}") for i in range(4)]
-        pool = await Pool.create(ds, 5, CHUNK, data_offset=HEADER)
+        pool = await Pool.create(ds, 5, CHUNK, data_offset=HEADER, **timed(clock))
         await pool.write(0, model)
         await pool.flush()
         dm, (p,) = pool.geo.data_members(row), pool.geo.parity_members(row)
@@ -147,7 +164,7 @@ def test_torn_stripe_is_resynced_before_a_member_loss_can_expose_it() -> None:
         assert isinstance(dm, list) and isinstance(p, int)
         raw = [bytes(await ds[m].read(HEADER // BS + row * CB, CB)) for m in (*dm, p)]
         assert backend().xor(raw[:3]) != raw[3]  # the hole is there
-        pool = await Pool.assemble(ds)
+        pool = await Pool.assemble(ds, **timed(clock))
         assert pool.status().resync_progress is not None  # dirty region found
         await pool.wait_idle()
         assert pool.maintenance.resync_fixed == 1
@@ -166,14 +183,16 @@ def test_power_loss_mid_writes_then_member_loss(level: int, n: int, seed: int) -
     no inconsistent stripe, and after losing members every block holds its durable value or one written
     since the last flush (a block nobody wrote is never damaged by its stripe's neighbours)."""
     rng = random.Random(seed * 100 + level)
-    ds = [Disk(f"d{i}", latency=0.0003) for i in range(n)]
+    clock = FakeClock()
+    ds = [Disk(f"d{i}", clock, latency=0.0003) for i in range(n)]
     blocks = 0
     durable = bytearray()
     allowed: dict[int, set[bytes]] = {}
 
     async def before_crash() -> None:
         nonlocal blocks, durable
-        pool = await Pool.create(ds, level, CHUNK, data_offset=HEADER, bitmap_region=2, bitmap_idle_s=0.01)
+        pool = await Pool.create(ds, level, CHUNK, data_offset=HEADER, bitmap_region=2, bitmap_idle_s=0.01,
+                                 **timed(clock))
         blocks = pool.num_blocks
         durable = bytearray(rng.randbytes(blocks * BS))
         await pool.write(0, durable, fua=True)
@@ -189,7 +208,7 @@ def test_power_loss_mid_writes_then_member_loss(level: int, n: int, seed: int) -
             bufs = [rng.randbytes(BS) for _ in lbas]
             tasks = [asyncio.ensure_future(one(a, b)) for a, b in zip(lbas, bufs, strict=True)]
             if batch == crash_at:
-                await asyncio.sleep(rng.random() * 0.004)  # mid-batch
+                await clock.sleep(rng.random() * 0.004)  # mid-batch
                 for d in ds:
                     d.crash(survive=rng.random(), rng=rng)
                 return
@@ -206,7 +225,7 @@ def test_power_loss_mid_writes_then_member_loss(level: int, n: int, seed: int) -
     async def after() -> None:
         for d in ds:
             await d.restart()
-        pool = await Pool.assemble(ds)
+        pool = await Pool.assemble(ds, **timed(clock))
         await pool.wait_idle()
         report = await pool.scrub(repair=False)
         assert report.clean, report
@@ -232,7 +251,8 @@ def test_create_with_init_resync_over_garbage(level: int, n: int) -> None:
         ds = [Disk(f"d{i}") for i in range(n)]
         for d in ds:
             await d.inner.write(0, rng.randbytes(d.num_blocks * BS))
-        pool = await Pool.create(ds, level, CHUNK, data_offset=HEADER, init="resync", bitmap_region=4)
+        pool = await Pool.create(ds, level, CHUNK, data_offset=HEADER, init="resync", bitmap_region=4,
+                                 **timed(FakeClock()))
         st = pool.status()
         assert st.resync_progress == 0.0 and st.dirty_regions == ROWS // 4
         await pool.wait_idle()
@@ -263,14 +283,14 @@ def test_a_writer_during_a_lazy_clear_sets_its_bit_again_after_it() -> None:
         async def flush() -> None:
             pass
 
-        bm = WriteIntentBitmap(8, 1, 512, store, idle_s=0)
+        bm = WriteIntentBitmap(8, 1, 512, store, idle_s=0, clock=FakeClock())
         await bm.begin([0])
         bm.end([0])
         assert on_disk == [(1, True)]
         clearing = asyncio.create_task(bm.clear_idle(flush))
-        await asyncio.sleep(0.01)          # the clear now waits inside its store
+        await settle()                     # the clear now waits inside its store
         writer = asyncio.create_task(bm.begin([0]))
-        await asyncio.sleep(0.01)
+        await settle()
         assert not writer.done()           # the writer's bit must reach the disk after the clear, FUA
         gate.set()
         await clearing

@@ -1,5 +1,6 @@
 """Pool I/O against a reference model (a bytearray): every level, random writes, member losses up to the level's
-tolerance (whole devices and media errors), concurrent writes, unmap and write_zeroes."""
+tolerance (whole devices and media errors), concurrent writes, unmap and write_zeroes. Time is simulated
+(FakeClock): the members' latency, the bitmap's idle time, the moments members are pulled."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import asyncio
 import random
 
 import pytest
+from fake_clock import FakeClock, SimulatedLatency, settle
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -18,15 +20,21 @@ CHUNK = 4096
 HEADER = 64 * 1024
 ROWS = 24
 
+# a task that finds its blocks busy waits this long (simulated): a sleep(0) poll would keep the loop busy, and a
+# simulated clock only moves once every task waits
+BACKOFF = 0.0002
+
 # level -> member counts tried
 LEVELS = {0: (2, 3), 1: (2, 3), 10: (4, 6), 5: (3, 4, 5), 6: (4, 5, 7)}  # RAID 5 of 5, RAID 6 of 7: read-modify-write pays
 
 
-class Disk(FaultDevice):
-    """A member that outlives the pool object (close is a no-op), like a disk that stays in the machine."""
+class Disk(SimulatedLatency, FaultDevice):
+    """A member that outlives the pool object (close is a no-op), like a disk that stays in the machine; given
+    a clock, each request takes `latency` seconds of simulated time."""
 
-    def __init__(self, name: str, rows: int = ROWS, *, latency: float = 0.0) -> None:
-        super().__init__(RamDevice((HEADER + rows * CHUNK) // BS), name=name, latency=latency)
+    def __init__(self, name: str, rows: int = ROWS, *, clock: FakeClock | None = None, latency: float = 0.0) -> None:
+        super().__init__(RamDevice((HEADER + rows * CHUNK) // BS), name=name)
+        self.clock, self.delay = clock, latency
 
     async def close(self) -> None:
         pass
@@ -45,9 +53,12 @@ def losable(level: int, n: int) -> list[list[int]]:
             return [list(range({5: 1, 6: 2}[level]))]
 
 
-async def make(level: int, n: int, **kw: object) -> tuple[Pool, list[Disk]]:
-    disks = [Disk(f"d{i}", **kw) for i in range(n)]  # type: ignore[arg-type]
-    pool = await Pool.create(disks, level, CHUNK, data_offset=HEADER, bitmap_idle_s=0.05)
+async def make(level: int, n: int) -> tuple[Pool, list[Disk]]:
+    """A pool on simulated time: pool.sleep lets it pass (the bitmap's lazy clearing runs)."""
+    clock = FakeClock()
+    disks = [Disk(f"d{i}") for i in range(n)]
+    pool = await Pool.create(disks, level, CHUNK, data_offset=HEADER, bitmap_idle_s=0.05, clock=clock,
+                             sleep=clock.sleep)
     return pool, disks
 
 
@@ -59,7 +70,7 @@ async def check_all(pool: Pool, model: bytearray) -> None:
 
 
 ops = st.lists(
-    st.tuples(st.sampled_from(["write", "write", "write", "read", "lose", "medium", "zero"]),
+    st.tuples(st.sampled_from(["write", "write", "write", "read", "lose", "medium", "zero", "idle"]),
               st.floats(0, 1), st.integers(1, 40), st.integers(0, 2**32)),
     min_size=4, max_size=30,
 )
@@ -89,6 +100,8 @@ def test_random_io_with_member_losses(level: int, data: st.DataObject, script: l
                 model[lba * BS:(lba + blocks) * BS] = bytes(blocks * BS)
             elif op == "read":
                 assert bytes(await pool.read(lba, blocks)) == bytes(model[lba * BS:(lba + blocks) * BS])
+            elif op == "idle":  # long enough for the bitmap's lazy clearing of what was written
+                await pool.sleep(0.1)
             elif to_lose:
                 victim = disks[to_lose.pop()]
                 if op == "lose":
@@ -101,7 +114,7 @@ def test_random_io_with_member_losses(level: int, data: st.DataObject, script: l
         await check_all(pool, model)
         await pool.close()
         # and it all comes back after a restart, degraded
-        pool = await Pool.assemble([d for d in disks if not d.failed])
+        pool = await Pool.assemble([d for d in disks if not d.failed], clock=pool.clock, sleep=pool.sleep)
         await check_all(pool, model)
         await pool.close()
 
@@ -134,8 +147,9 @@ def test_concurrent_writes_sharing_stripes(level: int) -> None:
 
     async def go() -> None:
         n = {1: 3, 10: 4, 5: 4, 6: 5}[level]
-        disks = [Disk(f"d{i}", latency=0.0005 * i) for i in range(n)]
-        pool = await Pool.create(disks, level, CHUNK, data_offset=HEADER)
+        clock = FakeClock()
+        disks = [Disk(f"d{i}", clock=clock, latency=0.0005 * i) for i in range(n)]
+        pool = await Pool.create(disks, level, CHUNK, data_offset=HEADER, clock=clock, sleep=clock.sleep)
         model = bytearray(pool.num_blocks * BS)
         rng = random.Random(level)
         for _ in range(3):
@@ -214,9 +228,19 @@ def test_eager_gather_runs_what_it_can_at_once() -> None:
 
         async def later(x: int) -> int:
             order.append(f"later{x}-start")
-            await asyncio.sleep(0.001)
+            await asyncio.sleep(0)
             order.append(f"later{x}-end")
             return x
+
+        gate = asyncio.Event()
+
+        async def parked() -> int:
+            try:
+                await gate.wait()
+            except asyncio.CancelledError:
+                order.append("parked-cancelled")
+                raise
+            return 0
 
         async def bad() -> int:
             raise ValueError("boom")
@@ -226,8 +250,12 @@ def test_eager_gather_runs_what_it_can_at_once() -> None:
         assert results[:2] == [1, 2] and isinstance(results[2], ValueError) and results[3] == 3
         assert order == ["now1", "later2-start", "now3", "later2-end"]  # started in order, in this turn
         assert len(asyncio.all_tasks()) == before
-        with pytest.raises(asyncio.TimeoutError):  # cancellation reaches a suspended one
-            await asyncio.wait_for(eager_gather([later(4), asyncio.sleep(10)]), 0.01)
+        gathering = asyncio.ensure_future(eager_gather([later(4), parked()]))
+        await settle()
+        gathering.cancel()
+        with pytest.raises(asyncio.CancelledError):  # cancellation reaches a suspended one
+            await gathering
+        assert order[-2:] == ["later4-end", "parked-cancelled"]
 
     asyncio.run(go())
 
@@ -239,8 +267,9 @@ def test_member_fails_under_sustained_concurrent_writes(level: int) -> None:
 
     async def go() -> None:
         n = {1: 3, 10: 4, 5: 4, 6: 5}[level]
-        disks = [Disk(f"d{i}", latency=0.0002) for i in range(n)]
-        pool = await Pool.create(disks, level, CHUNK, data_offset=HEADER)
+        clock = FakeClock()
+        disks = [Disk(f"d{i}", clock=clock, latency=0.0002) for i in range(n)]
+        pool = await Pool.create(disks, level, CHUNK, data_offset=HEADER, clock=clock, sleep=clock.sleep)
         model = bytearray(pool.num_blocks * BS)
         rng = random.Random(level)
         busy: set[int] = set()
@@ -251,7 +280,7 @@ def test_member_fails_under_sustained_concurrent_writes(level: int) -> None:
                 lba = rng.randrange(pool.num_blocks - 16)
                 span = set(range(lba, lba + 16))
                 if span & busy:
-                    await asyncio.sleep(0)
+                    await clock.sleep(BACKOFF)
                     continue
                 busy.update(span)
                 buf = rng.randbytes(rng.choice((1, 3, 16)) * BS)
@@ -264,7 +293,7 @@ def test_member_fails_under_sustained_concurrent_writes(level: int) -> None:
                 lba = rng.randrange(pool.num_blocks - 40)
                 span = set(range(lba, lba + 40))
                 if span & busy:
-                    await asyncio.sleep(0)
+                    await clock.sleep(BACKOFF)
                     continue
                 busy.update(span)  # no writer there meanwhile: the model is the truth
                 got = bytes(await pool.read(lba, 40))
@@ -274,16 +303,16 @@ def test_member_fails_under_sustained_concurrent_writes(level: int) -> None:
         writers = [asyncio.ensure_future(writer()) for _ in range(16)]
         writers += [asyncio.ensure_future(reader()) for _ in range(4)]
         lose = {1: [2, 0], 10: [1, 2], 5: [3], 6: [4, 1]}[level]
-        for m in lose:
-            await asyncio.sleep(0.05)
+        for m in lose:  # 10 ms of requests (50 member latencies) between each
+            await clock.sleep(0.01)
             disks[m].fail_device()
-        await asyncio.sleep(0.05)
+        await clock.sleep(0.01)
         stop.set()
         await asyncio.gather(*writers)
         assert [s.state for s in pool.status().members if s.index in lose] == ["failed"] * len(lose)
         await check_all(pool, model)
         await pool.close()
-        pool = await Pool.assemble([d for d in disks if not d.failed])
+        pool = await Pool.assemble([d for d in disks if not d.failed], clock=clock, sleep=clock.sleep)
         await check_all(pool, model)
         await pool.close()
 

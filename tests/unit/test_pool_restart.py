@@ -6,6 +6,7 @@ import asyncio
 import random
 
 import pytest
+from fake_clock import FakeClock
 
 from openvsan.block import FaultDevice, RamDevice
 from openvsan.pool.raid import Pool, PoolError
@@ -87,8 +88,9 @@ def test_member_missing_then_stale_member_is_resynced_not_trusted() -> None:
         sb2, sb0 = await read_superblock(ds[2]), await read_superblock(ds[0])
         assert sb2 is not None and sb0 is not None and sb2.event < sb0.event
         assert sb0.roles[2].state is MemberState.MISSING
-        # d2 comes back with its old event: rebuilt, never read while it is behind
-        pool = await Pool.assemble(ds, rebuild_rate=CHUNK * 64)
+        # d2 comes back with its old event: rebuilt (at 64 rows a simulated second), never read while it is behind
+        clock = FakeClock()
+        pool = await Pool.assemble(ds, rebuild_rate=CHUNK * 64, clock=clock, sleep=clock.sleep)
         st = pool.status()
         assert st.state == "rebuilding" and st.members[2].state == "rebuilding"
         assert await same(pool, model)  # served from the other three while d2 is behind

@@ -3,7 +3,8 @@
 The worker is asyncio only; the runner (runner.py) starts one per thread, in its own process when there is
 more than one, and merges what they report. Latency is measured from submission to completion of each
 request and recorded in nanoseconds; with --rate a request that had to wait for its slot is timed from when
-it was sent, not from when it was due (no coordinated-omission correction).
+it was sent, not from when it was due (no coordinated-omission correction). Time is the worker's `clock`
+(nanoseconds, time.perf_counter_ns) and `sleep` (asyncio.sleep): the unit tests pass simulated ones.
 """
 
 from __future__ import annotations
@@ -111,12 +112,16 @@ class WorkerResult:
 
 
 Emit = Callable[[str, dict[str, Any]], None]
+Sleep = Callable[[float], Awaitable[None]]
 
 
 class Worker:
-    def __init__(self, dev: BlockDevice, plan: Plan, emit: Emit | None = None) -> None:
+    def __init__(self, dev: BlockDevice, plan: Plan, emit: Emit | None = None, *,
+                 clock: Callable[[], int] = time.perf_counter_ns, sleep: Sleep = asyncio.sleep) -> None:
         self.dev, self.plan, self.job = dev, plan, plan.job
         self.emit = emit
+        self.clock = clock  # nanoseconds: latencies; seconds from it (_now) for phases, intervals and --rate
+        self.sleep = sleep
         bs = dev.block_size
         if self.job.bs % bs:
             raise ValueError(f"block size {self.job.bs} is not a multiple of the device's {bs}-byte blocks")
@@ -139,9 +144,12 @@ class Worker:
         self.reported: set[int] = set()
         self.payload = os.urandom(self.job.bs)
         self.result = WorkerResult(block_size=bs, num_blocks=dev.num_blocks)
-        self.t0 = 0.0                 # start of the measured phase (perf_counter)
+        self.t0 = 0.0                 # start of the measured phase (_now, seconds)
         self.measuring = False
         self._next_due = 0.0
+
+    def _now(self) -> float:
+        return self.clock() / 1e9
 
     # ------------------------------------------------------------------ picking requests
     def _slot(self) -> int:
@@ -174,7 +182,7 @@ class Worker:
                 data: bytes = make_buffer(lba, n, gen, bs)
         elif write:
             data = self.payload
-        t = time.perf_counter_ns()
+        t = self.clock()
         try:
             if write:
                 await self.dev.write(lba, data)
@@ -187,7 +195,7 @@ class Worker:
                                                                    f"LBA {lba}: {e}"})
             self.busy.discard(slot)
             return
-        ns = time.perf_counter_ns() - t
+        ns = self.clock() - t
         if gens is not None:
             if write:
                 gens.set(lba, n, gen)
@@ -201,7 +209,7 @@ class Worker:
                 r.write_bytes += self.job.bs
             else:
                 r.read_bytes += self.job.bs
-            k = int((time.perf_counter() - self.t0) / INTERVAL)
+            k = int((self._now() - self.t0) / INTERVAL)
             while len(r.intervals) <= k:
                 r.intervals.append(Interval())
             iv = r.intervals[k]
@@ -223,15 +231,15 @@ class Worker:
     async def _loop(self, end: float) -> None:
         wp = self.job.write_pct
         rate = self.plan.rate
-        while time.perf_counter() < end:
+        while self._now() < end:
             if rate:
-                now = time.perf_counter()
+                now = self._now()
                 # one slot every 1/rate s, shared by the qd loops; after a stall, no catching-up burst
                 due = self._next_due = max(self._next_due, now - 1 / rate)
                 self._next_due += 1 / rate
                 if due > now:
-                    await asyncio.sleep(due - now)
-                if time.perf_counter() >= end:
+                    await self.sleep(due - now)
+                if self._now() >= end:
                     return
             await self._one(wp == 100 or (wp > 0 and self.rng.random() * 100 < wp))
 
@@ -280,13 +288,13 @@ class Worker:
             self.emit("ready", {"block_size": self.dev.block_size, "num_blocks": self.dev.num_blocks})
         if start is not None:
             await start()
-        now = time.perf_counter()
+        now = self._now()
         warm_end = now + plan.warmup
         end = warm_end + plan.duration
         loops = [asyncio.create_task(self._loop(end)) for _ in range(self.job.qd)]
         if plan.warmup > 0:
-            await asyncio.sleep(max(0.0, warm_end - time.perf_counter()))
-        self.t0 = time.perf_counter()
+            await self.sleep(max(0.0, warm_end - self._now()))
+        self.t0 = self._now()
         cpu0 = time.process_time()
         self.measuring = True
         if self.emit:
@@ -299,7 +307,7 @@ class Worker:
                 t.cancel()
             if reporter:
                 reporter.cancel()
-        self.result.elapsed = time.perf_counter() - self.t0
+        self.result.elapsed = self._now() - self.t0
         self.result.cpu = time.process_time() - cpu0
         self.measuring = False
         if self.emit:
@@ -311,9 +319,9 @@ class Worker:
     async def _report(self) -> None:
         assert self.emit is not None
         while True:
-            await asyncio.sleep(PROGRESS_EVERY)
+            await self.sleep(PROGRESS_EVERY)
             r = self.result
             self.emit("progress", {"ops": r.read.count + r.write.count, "bytes": r.read_bytes + r.write_bytes,
                                    "lat_total": r.read.total + r.write.total,
-                                   "elapsed": time.perf_counter() - self.t0,
+                                   "elapsed": self._now() - self.t0,
                                    "errors": r.io_errors + r.mismatches})

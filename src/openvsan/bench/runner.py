@@ -3,7 +3,8 @@
 Workers report over a queue: "ready" (connected, preconditioned), "measuring"/"measured" (the timed
 phase's edges, where the target's CPU is sampled), "progress" (for the live line) and "done" (their
 mergeable result). All workers start together when every one is ready, so connection setup and
-preconditioning are never timed.
+preconditioning are never timed. run_in_process passes its worker's `clock` and `sleep` through (engine.py):
+the unit tests simulate time.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from openvsan.bench.engine import Plan, Worker, WorkerResult
+from openvsan.bench.engine import Plan, Sleep, Worker, WorkerResult
 from openvsan.bench.profiles import Job
 from openvsan.bench.target import open_target, redact
 from openvsan.block.device import BlockDevice
@@ -111,12 +112,13 @@ class Collector:
 
 
 async def _serve_worker(plan: Plan, emit: Callable[[str, dict[str, Any]], None],
-                        start: Callable[[], Any] | None, dev: BlockDevice | None = None) -> WorkerResult:
+                        start: Callable[[], Any] | None, dev: BlockDevice | None = None, *,
+                        clock: Callable[[], int] = time.perf_counter_ns, sleep: Sleep = asyncio.sleep) -> WorkerResult:
     own = dev is None
     if dev is None:
         dev = await open_target(plan.target, qd=plan.job.qd, size=plan.size, **plan.options)
     try:
-        return await Worker(dev, plan, emit).run(start)
+        return await Worker(dev, plan, emit, clock=clock, sleep=sleep).run(start)
     finally:
         if own:
             await dev.close()
@@ -149,10 +151,11 @@ def _process_main(plan: Plan, q: Any, go: Any) -> None:
 
 
 def run_in_process(dev: BlockDevice | None, plan: Plan, *, target_pid: int | None = None,
-                   on_progress: ProgressFn | None = None) -> RunResult:
+                   on_progress: ProgressFn | None = None, clock: Callable[[], int] = time.perf_counter_ns,
+                   sleep: Sleep = asyncio.sleep) -> RunResult:
     """One worker in this process (threads = 1), on `dev` if given (tests pass a FaultDevice) else the target."""
     col = Collector(1, target_pid, on_progress)
-    res = _loop_runner()(_serve_worker(plan, lambda k, p: col.handle(0, k, p), None, dev))
+    res = _loop_runner()(_serve_worker(plan, lambda k, p: col.handle(0, k, p), None, dev, clock=clock, sleep=sleep))
     return _finish(plan, col, [res])
 
 

@@ -21,7 +21,7 @@ import asyncio
 import logging
 import time
 import uuid as uuidlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from openvsan.block.device import BlockDevice
@@ -39,6 +39,7 @@ from openvsan.pool.superblock import (
 
 if TYPE_CHECKING:
     from openvsan.pool.raid import Pool
+    from openvsan.pool.rebuild import Sleep
 
 log = logging.getLogger("openvsan.pool")
 
@@ -67,7 +68,7 @@ async def create(
     uuid: uuidlib.UUID | str | None = None, name: str = "pool", force: bool = False,
     spares: Sequence[BlockDevice] = (), data_offset: int = DEFAULT_DATA_OFFSET, bitmap_region: int | None = None,
     init: str = "zero", rebuild_rate: float | None = None, parity: str | None = None,
-    bitmap_idle_s: float = 5.0,
+    bitmap_idle_s: float = 5.0, clock: Callable[[], float] = time.monotonic, sleep: Sleep = asyncio.sleep,
 ) -> Pool:
     lvl = Level.parse(level)
     if init not in ("zero", "resync", "none"):
@@ -129,7 +130,7 @@ async def create(
     base.pack()  # a name too long fails here, before anything is written
     mlist = [Member(i, d, uuidlib.uuid4(), MemberState.ACTIVE) for i, d in enumerate(members)]
     pool = cls(base, geo, mlist, [], event=0, rebuild_rate=rebuild_rate, parity=parity,
-               bitmap_idle_s=bitmap_idle_s)
+               bitmap_idle_s=bitmap_idle_s, clock=clock, sleep=sleep)
     # the header area first (an old bitmap must not survive), then the data
     await asyncio.gather(*(d.write_zeroes(0, off) for d in members))
     if init == "zero":
@@ -147,7 +148,8 @@ async def create(
 
 
 async def assemble(cls: type[Pool], devices: Sequence[BlockDevice], *, rebuild_rate: float | None = None,
-                   parity: str | None = None, bitmap_idle_s: float = 5.0) -> Pool:
+                   parity: str | None = None, bitmap_idle_s: float = 5.0,
+                   clock: Callable[[], float] = time.monotonic, sleep: Sleep = asyncio.sleep) -> Pool:
     if not devices:
         raise PoolError("no devices to assemble a pool from")
     names = [dev_name(d, f"device{i}") for i, d in enumerate(devices)]
@@ -222,7 +224,7 @@ async def assemble(cls: type[Pool], devices: Sequence[BlockDevice], *, rebuild_r
         raise PoolError(f"pool {truth.name!r}: members {missing} cannot be used; RAID {int(lvl)} of "
                         f"{geo.members} members tolerates {geo.tolerance} lost (refusing to start)")
     pool = cls(truth.evolve(clean=False), geo, members, spares, event=truth.event, rebuild_rate=rebuild_rate,
-               parity=parity, bitmap_idle_s=bitmap_idle_s)
+               parity=parity, bitmap_idle_s=bitmap_idle_s, clock=clock, sleep=sleep)
     if pool.bitmap is not None:
         nbytes = pool.bitmap.byte_size
         trusted = [m for m in members if m.state is MemberState.ACTIVE and m.dev is not None]

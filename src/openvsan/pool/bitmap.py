@@ -29,18 +29,19 @@ Store = Callable[[int, bytes, bool], Awaitable[None]]
 
 class WriteIntentBitmap:
     def __init__(self, regions: int, region_rows: int, block_size: int, store: Store, *,
-                 idle_s: float = 5.0) -> None:
+                 idle_s: float = 5.0, clock: Callable[[], float] = time.monotonic) -> None:
         self.regions = regions
         self.region_rows = region_rows
         self.block_size = block_size
         self.idle_s = idle_s
+        self.clock = clock  # seconds; the pool's (tests pass a simulated one)
         self._store = store
         size = -(-max(regions, 1) // (8 * block_size)) * block_size
         self.bits = bytearray(size)
         self.durable = bytearray(size)
         self.pending_resync: set[int] = set()
         self._inflight: dict[int, int] = {}
-        self._last: dict[int, tuple[int, float]] = {}  # region -> (completion sequence, monotonic time)
+        self._last: dict[int, tuple[int, float]] = {}  # region -> (completion sequence, clock time)
         self._seq = 0
         self._block_locks: dict[int, asyncio.Lock] = {}
 
@@ -91,7 +92,7 @@ class WriteIntentBitmap:
                 raise
 
     def end(self, regions: Iterable[int], *, wrote: bool = True) -> None:
-        now = time.monotonic()
+        now = self.clock()
         self._seq += 1
         for r in regions:
             left = self._inflight[r] - 1
@@ -122,7 +123,7 @@ class WriteIntentBitmap:
     async def clear_idle(self, flush: Callable[[], Awaitable[None]], *, everything: bool = False) -> int:
         """Clear the bits of regions idle for `idle_s` (all of them, `everything`, at close), after `flush()`
         made their data durable. Returns how many bits were cleared."""
-        now = time.monotonic()
+        now = self.clock()
         candidates = [
             r for r in self.dirty()
             if r not in self._inflight and r not in self.pending_resync

@@ -32,7 +32,7 @@ import asyncio
 import logging
 import time
 import uuid as uuidlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
 
@@ -46,7 +46,7 @@ from openvsan.pool.io_mirror import MirrorIO
 from openvsan.pool.layout import Geometry, Level
 from openvsan.pool.locks import StripeLocks
 from openvsan.pool.members import MEMBER_FAULTS, Member, MemberFaults, MemberSet
-from openvsan.pool.rebuild import Maintenance
+from openvsan.pool.rebuild import Maintenance, Sleep
 from openvsan.pool.scrub import RowCheck, ScrubReport, scrub_rows
 from openvsan.pool.status import MemberStatus, PoolStatus
 from openvsan.pool.superblock import (
@@ -75,8 +75,11 @@ class Pool:
 
     def __init__(self, base: Superblock, geo: Geometry, members: list[Member],
                  spares: list[tuple[BlockDevice, uuidlib.UUID]], *, event: int, rebuild_rate: float | None,
-                 parity: str | None, bitmap_idle_s: float) -> None:
+                 parity: str | None, bitmap_idle_s: float, clock: Callable[[], float] = time.monotonic,
+                 sleep: Sleep = asyncio.sleep) -> None:
         self._base = base
+        self.clock = clock  # seconds, and how to wait for them: the bitmap's idle time, the rebuild's rate
+        self.sleep = sleep
         self.name = base.name
         self.uuid = base.pool_uuid
         self.level = Level(base.level)
@@ -92,7 +95,7 @@ class Pool:
         self.locks = StripeLocks()
         self.batch_rows = max(1, BATCH_BYTES // self.chunk_size)
         self.failed = False
-        self.checkpointed_at = time.monotonic()
+        self.checkpointed_at = self.clock()
         self._event = event
         self._state_gen = 1  # bumped by every change the superblocks must learn; written up to _durable_gen
         self._durable_gen = 0
@@ -104,7 +107,7 @@ class Pool:
         if self.level.redundant:
             regions = -(-geo.rows // base.bitmap_region)
             self.bitmap = WriteIntentBitmap(regions, base.bitmap_region, base.block_size, self._store_bitmap,
-                                            idle_s=bitmap_idle_s)
+                                            idle_s=bitmap_idle_s, clock=clock)
         self.io: Any
         if self.level.parity:
             from openvsan.pool.io_parity import ParityIO  # needs the parity kernels; levels 0/1/10 do not
@@ -112,7 +115,7 @@ class Pool:
             self.io = ParityIO(self._ms, geo, self.locks, parity)
         else:
             self.io = MirrorIO(self._ms, geo, self.locks)
-        self.maintenance = Maintenance(self, rate=rebuild_rate)
+        self.maintenance = Maintenance(self, rate=rebuild_rate, clock=clock, sleep=sleep)
         self._cleaner: asyncio.Task[None] | None = None
         self._retired: list[BlockDevice] = []  # members replaced by another device
 
@@ -124,7 +127,7 @@ class Pool:
         uuid: uuidlib.UUID | str | None = None, name: str = "pool", force: bool = False,
         spares: Sequence[BlockDevice] = (), data_offset: int = DEFAULT_DATA_OFFSET, bitmap_region: int | None = None,
         init: str = "zero", rebuild_rate: float | None = None, parity: str | None = None,
-        bitmap_idle_s: float = 5.0,
+        bitmap_idle_s: float = 5.0, clock: Callable[[], float] = time.monotonic, sleep: Sleep = asyncio.sleep,
     ) -> Pool:
         """A new pool over `members` (member i is slot i). `chunk_size` and `data_offset` are in bytes;
         `bitmap_region` in chunk rows per write-intent bit (default: 4 MiB of member data, more if the bitmap
@@ -132,18 +135,20 @@ class Pool:
         agree from the start; cheap on sparse files and RAM), "resync" marks every region dirty and computes
         parity in the background instead, "none" trusts the caller that the members hold zeroes.
         `force` overwrites members that carry another pool's superblock. `parity`: the parity backend's name
-        (None: openvsan.pool.parity's automatic choice). `rebuild_rate`: bytes/s, None for no limit."""
+        (None: openvsan.pool.parity's automatic choice). `rebuild_rate`: bytes/s, None for no limit. `clock`
+        (seconds) and `sleep` time the bitmap's lazy clearing and the rebuild's rate (tests simulate them)."""
         return await assembly.create(
             cls, members, level, chunk_size, uuid=uuid, name=name, force=force, spares=spares,
             data_offset=data_offset, bitmap_region=bitmap_region, init=init, rebuild_rate=rebuild_rate,
-            parity=parity, bitmap_idle_s=bitmap_idle_s)
+            parity=parity, bitmap_idle_s=bitmap_idle_s, clock=clock, sleep=sleep)
 
     @classmethod
     async def assemble(cls, devices: Sequence[BlockDevice], *, rebuild_rate: float | None = None,
-                       parity: str | None = None, bitmap_idle_s: float = 5.0) -> Pool:
+                       parity: str | None = None, bitmap_idle_s: float = 5.0,
+                       clock: Callable[[], float] = time.monotonic, sleep: Sleep = asyncio.sleep) -> Pool:
         """The pool these devices belong to, from their superblocks, in any order (see the module doc)."""
         return await assembly.assemble(cls, devices, rebuild_rate=rebuild_rate, parity=parity,
-                                       bitmap_idle_s=bitmap_idle_s)
+                                       bitmap_idle_s=bitmap_idle_s, clock=clock, sleep=sleep)
 
     # --- superblocks ------------------------------------------------------------------------------------------
 
@@ -189,7 +194,7 @@ class Pool:
                     self._mark_failed(MemberFaults(faults, {i: self.members[i].dev for i in faults}))
                 else:
                     self._durable_gen = gen
-                    self.checkpointed_at = time.monotonic()
+                    self.checkpointed_at = self.clock()
         if self.failed:
             raise DeviceFailed(self._failure_text())
 
@@ -322,7 +327,7 @@ class Pool:
     async def _clean_bitmap(self) -> None:
         assert self.bitmap is not None
         while True:
-            await asyncio.sleep(self.bitmap.idle_s / 2)
+            await self.sleep(self.bitmap.idle_s / 2)
             try:
                 await self.bitmap.clear_idle(self.flush_members)
             except DeviceFailed:
@@ -357,7 +362,7 @@ class Pool:
     async def scrub(self, *, repair: bool = True) -> ScrubReport:
         """Read every stripe and check its redundancy (see scrub.py for what is repaired and how)."""
         self._check_open()
-        return await scrub_rows(self, self.geo.rows, self.batch_rows, repair=repair)
+        return await scrub_rows(self, self.geo.rows, self.batch_rows, repair=repair, clock=self.clock)
 
     # --- status -----------------------------------------------------------------------------------------------
 

@@ -15,7 +15,8 @@ end it becomes ACTIVE. Several members rebuild in one pass (RAID 6 replacing two
 checkpoint are rebuilt together, and the batch stops where another member's checkpoint begins.
 
 Both are limited to `rate` bytes/s of member data written (None: as fast as the members go), and yield to
-the event loop between batches.
+the event loop between batches. Time is the pool's `clock` and `sleep` (time.monotonic and asyncio.sleep; the
+unit tests pass simulated ones).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 from openvsan.block.errors import DeviceFailed
@@ -36,10 +38,15 @@ log = logging.getLogger("openvsan.pool")
 
 STEP_SECONDS = 0.05
 
+Sleep = Callable[[float], Awaitable[None]]
+
 
 class Maintenance:
-    def __init__(self, pool: Pool, *, rate: float | None = None, checkpoint_interval: float = 1.0) -> None:
+    def __init__(self, pool: Pool, *, rate: float | None = None, checkpoint_interval: float = 1.0,
+                 clock: Callable[[], float] = time.monotonic, sleep: Sleep = asyncio.sleep) -> None:
         self.pool = pool
+        self.clock = clock
+        self.sleep = sleep
         self.rate = rate
         self.checkpoint_interval = checkpoint_interval
         self.task: asyncio.Task[None] | None = None
@@ -48,7 +55,7 @@ class Maintenance:
         self.resync_fixed = 0  # stripes whose parity or copies the resync had to rewrite
         self.bitmap_copy_needed = False
         self._bytes = 0
-        self._clock = 0.0
+        self._started = 0.0  # clock time the task started: the rate is kept from there
 
     @property
     def running(self) -> bool:
@@ -86,7 +93,7 @@ class Maintenance:
     # --- the task ---------------------------------------------------------------------------------------------
 
     async def _run(self) -> None:
-        self._bytes, self._clock = 0, time.monotonic()
+        self._bytes, self._started = 0, self.clock()
         try:
             while not self.pool.failed:
                 bitmap = self.pool.bitmap
@@ -119,10 +126,10 @@ class Maintenance:
     async def _throttle(self, nbytes: int) -> None:
         self._bytes += nbytes
         if self.rate:
-            due = self._clock + self._bytes / self.rate
-            delay = due - time.monotonic()
+            due = self._started + self._bytes / self.rate
+            delay = due - self.clock()
             if delay > 0:
-                await asyncio.sleep(delay)
+                await self.sleep(delay)
                 return
         await asyncio.sleep(0)
 
@@ -163,7 +170,7 @@ class Maintenance:
                         pool.members[i].checkpoint = end
             await self._throttle((end - start) * pool.chunk_size * len(group))
         finished = [m for m in targets if m.state is MemberState.REBUILDING and m.checkpoint >= rows]
-        due = time.monotonic() - pool.checkpointed_at >= self.checkpoint_interval
+        due = self.clock() - pool.checkpointed_at >= self.checkpoint_interval
         if finished or due:
             # the rebuilt rows must be durable before a superblock says they are in sync
             await pool.flush_members([m.index for m in targets if m.state is MemberState.REBUILDING])
