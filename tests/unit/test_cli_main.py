@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 from openvsan import __version__
 from openvsan.cli.main import app
 from openvsan.node import node as node_mod
-from openvsan.node.config import default_data_dir
+from openvsan.node.paths import default_data_dir
 
 runner = CliRunner()
 

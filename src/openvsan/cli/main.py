@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import sys
 from pathlib import Path
-from typing import Annotated, NoReturn
+from typing import TYPE_CHECKING, Annotated, NoReturn
 
 import typer
 from rich.console import Console
@@ -21,10 +21,10 @@ from openvsan.cli.bench import bench
 from openvsan.cli.initiator import initiator_app
 from openvsan.cli.live import config_apply, export_app, qos_app, volume_app
 from openvsan.cli.pool import pool_app
-from openvsan.node import access
-from openvsan.node.config import ConfigError, effective_data_dir, exposed_secrets, load_config, preflight
-from openvsan.node.specs import NodeConfig, NodeSettings, VolumeSpec
-from openvsan.node.values import format_size
+from openvsan.node.paths import effective_data_dir
+
+if TYPE_CHECKING:
+    from openvsan.node.specs import NodeConfig, VolumeSpec
 
 EXIT_FAILED = 1
 EXIT_USAGE = 2  # bad config or arguments, as click uses for usage errors
@@ -54,6 +54,9 @@ def fail(message: str, code: int = EXIT_FAILED) -> NoReturn:
 
 def read_config(path: Path, data_dir: Path | None = None) -> NodeConfig:
     """Load, validate and preflight CONFIG; `data_dir` is the command's --data-dir (what ${data_dir} means)."""
+    # the specs are loaded by the commands that read a config: `vsan volume list` and the like need none
+    from openvsan.node.config import ConfigError, load_config, preflight
+
     try:
         cfg = load_config(path, data_dir=data_dir)
         preflight(cfg, data_dir=data_dir)
@@ -90,6 +93,8 @@ def serve(
     drain, flush and exit 0."""
     # imported here so `vsan --version` and `vsan config check` stay quick
     from openvsan.frontend.limits import raise_fd_limit
+    from openvsan.node import access
+    from openvsan.node.config import exposed_secrets
     from openvsan.node.logs import setup_logging
     from openvsan.node.node import DataDirLock, Node, NodeError, run
     from openvsan.node.store import Store, StoreError
@@ -103,7 +108,7 @@ def serve(
             log.warning("%s", exposed)
         for line in access.open_exports(cfg):
             log.warning("%s", line)
-    data = effective_data_dir(cfg.node if cfg is not None else NodeSettings(""), data_dir)
+    data = effective_data_dir(cfg.node.data_dir if cfg is not None else None, data_dir)
     if cfg is None and not Store.holds_state(data):
         fail(f"no desired state in {data} (no state-kv.db): give --config FILE the first time, or the --data-dir "
              "of a node that ran before", EXIT_USAGE)
@@ -132,6 +137,10 @@ def serve(
 @config_app.command("check")
 def config_check(config: Annotated[Path, typer.Argument(help="The TOML config file to check.")]) -> None:
     """Validate CONFIG and print what it would serve; exit 2 with one line if it is wrong."""
+    from openvsan.node import access
+    from openvsan.node.config import exposed_secrets
+    from openvsan.node.values import format_size
+
     cfg = read_config(config)
     if (exposed := exposed_secrets(cfg)) is not None:
         sys.stderr.write(f"warning: {exposed}\n")

@@ -56,11 +56,10 @@ def _size(n: float | None) -> str:
 
 def _data_dir(data_dir: Path | None, config: Path | None) -> Path:
     from openvsan.cli.main import read_config
-    from openvsan.node.config import effective_data_dir
-    from openvsan.node.specs import NodeSettings
+    from openvsan.node.paths import effective_data_dir
 
-    node = read_config(config).node if config is not None and data_dir is None else NodeSettings("")
-    return effective_data_dir(node, data_dir)
+    configured = read_config(config).node.data_dir if config is not None and data_dir is None else None
+    return effective_data_dir(configured, data_dir)
 
 
 def _call(data_dir: Path | None, config: Path | None, cmd: str, *, timeout: float | None = 30.0,

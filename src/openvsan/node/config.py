@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
-import os
 import tomllib
 import typing
 from collections.abc import Sequence
@@ -20,6 +19,7 @@ from typing import Any
 from pydantic import TypeAdapter, ValidationError
 
 from openvsan.block.file import UnsafeFile, check_backing
+from openvsan.node.paths import default_data_dir, effective_data_dir
 from openvsan.node.specs import (
     DEVICE_TYPES,
     NBD_PORT,
@@ -28,7 +28,6 @@ from openvsan.node.specs import (
     DeviceSpec,
     Hint,
     NodeConfig,
-    NodeSettings,
     PoolSpec,
     SpecError,
     Table,
@@ -43,14 +42,6 @@ __all__ = ["DEVICE_TYPES", "ConfigError", "default_data_dir", "effective_data_di
 
 class ConfigError(ValueError):
     """A config that cannot be served; str() is one line naming the key."""
-
-
-def default_data_dir() -> Path:
-    """Where state lives without [node].data_dir or --data-dir: $XDG_STATE_HOME/openvsan, else
-    ~/.local/state/openvsan."""
-    state = os.environ.get("XDG_STATE_HOME")
-    base = Path(state) if state else Path.home() / ".local" / "state"
-    return base / "openvsan"
 
 
 def load_config(path: str | Path, *, data_dir: Path | None = None) -> NodeConfig:
@@ -72,11 +63,6 @@ def load_config(path: str | Path, *, data_dir: Path | None = None) -> NodeConfig
     return dataclasses.replace(cfg, source=path.resolve())
 
 
-def effective_data_dir(node: NodeSettings, override: Path | None = None) -> Path:
-    """The data dir a command uses: its --data-dir, else [node].data_dir, else the default."""
-    return (override or node.data_dir or default_data_dir()).expanduser().absolute()
-
-
 _DOCUMENT = TypeAdapter(ConfigDocument)
 
 
@@ -90,7 +76,7 @@ def parse_config(data: dict[str, Any], *, base_dir: Path | None = None, data_dir
         """For a device path that starts with ${data_dir}: the data dir, which [node] may set ([node] read
         first, alone)."""
         node = data.get("node", {}) if isinstance(data, dict) else {}
-        return effective_data_dir(_validate({"node": node}, context).node, data_dir)
+        return effective_data_dir(_validate({"node": node}, context).node.data_dir, data_dir)
 
     context["data_dir"] = data_dir_of
     doc = _validate(data, context)
@@ -332,7 +318,7 @@ def preflight(cfg: NodeConfig, *, data_dir: Path | None = None) -> None:
     """Checks that depend on this machine rather than the text: can the devices be opened as declared, and is
     each existing file safe to serve (what FileDevice and RamDevice check again on the opened fd).
     `data_dir`: the data dir serve will make, which may not exist yet."""
-    made = effective_data_dir(cfg.node, data_dir)
+    made = effective_data_dir(cfg.node.data_dir, data_dir)
     for i, d in enumerate(cfg.devices):
         if d.type == "file" and d.path is not None:
             if d.size is None and not d.path.exists():
