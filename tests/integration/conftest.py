@@ -1,7 +1,7 @@
 """Fixtures for tests/integration: in-process parts over loopback, with real servers where a test needs one.
 
-`store` is the StateStore under test, once per implementation: "sqlite" (a file in the test's tmp dir) and
-"etcd" (a real etcd on a free 127.0.0.1 port pair, data in tmp, started once per module and killed after).
+`store` is the StateStore under test, once per implementation: "sqlite" (a file in the test's tmp dir),
+"memory" (node/memstore.py) and "etcd" (a real etcd on a free 127.0.0.1 port pair, data in tmp, started once per module and killed after).
 A test gets a `StoreMaker`: `maker.run(body)` runs `async def body(store)` on a fresh event loop with a
 store opened for it (`n=2`: two independent clients of the same state, as two nodes or two processes).
 """
@@ -28,6 +28,7 @@ class StoreMaker:
         self.tmp = tmp
         self.etcd = etcd
         self._space = 0
+        self._memory: tuple[int, Any] | None = None
         self.new_space()
 
     def new_space(self) -> None:
@@ -35,6 +36,12 @@ class StoreMaker:
         self._space = next(_prefixes)
 
     async def open(self) -> StateStore:
+        if self.kind == "memory":   # every store opened in one space shares its state, as clients of one etcd
+            from openvsan.node.memstore import MemoryState, MemoryStateStore
+
+            if self._memory is None or self._memory[0] != self._space:
+                self._memory = (self._space, MemoryState())
+            return MemoryStateStore(self._memory[1])
         if self.kind == "sqlite":
             return SqliteStateStore(self.tmp / f"state-{self._space}.db")
         from openvsan.cluster.etcd import EtcdStateStore
@@ -64,7 +71,7 @@ def etcd_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdProces
         yield proc
 
 
-@pytest.fixture(params=["sqlite", "etcd"])
+@pytest.fixture(params=["sqlite", "memory", "etcd"])
 def store(request: pytest.FixtureRequest, tmp_path: Path) -> StoreMaker:
     etcd = request.getfixturevalue("etcd_server") if request.param == "etcd" else None
     return StoreMaker(request.param, tmp_path, etcd)
