@@ -1,0 +1,210 @@
+"""The primary's mirror layer (replication/mirror.py) over devices in memory and the in-memory cluster store:
+the ack rule, the out-of-sync record made before the acknowledgement, fencing, and a resync that copies only
+what a peer missed while the volume takes writes."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from typing import Any
+
+import pytest
+
+from openvsan.block import FaultDevice, RamDevice
+from openvsan.block.device import Buffer
+from openvsan.node.memstore import MemoryState, MemoryStateStore
+from openvsan.node.statestore import StoreUnavailable
+from openvsan.replication import record as R
+from openvsan.replication.mirror import MirrorLayer, NotPrimary
+
+BS = 512
+BLOCKS = 2048            # 1 MiB volumes
+REGION = 64 * 1024       # 16 regions
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Yielding(RamDevice):
+    """A RAM device whose requests take a few loop turns, so that concurrent ones interleave."""
+
+    def __init__(self, *args: Any, rng: random.Random, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.rng = rng
+
+    async def _turns(self) -> None:
+        for _ in range(self.rng.randrange(4)):
+            await asyncio.sleep(0)
+
+    async def read(self, lba: int, blocks: int) -> Buffer:
+        await self._turns()
+        return await super().read(lba, blocks)
+
+    async def write(self, lba: int, data: Buffer, *, fua: bool = False) -> None:
+        await self._turns()
+        await super().write(lba, data, fua=fua)
+
+
+async def cluster(nodes: tuple[str, ...] = ("a", "b", "c"), *, rng: random.Random | None = None) -> Any:
+    clock = Clock()
+    store = MemoryStateStore(MemoryState(clock=clock))
+    await R.create(store, "v", nodes)
+    view = await R.claim_primary(store, "v", "a", await store.grant_lease(5))
+    make = (lambda n: Yielding(BLOCKS, BS, name=n, rng=rng)) if rng else (lambda n: RamDevice(BLOCKS, BS, name=n))
+    local = make("a")
+    peers = {n: FaultDevice(make(n)) for n in nodes if n != "a"}
+    mirror = MirrorLayer(local, me="a", view=view, store=store, peers=peers, region_size=REGION)
+    return clock, store, local, peers, mirror
+
+
+async def image(dev: Any) -> bytes:
+    return bytes(await dev.read(0, BLOCKS))
+
+
+def test_a_write_is_on_every_replica_when_it_is_acknowledged() -> None:
+    async def go() -> None:
+        _, _, local, peers, m = await cluster()
+        await m.write(8, b"x" * 4096, fua=True)
+        for d in (local, *peers.values()):
+            assert bytes(await d.read(8, 8)) == b"x" * 4096
+        assert bytes(await m.read(8, 8)) == b"x" * 4096
+        await m.flush()
+    asyncio.run(go())
+
+
+def test_a_peer_that_fails_is_recorded_out_of_sync_before_the_ack() -> None:
+    async def go() -> None:
+        _, store, _, peers, m = await cluster()
+        peers["b"].fail_device()
+        await m.write(0, b"y" * BS)                     # acknowledged: b is recorded as missing it
+        rs = await R.load(store, "v")
+        assert rs.out_of_sync == {"b": m.view.epoch} and m.dirty == {"b": {0}}
+        await m.write(REGION // BS * 3, b"z" * BS)      # b gets no more writes; its dirty regions grow
+        assert m.dirty["b"] == {0, 3} and m.stats["peer_failures"] == 1
+        assert bytes(await peers["c"].read(0, 1)) == b"y" * BS
+    asyncio.run(go())
+
+
+def test_without_the_store_a_write_a_peer_missed_is_not_acknowledged() -> None:
+    async def go() -> None:
+        _, store, _, peers, m = await cluster()
+        peers["b"].fail_device()
+        await store.close()                             # the cluster store is unreachable
+        with pytest.raises(StoreUnavailable):
+            await m.write(0, b"y" * BS)
+    asyncio.run(go())
+
+
+def test_the_old_primary_is_fenced_when_a_peer_fails_after_a_new_election() -> None:
+    async def go() -> None:
+        clock, store, _, peers, m = await cluster()
+        clock.now += 6                                  # a's lease expired: c is elected
+        await R.claim_primary(store, "v", "c", await store.grant_lease(5))
+        peers["b"].fail_device()
+        with pytest.raises(NotPrimary, match="epoch .* is over"):
+            await m.write(0, b"y" * BS)
+        assert m.fenced
+        with pytest.raises(NotPrimary):                 # and every write after it
+            await m.write(8, b"y" * BS)
+        assert (await R.load(store, "v")).out_of_sync == {}
+    asyncio.run(go())
+
+
+def test_concurrent_failures_make_one_record() -> None:
+    async def go() -> None:
+        _, store, _, peers, m = await cluster()
+        peers["b"].fail_device()
+        before = await store.revision()
+        await asyncio.gather(*(m.write(i * 8, b"q" * 4096) for i in range(16)))
+        assert await store.revision() == before + 1      # one compare-and-swap for all sixteen
+        assert m.dirty["b"] == {0}                      # 16 x 4 KiB: the first 64 KiB region
+    asyncio.run(go())
+
+
+def test_a_failed_flush_marks_what_the_peer_held_unflushed() -> None:
+    async def go() -> None:
+        _, store, _, peers, m = await cluster()
+        await m.write(0, b"1" * BS)                     # region 0, not flushed yet
+        await m.flush()
+        await m.write(REGION // BS * 5, b"2" * BS)      # region 5, not flushed
+        await m.write(REGION // BS * 7, b"3" * BS, fua=True)   # region 7, durable at once
+        peers["c"].fail_device()
+        await m.flush()
+        assert m.dirty == {"c": {5}}
+        assert (await R.load(store, "v")).out_of_sync == {"c": m.view.epoch}
+    asyncio.run(go())
+
+
+def test_resync_copies_only_the_dirty_regions_and_the_peer_is_in_sync_again() -> None:
+    async def go() -> None:
+        _, store, local, peers, m = await cluster()
+        for i in range(16):
+            await m.write(i * (REGION // BS), bytes([i]) * REGION)
+        peers["b"].fail_device()
+        for r in (2, 9):
+            await m.write(r * (REGION // BS) + 3, b"n" * BS)
+        peers["b"].clear_faults()
+        sent = await m.resync("b")
+        assert sent == 2 * REGION and m.stats["resync_regions"] == 2
+        assert await image(peers["b"]) == await image(local)
+        rs = await R.load(store, "v")
+        assert rs.out_of_sync == {} and "b" not in m.dirty
+        await m.write(0, b"after" * 100 + bytes(12))    # b gets writes again
+        assert bytes(await peers["b"].read(0, 1)) == bytes(await local.read(0, 1))
+    asyncio.run(go())
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_resync_under_concurrent_writes_leaves_the_replicas_identical(seed: int) -> None:
+    async def go() -> None:
+        rng = random.Random(seed)
+        _, store, local, peers, m = await cluster(("a", "b"), rng=rng)
+        peers["b"].fail_device()
+        for _ in range(40):
+            lba = rng.randrange(BLOCKS - 8)
+            await m.write(lba, rng.randbytes(8 * BS))
+        peers["b"].clear_faults()
+
+        async def writer() -> None:
+            for _ in range(60):
+                lba = rng.randrange(BLOCKS - 16)
+                await m.write(lba, rng.randbytes(rng.randrange(1, 16) * BS))
+
+        await asyncio.gather(m.resync("b"), writer(), writer())
+        assert await image(peers["b"]) == await image(local)
+        assert (await R.load(store, "v")).out_of_sync == {}
+    asyncio.run(go())
+
+
+def test_a_peer_out_of_sync_before_the_election_needs_a_full_copy() -> None:
+    async def go() -> None:
+        clock = Clock()
+        store = MemoryStateStore(MemoryState(clock=clock))
+        await R.create(store, "v", ("a", "b"))
+        old = await R.claim_primary(store, "v", "b", await store.grant_lease(5))
+        await R.mark_out_of_sync(store, old, "a")       # b was primary and a fell behind... then b died
+        clock.now += 6
+        with pytest.raises(R.NotInSync):
+            await R.claim_primary(store, "v", "a", await store.grant_lease(5))
+        # b comes back as primary: what a missed is unknown here, so all of it is dirty
+        view = await R.claim_primary(store, "v", "b", await store.grant_lease(5))
+        m = MirrorLayer(RamDevice(BLOCKS, BS), me="b", view=view, store=store,
+                        peers={"a": RamDevice(BLOCKS, BS)}, region_size=REGION)
+        assert m.dirty == {"a": set(range(16))}
+        assert await m.resync("a") == BLOCKS * BS
+    asyncio.run(go())
+
+
+def test_a_layer_for_a_node_that_is_not_primary_is_refused() -> None:
+    async def go() -> None:
+        _, store, _, peers, m = await cluster()
+        with pytest.raises(ValueError, match="b is not its primary"):
+            MirrorLayer(RamDevice(BLOCKS, BS), me="b", view=m.view, store=store, peers=peers)
+        with pytest.raises(ValueError, match="no device for peer"):
+            MirrorLayer(RamDevice(BLOCKS, BS), me="a", view=m.view, store=store, peers={"b": peers["b"]})
+    asyncio.run(go())
