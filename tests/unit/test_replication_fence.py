@@ -1,0 +1,60 @@
+"""A replica's epoch fence (replication/fence.py): NVMe reservations keyed by epoch, whose epochs only go up."""
+
+from __future__ import annotations
+
+from openvsan.protocol.nvme import status as S
+from openvsan.protocol.nvme.reservations import EXCLUSIVE_ACCESS, WRITE_EXCLUSIVE
+from openvsan.replication.fence import EpochFence
+
+OLD, NEW, OTHER = b"o" * 16, b"n" * 16, b"x" * 16
+REGISTER, REPLACE = 0, 2
+ACQUIRE, PREEMPT = 0, 1
+
+
+def primary(f: EpochFence, host: bytes, epoch: int, *, preempt: int | None = None) -> int:
+    st = f.register(host, REGISTER, False, 0, 0, epoch)
+    if st != S.SUCCESS:
+        return st
+    if preempt is None:
+        return f.acquire(host, ACQUIRE, WRITE_EXCLUSIVE, False, epoch, 0)
+    return f.acquire(host, PREEMPT, WRITE_EXCLUSIVE, False, epoch, preempt)
+
+
+def test_a_new_epoch_preempts_the_old_and_the_old_can_neither_write_nor_come_back() -> None:
+    floors: list[int] = []
+    f = EpochFence(persist=floors.append)
+    assert not f.allows(OLD, write=True)                  # nobody writes before a primary holds it
+    assert primary(f, OLD, 5) == S.SUCCESS and floors == [5]
+    assert f.allows(OLD, write=True) and not f.allows(OTHER, write=True)
+    assert primary(f, NEW, 9, preempt=5) == S.SUCCESS and floors == [5, 9]
+    assert f.allows(NEW, write=True) and not f.allows(OLD, write=True)
+    assert f.allows(OLD, write=False)                     # reads stay open (Write Exclusive)
+    # the old primary wakes and tries again with its epoch, or any epoch below the floor
+    assert f.register(OLD, REGISTER, False, 0, 0, 5) == S.RESERVATION_CONFLICT
+    assert f.register(OLD, REGISTER, False, 0, 0, 8) == S.RESERVATION_CONFLICT
+    assert f.refused >= 3 and f.holder == NEW
+
+
+def test_registrants_below_a_raised_floor_are_dropped() -> None:
+    f = EpochFence()
+    assert primary(f, OLD, 5) == S.SUCCESS
+    assert f.register(OTHER, REGISTER, False, 0, 0, 6) == S.SUCCESS   # registered, waiting
+    assert primary(f, NEW, 9, preempt=5) == S.SUCCESS
+    assert set(f.registrants) == {NEW}                    # 6 < 9: dropped with the old epoch
+    assert f.acquire(OTHER, PREEMPT, WRITE_EXCLUSIVE, False, 6, 9) == S.RESERVATION_CONFLICT
+
+
+def test_the_floor_survives_a_restart() -> None:
+    saved: list[int] = []
+    f = EpochFence(persist=saved.append)
+    assert primary(f, NEW, 12) == S.SUCCESS
+    again = EpochFence(floor=saved[-1])                   # the replica restarted from its saved floor
+    assert primary(again, OLD, 7) == S.RESERVATION_CONFLICT
+    assert primary(again, NEW, 12) == S.SUCCESS and again.allows(NEW, write=True)
+
+
+def test_only_write_exclusive_is_taken() -> None:
+    f = EpochFence()
+    assert f.register(NEW, REGISTER, False, 0, 0, 3) == S.SUCCESS
+    assert f.acquire(NEW, ACQUIRE, EXCLUSIVE_ACCESS, False, 3, 0) == S.INVALID_FIELD
+    assert f.floor == 0
