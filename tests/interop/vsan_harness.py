@@ -37,6 +37,7 @@ TOOL_PACKAGES = {
     "iscsi-inq": "libiscsi-bin",
     "iscsi-readcapacity16": "libiscsi-bin",
     "iscsi-test-cu": "libiscsi-bin",
+    "sg_inq": "sg3-utils",
     "qemu-img": "qemu-utils",
     "qemu-io": "qemu-utils",
     "qemu-storage-daemon": "qemu-system-common",

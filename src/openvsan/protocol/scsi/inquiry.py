@@ -39,15 +39,16 @@ class BlockLimits:
     atomic_granularity: int
 
 
-def standard_inquiry(peripheral: int, *, removable: bool, third_party_copy: bool) -> bytes:
-    """Standard INQUIRY data, 74 bytes through the last version descriptor (SPC-4 6.6.2)."""
+def standard_inquiry(peripheral: int, *, removable: bool, third_party_copy: bool, tpgs: int = 0) -> bytes:
+    """Standard INQUIRY data, 74 bytes through the last version descriptor (SPC-4 6.6.2); tpgs: the TPGS
+    field already in place (0x10: implicit asymmetric access only, SPC-4 5.15.2.1)."""
     data = bytearray(74)
     data[0] = peripheral
     data[1] = 0x80 if removable else 0
     data[2] = 0x06                    # VERSION: SPC-4
     data[3] = 0x12                    # HISUP, RESPONSE DATA FORMAT 2
     data[4] = len(data) - 5
-    data[5] = 0x08 if third_party_copy else 0   # 3PC: EXTENDED COPY supported
+    data[5] = (0x08 if third_party_copy else 0) | (tpgs & 0x30)   # 3PC: EXTENDED COPY supported; TPGS
     data[7] = 0x02                    # CMDQUE: full task management model
     data[8:16] = VENDOR.ljust(8)
     data[16:32] = PRODUCT.ljust(16)
@@ -79,14 +80,18 @@ ISCSI_PROTOCOL = 0x5
 
 
 def device_identification(uuid: uuidlib.UUID, lu_name: str, target_name: str, tpgt: int,
-                          relative_port: int) -> bytes:
-    """VPD page 83h (SPC-4 7.8.6): LU designators (NAA-6, T10 vendor id) and the target port's."""
+                          relative_port: int, port_group: int | None) -> bytes:
+    """VPD page 83h (SPC-4 7.8.6): LU designators (NAA-6, T10 vendor id) and those of the target port the
+    command came in on: its relative port id, its target port group (none when the port is in no group)."""
     descs = [
         _designator(0x1, 0x03, naa6(uuid)),                                  # binary, LU, NAA
         _designator(0x2, 0x01, VENDOR.ljust(8) + uuid.hex.encode()),         # ASCII, LU, T10 vendor id
-        # target port: PIV set, protocol iSCSI; relative target port (4), target port group (5)
+        # target port: PIV set, protocol iSCSI; relative target port (4, SPC-4 7.8.6.4)
         _designator(0x1, 0x80 | 0x10 | 0x04, struct.pack(">HH", 0, relative_port), ISCSI_PROTOCOL),
-        _designator(0x1, 0x80 | 0x10 | 0x05, struct.pack(">HH", 0, tpgt), ISCSI_PROTOCOL),
+    ]
+    if port_group is not None:   # target port group (5, SPC-4 7.8.6.5): what RTPG reports the port in
+        descs.append(_designator(0x1, 0x80 | 0x10 | 0x05, struct.pack(">HH", 0, port_group), ISCSI_PROTOCOL))
+    descs += [
         # SCSI name strings of the target port ("iqn...,t,0x0001") and of the target device
         _designator(0x3, 0x80 | 0x10 | 0x08, _scsi_name(f"{target_name},t,0x{tpgt:04x}"), ISCSI_PROTOCOL),
         _designator(0x3, 0x80 | 0x20 | 0x08, _scsi_name(target_name), ISCSI_PROTOCOL),

@@ -2,9 +2,9 @@
 and the dispatch of one command.
 
 Every precondition of a command is written once, in `Lun.admit()` (SAM-5 5.14 order: unit attention, CDB,
-reservations, medium) and, for the medium-access commands, `sbc.admit_rw()` (write protection, LBA range,
-transfer length); the normal path (execute and its handlers) and the fast path (read_now / write_now) both
-ask them, so a new check (ALUA state, QoS, thin space) goes in one place."""
+the target port's asymmetric access state, reservations, medium) and, for the medium-access commands,
+`sbc.admit_rw()` (write protection, LBA range, transfer length); the normal path (execute and its handlers)
+and the fast path (read_now / write_now) both ask them, so a new check (QoS, thin space) goes in one place."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from openvsan.block.device import Buffer
 from openvsan.block.errors import BlockError
 from openvsan.protocol.scsi import provisioning, sbc, spc, xcopy
+from openvsan.protocol.scsi.alua import TargetPortGroups
 from openvsan.protocol.scsi.inquiry import BlockLimits
 from openvsan.protocol.scsi.locks import RangeLock
 from openvsan.protocol.scsi.mode import ModeState
@@ -23,9 +24,13 @@ from openvsan.protocol.scsi.nexus import Nexus
 from openvsan.protocol.scsi.opcodes import COMMANDS, Access, CommandSpec
 from openvsan.protocol.scsi.pr import PersistentReservations
 from openvsan.protocol.scsi.sense import (
+    ASC_ASYMMETRIC_ACCESS_STATE_CHANGED,
     ASC_CAPACITY_DATA_HAS_CHANGED,
     ASC_INVALID_FIELD_IN_CDB,
     ASC_INVALID_OPCODE,
+    ASC_LU_NOT_ACCESSIBLE_STANDBY,
+    ASC_LU_NOT_ACCESSIBLE_TRANSITION,
+    ASC_LU_NOT_ACCESSIBLE_UNAVAILABLE,
     ASC_MEDIUM_NOT_PRESENT,
     ASC_MODE_PARAMETERS_CHANGED,
     CHECK_CONDITION,
@@ -77,6 +82,10 @@ _EXACT_DATA_OUT = frozenset((0x89, 0x41, 0x93))
 
 _OPCODE_UNSUPPORTED = ScsiError(ILLEGAL_REQUEST, ASC_INVALID_OPCODE)
 _RESERVATION_CONFLICT = ScsiResult(RESERVATION_CONFLICT)
+# NOT READY, LOGICAL UNIT NOT ACCESSIBLE, by ASC/ASCQ (SPC-4 5.15.2.4)
+_NOT_ACCESSIBLE = {asc: ScsiResult(CHECK_CONDITION, b"", build_sense(NOT_READY, asc))
+                   for asc in (ASC_LU_NOT_ACCESSIBLE_STANDBY, ASC_LU_NOT_ACCESSIBLE_UNAVAILABLE,
+                               ASC_LU_NOT_ACCESSIBLE_TRANSITION)}
 
 # The fast path's commands: READ(10)/(16) and WRITE(10)/(16), by opcode: where LBA and TRANSFER LENGTH sit
 # and the CDB byte of TRANSFER LENGTH (SBC-4 5.15, 5.17, 5.41, 5.43)
@@ -97,7 +106,7 @@ def is_unit_attention(result: ScsiResult) -> bool:
 
 class Lun:
     def __init__(self, volume: Volume, *, read_only: bool = False, pr_state_path: pathlib.Path | None = None,
-                 removable: bool = False) -> None:
+                 removable: bool = False, alua: TargetPortGroups | None = None) -> None:
         self.volume = volume
         # the LU's identity is the volume's (VPD 80h serial, 83h NAA and names)
         self.name = volume.name
@@ -109,7 +118,10 @@ class Lun:
         # physical block of 4 KiB under 512-byte logical blocks: initiators align to it (SBC-4 6.6.4)
         self.lbppb_exponent = 3 if self.block_size == 512 else 0
         self._read_capabilities()
-        self.unlisten = volume.listen(self._volume_changed)
+        self._unlisten_volume = volume.listen(self._volume_changed)
+        # the target port groups the LU is seen through (SPC-4 5.15); by default one, active/optimized
+        self.alua = alua if alua is not None else TargetPortGroups.single()
+        self._unlisten_alua = self.alua.listen(self._alua_changed)
         self.mode = ModeState()
         self.pr = PersistentReservations(pr_state_path)
         self.pr.load()
@@ -127,12 +139,34 @@ class Lun:
         # the other LUs of the target, for EXTENDED COPY between them (set by ScsiTarget)
         self.peers: Callable[[], Iterable[Lun]] | None = None
 
+    def unlisten(self) -> None:
+        """The LU is going: stop hearing of its volume and its target port groups."""
+        self._unlisten_volume()
+        self._unlisten_alua()
+
+    # ---- asymmetric access (SPC-4 5.15): the node sets the states; the LU reports and enforces them
+
+    def set_alua(self, alua: TargetPortGroups) -> None:
+        """Put the LU under another target port group model (a volume that became replicated while
+        exported); its nexuses hear of it if any port's group or state differs."""
+        before = self.alua.snapshot(), self.alua.default
+        self._unlisten_alua()
+        self.alua = alua
+        self._unlisten_alua = alua.listen(self._alua_changed)
+        if (alua.snapshot(), alua.default) != before:
+            self._alua_changed()
+
+    def _alua_changed(self) -> None:
+        # SPC-4 5.15.2.6: after an implicit change, every I_T nexus learns of it
+        self.add_ua_others(ASC_ASYMMETRIC_ACCESS_STATE_CHANGED, None)
+
     # ---- admission: every precondition of a command, asked by the normal and the fast path alike
 
     def admit(self, cdb: Buffer, nexus: Nexus, *, expected_length: int | None = None) -> Entry | ScsiResult:
         """The command's (spec, handler) if it may run now, else the result that refuses it, checked in the
         order of SAM-5 5.14: a unit attention pending for this nexus (SPC-4 5.14: not for INQUIRY, REPORT
-        LUNS, REQUEST SENSE), the CDB (opcode, service action, length, bits outside its usage data), an
+        LUNS, REQUEST SENSE), the CDB (opcode, service action, length, bits outside its usage data), the
+        asymmetric access state of the target port the command came in on (SPC-4 5.15.2.4), an
         SPC-2 reservation (SPC-2 5.5.1), a persistent reservation (SPC-4 PERSISTENT RESERVE), the medium (SBC-4 4.9),
         and the transport's expected length where the CDB alone fixes the Data-Out split (SBC-4 5.3).
 
@@ -158,6 +192,10 @@ class Lun:
         stray = int.from_bytes(cdb[:n], "big") & reserved
         if stray:
             return _stray_bits(stray, n).result()
+        if not self.alua.all_active:
+            asc = self.alua.refusal(op, spec.sa, nexus.tpgt)
+            if asc is not None:
+                return _NOT_ACCESSIBLE[asc]
         if self.spc2_holder is not None and self.spc2_holder != nexus and not spec.spc2_allowed:
             return _RESERVATION_CONFLICT
         if self.pr.type and self.pr.conflicts(nexus, spec.access):

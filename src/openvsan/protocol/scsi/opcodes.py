@@ -75,6 +75,9 @@ COMMANDS: tuple[CommandSpec, ...] = (
                 _u(0xA3, 0x0C, 0x87, F, F, F, F, F, F, F, 0, 0), A, True),
     CommandSpec(0xA3, 0x0D, "REPORT SUPPORTED TASK MANAGEMENT FUNCTIONS",
                 _u(0xA3, 0x0D, 0x80, 0, 0, 0, F, F, F, F, 0, 0), A, True),
+    # SPC-4 6.36; PARAMETER DATA FORMAT in byte 1 bits 7-5. Allowed under any reservation (SPC-4 5.13.1):
+    # a multipath initiator asks it on every path
+    CommandSpec(0xA3, 0x0A, "REPORT TARGET PORT GROUPS", _u(0xA3, 0xEA, 0, 0, 0, 0, F, F, F, F, 0, 0), A, True),
     CommandSpec(0x83, 0x00, "EXTENDED COPY(LID1)", _u(0x83, 0x00, 0, 0, 0, 0, 0, 0, 0, 0, F, F, F, F, 0, 0), W),
     CommandSpec(0x84, 0x00, "RECEIVE COPY RESULTS / COPY STATUS",
                 _u(0x84, 0x00, F, 0, 0, 0, 0, 0, 0, 0, F, F, F, F, 0, 0), R),

@@ -8,6 +8,7 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 from openvsan.protocol.scsi import inquiry as inq
+from openvsan.protocol.scsi.alua import TPGS_IMPLICIT
 from openvsan.protocol.scsi.cdb import u16, u32
 from openvsan.protocol.scsi.mode import mode_select, mode_sense
 from openvsan.protocol.scsi.nexus import Nexus
@@ -60,13 +61,17 @@ async def inquiry(lun: Lun, cdb: bytes, data: memoryview, nexus: Nexus) -> ScsiR
     if not cdb[1] & 0x01:
         if page:
             raise invalid_field(2)
-        out = inq.standard_inquiry(inq.PERIPHERAL_DISK, removable=lun.removable, third_party_copy=True)
+        out = inq.standard_inquiry(inq.PERIPHERAL_DISK, removable=lun.removable, third_party_copy=True,
+                                   tpgs=TPGS_IMPLICIT)
     elif page == 0x00:
         out = inq.supported_vpd_pages()
     elif page == 0x80:
         out = inq.unit_serial(lun.serial)
     elif page == 0x83:
-        out = inq.device_identification(lun.uuid, lun.name, nexus.target_name, nexus.tpgt, nexus.tpgt)
+        # the iSCSI target portal group is the target port: its tag is the relative target port id
+        group = lun.alua.group_of(nexus.tpgt)
+        out = inq.device_identification(lun.uuid, lun.name, nexus.target_name, nexus.tpgt, nexus.tpgt,
+                                        None if group is None else group.id)
     elif page == 0xB0:
         out = inq.block_limits(lun.limits)
     elif page == 0xB1:
@@ -222,6 +227,17 @@ async def report_supported_tmfs(lun: Lun, cdb: bytes, data: memoryview, nexus: N
     return ScsiResult(GOOD, out[:u32(cdb, 6)])
 
 
+async def report_target_port_groups(lun: Lun, cdb: bytes, data: memoryview, nexus: Nexus) -> ScsiResult:
+    """REPORT TARGET PORT GROUPS (SPC-4 6.36): PARAMETER DATA FORMAT 000b (length only header) or 001b
+    (extended header), cut to the ALLOCATION LENGTH. The ports the LU was reached through go under the
+    default group when no group names them."""
+    fmt = cdb[1] >> 5
+    if fmt > 1:
+        raise invalid_field(1, 7)
+    out = lun.alua.report(extended=fmt == 1, seen_ports={n.tpgt for n in lun.nexuses} | {nexus.tpgt})
+    return ScsiResult(GOOD, out[:u32(cdb, 6)])
+
+
 async def report_luns(lun: Lun, cdb: bytes, data: memoryview, nexus: Nexus) -> ScsiResult:
     # A Lun on its own knows no other LUNs; ScsiTarget answers REPORT LUNS for the whole target.
     if cdb[2] > 2:
@@ -240,6 +256,7 @@ HANDLERS: dict[tuple[int, int | None], Handler] = {
     **{(0x5E, sa): persistent_reserve_in for sa in range(4)},
     **{(0x5F, sa): persistent_reserve_out for sa in range(8)},
     (0xA3, 0x0C): report_supported_opcodes, (0xA3, 0x0D): report_supported_tmfs,
+    (0xA3, 0x0A): report_target_port_groups,
     (0xA0, None): report_luns,
 }
 
