@@ -188,10 +188,11 @@ class NvmeTcpServer(PortalServer):
     def subsystem(self, nqn: str) -> Subsystem | None:
         return self.fabric.subsystems.get(nqn)
 
-    def set_ana_state(self, nqn: str, group: int, state: int) -> None:
-        """Change an ANA group's state; hosts that asked get an asynchronous event and re-read the log."""
+    def set_ana_state(self, nqn: str, group: int, state: int, *, portal: tuple[str, int] | None = None) -> None:
+        """Change an ANA group's state, on every portal or one (as listened on); hosts that asked get an
+        asynchronous event and re-read the log."""
         sub = self.fabric.subsystems[nqn]
-        sub.set_ana_state(group, state)
+        sub.set_ana_state(group, state, portal=portal)
 
     def reachable(self, sub: Subsystem, portal: tuple[str, int]) -> bool:
         if sub.discovery:
@@ -481,7 +482,7 @@ class Connection(BatchedConnection):
         srv = self.server
         if srv.closing:
             return Completion(S.CONNECT_CONTROLLER_BUSY)
-        res = srv.fabric.connect(sqe, data, lambda s: srv.reachable(s, self.portal))
+        res = srv.fabric.connect(sqe, data, lambda s: srv.reachable(s, self.portal), portal=self.portal)
         ctrl = res.controller
         if ctrl is None:
             # who was refused: the host and subsystem NQNs the Connect data names (NVMe-oF 1.1 §3.3): unchecked

@@ -7,9 +7,11 @@ import contextlib
 from collections.abc import Callable
 
 from openvsan.block.errors import BlockError
+from openvsan.protocol.nvme import ana
 from openvsan.protocol.nvme import identify as ID
 from openvsan.protocol.nvme import logpages as LP
 from openvsan.protocol.nvme import status as S
+from openvsan.protocol.nvme.ana import Portal
 from openvsan.protocol.nvme.command import FABRICS_OPCODE, NSID_ALL, Sqe
 from openvsan.protocol.nvme.status import Completion
 from openvsan.protocol.nvme.subsystem import Subsystem
@@ -62,8 +64,12 @@ TO_500MS = 15                 # CAP.TO: worst time to become ready, 7.5 s
 
 class Controller:
     def __init__(self, subsystem: Subsystem, cntlid: int, hostnqn: str, hostid: bytes, kato_ms: int, *,
-                 clock: Callable[[], float], in_capsule: int = 8192, maxcmd: int = 1024) -> None:
+                 clock: Callable[[], float], in_capsule: int = 8192, maxcmd: int = 1024,
+                 portal: Portal | None = None) -> None:
         self.subsystem = subsystem
+        self.portal = portal                    # where the admin queue came in: whose ANA states it reports
+        # ANA group -> the status that refuses I/O there now (0: none), for io.py admit(): one dict lookup
+        self.ana_refusals: dict[int, int] = subsystem.ana.refusals(portal)
         self.cntlid = cntlid
         self.hostnqn = hostnqn
         self.hostid = hostid
@@ -191,7 +197,14 @@ class Controller:
         if self.features[FID_ASYNC_EVENT_CONFIG] & ID.OAES_DISCOVERY_CHANGE:
             self._event(AE_NOTICE, AEI_DISCOVERY_CHANGE, LP.LID_DISCOVERY)
 
+    def refresh_ana(self) -> None:
+        self.ana_refusals = self.subsystem.ana.refusals(self.portal)
+
     def ana_changed(self) -> None:
+        """What this controller reports in the ANA log changed: I/O sees it at once, the host by the
+        Asymmetric Namespace Access Change notice if it enabled it (Set Features 0Bh bit 11), once until it
+        reads the log page (§5.2.1: reading it without RAE re-arms the notice)."""
+        self.refresh_ana()
         if self.features[FID_ASYNC_EVENT_CONFIG] & ID.OAES_ANA_CHANGE:
             self._event(AE_NOTICE, AEI_ANA_CHANGE, LP.LID_ANA)
 
@@ -305,7 +318,7 @@ class Controller:
             if not rae:
                 self.changed_nsids.clear()
         elif lid == LP.LID_ANA:
-            page = LP.ana_log(sub, rgo=bool(lsp & 1))
+            page = LP.ana_log(sub, self.portal, rgo=bool(lsp & ana.LSP_RGO))
         else:
             return S.fail(S.INVALID_LOG_PAGE)
         if offset & 3 or offset > len(page):

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from openvsan.protocol.nvme import logpages as LP
 from openvsan.protocol.nvme import status as S
+from openvsan.protocol.nvme.ana import Portal
 from openvsan.protocol.nvme.auth import CONNECT_ATR, ControllerAuth
 from openvsan.protocol.nvme.command import Sqe
 from openvsan.protocol.nvme.controller import Controller
@@ -67,8 +68,10 @@ class Fabric:
         return LP.discovery_log(self.discovery_entries(hostnqn), self.generation)
 
     def connect(self, sqe: Sqe, data: bytes | bytearray | memoryview,
-                reachable: Callable[[Subsystem], bool] = lambda s: True) -> ConnectResult:
-        """NVMe-oF 1.1 §3.3 Connect: an admin queue makes a controller, an I/O queue joins one."""
+                reachable: Callable[[Subsystem], bool] = lambda s: True, *,
+                portal: Portal | None = None) -> ConnectResult:
+        """NVMe-oF 1.1 §3.3 Connect: an admin queue makes a controller, an I/O queue joins one. `portal` is
+        where the queue came in: a new controller reports that portal's ANA states (ana.py)."""
         recfmt = sqe.cdw10 & 0xFFFF
         qid = sqe.cdw10 >> 16
         sqsize = sqe.cdw11 & 0xFFFF
@@ -99,7 +102,7 @@ class Fabric:
             if new_id is None:
                 return ConnectResult(Completion(S.CONNECT_CONTROLLER_BUSY))
             ctrl = Controller(sub, new_id, hostnqn, hostid, kato, clock=self.clock, in_capsule=self.in_capsule,
-                              maxcmd=self.maxcmd)
+                              maxcmd=self.maxcmd, portal=portal)
             if sub.discovery:
                 ctrl.discovery_source = self.discovery_log
             sub.controllers[new_id] = ctrl

@@ -5,6 +5,7 @@ from __future__ import annotations
 import struct
 from typing import TYPE_CHECKING
 
+from openvsan.protocol.nvme import ana
 from openvsan.protocol.nvme.reservations import RESCAP
 from openvsan.protocol.nvme.subsystem import Namespace, Subsystem
 
@@ -71,9 +72,11 @@ def controller(ctrl: Controller) -> bytes:
     struct.pack_into("<HH", b, 266, 0x0157, 0x0175)      # WCTEMP 343 K, CCTEMP 373 K
     struct.pack_into("<H", b, 320, 1)                    # KAS: keep alive granularity 100 ms
     if not sub.discovery:
-        b[340] = 10                                      # ANATT: ANA transition time, seconds
-        b[341] = (1 << 0) | (1 << 1) | (1 << 2) | (1 << 3) | (1 << 4) | (1 << 7)  # ANACAP: all states, non-0 grp
-        struct.pack_into("<II", b, 342, max(sub.ana_states), len(sub.ana_states))  # ANAGRPMAX, NANAGRPID
+        # ANA (Base 2.0 §8.1, ana.py): transition time, states reported, group IDs 1..ANAGRPMAX all usable
+        # (fixed, so a group made later is never over what a host read at connect)
+        b[340] = ana.ANATT
+        b[341] = ana.ANACAP
+        struct.pack_into("<II", b, 342, ana.ANAGRPMAX, ana.ANAGRPMAX)   # ANAGRPMAX, NANAGRPID
     b[512] = 0x66                                        # SQES: 64-byte entries
     b[513] = 0x44                                        # CQES: 16-byte entries
     struct.pack_into("<HI", b, 514, ctrl.maxcmd, 0 if sub.discovery else MNAN)   # MAXCMD, NN (NSIDs 1..NN)

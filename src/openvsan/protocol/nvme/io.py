@@ -12,13 +12,7 @@ from openvsan.protocol.nvme.command import NSID_ALL, Sqe
 from openvsan.protocol.nvme.controller import Controller
 from openvsan.protocol.nvme.identify import MAX_TRANSFER
 from openvsan.protocol.nvme.status import Completion
-from openvsan.protocol.nvme.subsystem import (
-    ANA_CHANGE,
-    ANA_INACCESSIBLE,
-    ANA_NON_OPTIMIZED,
-    ANA_OPTIMIZED,
-    Namespace,
-)
+from openvsan.protocol.nvme.subsystem import Namespace
 
 # NVM command set opcodes (NVM Command Set 1.0 §3 Figure 16; Base 2.0 Figure 139)
 OP_FLUSH = 0x00
@@ -35,16 +29,6 @@ FUA = 1 << 30            # CDW12 bit 30, Read/Write/Write Zeroes
 DEAC = 1 << 25           # CDW12 bit 25, Write Zeroes: may deallocate
 _KEYS = struct.Struct("<QQ")
 _RANGE = struct.Struct("<IIQ")   # DSM range (§3.2.3 Figure 39): context attributes, NLB, SLBA
-
-
-def _ana_status(state: int) -> int:
-    if state in (ANA_OPTIMIZED, ANA_NON_OPTIMIZED):
-        return S.SUCCESS
-    if state == ANA_INACCESSIBLE:
-        return S.ANA_INACCESSIBLE
-    if state == ANA_CHANGE:
-        return S.ANA_TRANSITION
-    return S.ANA_PERSISTENT_LOSS
 
 
 def _range(sqe: Sqe) -> tuple[int, int]:
@@ -68,11 +52,11 @@ def admit(ctrl: Controller, sqe: Sqe, ns: Namespace | None, data_len: int) -> in
     INVALID_OPCODE from execute_io after these checks."""
     if ns is None:
         return S.INVALID_NAMESPACE
-    state = ctrl.subsystem.ana_states.get(ns.ana_group, ANA_INACCESSIBLE)
-    if state != ANA_OPTIMIZED:
-        st = _ana_status(state)
-        if st:
-            return st
+    # Base 2.0 §8.1.3: the group's state as this controller reports it (ana.py ANA_REFUSAL; a group it has
+    # not heard of is inaccessible)
+    st = ctrl.ana_refusals.get(ns.ana_group, S.ANA_INACCESSIBLE)
+    if st:
+        return st
     op = sqe.opcode
     # Read and Write spelled out (not _range, _reserved_away): the fast path asks for every one of them
     if op == OP_READ:
@@ -220,7 +204,14 @@ async def execute_io(ctrl: Controller, sqe: Sqe, data: bytes | bytearray | memor
 
 
 async def _flush_all(ctrl: Controller) -> Completion:
-    for ns in list(ctrl.subsystem.namespaces.values()):
+    # Flush of NSID FFFFFFFFh (NVM Command Set 1.0 §3.2.2): every namespace, so none may be behind a path
+    # that refuses I/O (the same ANA answer admit() gives for one)
+    namespaces = list(ctrl.subsystem.namespaces.values())
+    for ns in namespaces:
+        st = ctrl.ana_refusals.get(ns.ana_group, S.ANA_INACCESSIBLE)
+        if st:
+            return S.fail(st)
+    for ns in namespaces:
         try:
             await ns.volume.flush()
         except BlockError as e:

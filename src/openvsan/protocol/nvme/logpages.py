@@ -7,6 +7,7 @@ import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from openvsan.protocol.nvme.ana import Portal
 from openvsan.protocol.nvme.subsystem import Port, Subsystem
 
 # Log page identifiers (§5.16 Figure 202)
@@ -62,16 +63,9 @@ def changed_ns_log(nsids: Sequence[int]) -> bytes:
     return struct.pack(f"<{len(ids)}I", *ids).ljust(4096, b"\0")
 
 
-def ana_log(sub: Subsystem, rgo: bool) -> bytes:
-    """Asymmetric Namespace Access (§5.16.1.12 Figure 231): one descriptor per group with its NSIDs
-    (none when RGO, Return Groups Only, is set)."""
-    groups = sorted(sub.ana_states)
-    out = bytearray(struct.pack("<QH6x", sub.ana_change_count, len(groups)))
-    for g in groups:
-        nsids = [] if rgo else sorted(ns.nsid for ns in sub.namespaces.values() if ns.ana_group == g)
-        out += struct.pack("<IIQB15x", g, len(nsids), sub.ana_change_count, sub.ana_state(g))
-        out += struct.pack(f"<{len(nsids)}I", *nsids)
-    return bytes(out)
+def ana_log(sub: Subsystem, portal: Portal | None, rgo: bool) -> bytes:
+    """Asymmetric Namespace Access (§5.16.1.12): what a controller on `portal` reports (ana.py builds it)."""
+    return sub.ana.log({ns.nsid: ns.ana_group for ns in sub.namespaces.values()}, portal, rgo)
 
 
 # Discovery log page entry (NVMe-oF 1.1 §5.3 Figure 40); TCP: TRTYPE 3, TSAS SECTYPE 0 (no TLS)

@@ -55,8 +55,10 @@ CONNECT_INVALID_HOST = sf(1, 0x84)
 WRITE_FAULT = sf(2, 0x80, dnr=False)
 UNRECOVERED_READ_ERROR = sf(2, 0x81, dnr=False)
 COMPARE_FAILURE = sf(2, 0x85)
-# Path related (§4.6.1.2.4 Figure 102): ANA states
-ANA_PERSISTENT_LOSS = sf(3, 0x01)
+# Path related (§4.6.1.2.4 Figure 102): ANA states. None with DNR, persistent loss included: it is this
+# path that lost the namespace, and DNR would say any controller of the subsystem fails it too (§4.6.1.2),
+# so a multipath host (Linux: nvme_decide_disposition) would fail the I/O instead of trying another path
+ANA_PERSISTENT_LOSS = sf(3, 0x01, dnr=False)
 ANA_INACCESSIBLE = sf(3, 0x02, dnr=False)
 ANA_TRANSITION = sf(3, 0x03, dnr=False)
 
