@@ -474,6 +474,31 @@ class NvmeTcpInitiator:
         for s, n in self._chunks(lba, blocks, self.max_io_blocks):
             await self.write(s, memoryview(zero)[:n * self.block_size])
 
+    # ---------------------------------------------------------------------------------- reservations
+    # (Base 2.0 §8.19): what a replicated volume's primary fences its replicas with (replication/fence.py)
+
+    async def _data_cmd(self, build: Any, what: str) -> None:
+        """A command with a few bytes of data in its capsule; `build(cid)` gives (SQE, data)."""
+        _, data = build(0)
+        await self.io(lambda cid: build(cid)[0], data=data, in_capsule=True, what=what, retries=0)
+
+    async def reservation_register(self, nrkey: int, *, crkey: int = 0, action: int = 0, iekey: bool = False) -> None:
+        await self._data_cmd(lambda cid: C.reservation_register(cid, self.nsid, action, crkey, nrkey, iekey=iekey),
+                             "Reservation Register")
+
+    async def reservation_acquire(self, crkey: int, rtype: int, *, action: int = 0, prkey: int = 0) -> None:
+        await self._data_cmd(lambda cid: C.reservation_acquire(cid, self.nsid, action, rtype, crkey, prkey),
+                             "Reservation Acquire")
+
+    async def reservation_release(self, crkey: int, rtype: int, *, action: int = 0) -> None:
+        await self._data_cmd(lambda cid: C.reservation_release(cid, self.nsid, action, rtype, crkey),
+                             "Reservation Release")
+
+    async def reservation_report(self, length: int = 4096) -> bytes:
+        r = await self.io(lambda cid: C.reservation_report(cid, self.nsid, length), read_len=length,
+                          what="Reservation Report", retries=0)
+        return bytes(r.data)
+
     async def close(self) -> None:
         self.closed = True
         if self.assoc is not None:

@@ -29,6 +29,10 @@ class EpochFence(Reservations):
         self._persist = persist
         self.refused = 0      # registrations, acquisitions and writes of an epoch below the floor
 
+    @property
+    def gated(self) -> bool:
+        return True                    # even with no registrant: a write needs the current epoch's key
+
     def _stale(self, key: int) -> bool:
         if key < self.floor:
             self.refused += 1

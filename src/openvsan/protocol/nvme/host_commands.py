@@ -150,6 +150,38 @@ def dsm_deallocate(cid: int, nsid: int, ranges: list[tuple[int, int]], *, in_cap
                in_capsule=in_capsule), data
 
 
+IO_RESERVATION_REGISTER, IO_RESERVATION_REPORT, IO_RESERVATION_ACQUIRE, IO_RESERVATION_RELEASE = 0x0D, 0x0E, 0x11, 0x15
+
+
+def reservation_register(cid: int, nsid: int, action: int, crkey: int, nrkey: int, *,
+                         iekey: bool = False) -> tuple[bytes, bytes]:
+    """Base 2.0 §7.6 Reservation Register: RREGA (0 register, 1 unregister, 2 replace) and IEKEY in CDW10;
+    CRKEY and NRKEY, 8 bytes each, in the data. Returns the SQE and its in-capsule data."""
+    data = struct.pack("<QQ", crkey, nrkey)
+    return sqe(IO_RESERVATION_REGISTER, cid, nsid, cdw10=action | (8 if iekey else 0), data_len=16,
+               in_capsule=True), data
+
+
+def reservation_acquire(cid: int, nsid: int, action: int, rtype: int, crkey: int, prkey: int = 0, *,
+                        iekey: bool = False) -> tuple[bytes, bytes]:
+    """Base 2.0 §7.5 Reservation Acquire: RACQA (0 acquire, 1 preempt, 2 preempt and abort), IEKEY, RTYPE
+    in CDW10; CRKEY and PRKEY in the data."""
+    data = struct.pack("<QQ", crkey, prkey)
+    return sqe(IO_RESERVATION_ACQUIRE, cid, nsid, cdw10=action | (8 if iekey else 0) | (rtype << 8), data_len=16,
+               in_capsule=True), data
+
+
+def reservation_release(cid: int, nsid: int, action: int, rtype: int, crkey: int) -> tuple[bytes, bytes]:
+    """Base 2.0 §7.7 Reservation Release: RRELA (0 release, 1 clear), RTYPE; CRKEY in the data."""
+    data = struct.pack("<Q", crkey)
+    return sqe(IO_RESERVATION_RELEASE, cid, nsid, cdw10=action | (rtype << 8), data_len=8, in_capsule=True), data
+
+
+def reservation_report(cid: int, nsid: int, length: int) -> bytes:
+    """Base 2.0 §7.8 Reservation Report, extended data structure (EDS: 128-bit host identifiers)."""
+    return sqe(IO_RESERVATION_REPORT, cid, nsid, cdw10=length // 4 - 1, cdw11=1, data_len=length)
+
+
 # --- data structures read back ------------------------------------------------------------------------
 
 def _text(b: bytes) -> str:

@@ -38,7 +38,7 @@ def _range(sqe: Sqe) -> tuple[int, int]:
 
 def _reserved_away(ctrl: Controller, ns: Namespace, write: bool) -> bool:
     res = ns.reservations
-    return bool(res.registrants) and not res.allows(ctrl.hostid, write)
+    return res.gated and not res.allows(ctrl.hostid, write)
 
 
 def admit(ctrl: Controller, sqe: Sqe, ns: Namespace | None, data_len: int) -> int:
@@ -71,7 +71,7 @@ def admit(ctrl: Controller, sqe: Sqe, ns: Namespace | None, data_len: int) -> in
         if n != sqe.sgl_len:
             return S.DATA_SGL_LENGTH_INVALID
         res = ns.reservations
-        return S.RESERVATION_CONFLICT if res.registrants and not res.allows(ctrl.hostid, False) else S.SUCCESS
+        return S.RESERVATION_CONFLICT if res.gated and not res.allows(ctrl.hostid, False) else S.SUCCESS
     if op == OP_WRITE:
         # NVM Command Set 1.0 §3.2.6 Write
         nlb = (sqe.cdw12 & 0xFFFF) + 1
@@ -83,7 +83,7 @@ def admit(ctrl: Controller, sqe: Sqe, ns: Namespace | None, data_len: int) -> in
         if ns.read_only:
             return S.NS_WRITE_PROTECTED
         res = ns.reservations
-        return S.RESERVATION_CONFLICT if res.registrants and not res.allows(ctrl.hostid, True) else S.SUCCESS
+        return S.RESERVATION_CONFLICT if res.gated and not res.allows(ctrl.hostid, True) else S.SUCCESS
     if op == OP_FLUSH:
         # NVM Command Set 1.0 §3.2.2 / Base 2.0 §7.1 Flush
         return S.RESERVATION_CONFLICT if _reserved_away(ctrl, ns, True) else S.SUCCESS

@@ -35,6 +35,11 @@ class Reservations:
     def active(self) -> bool:
         return bool(self.registrants)
 
+    @property
+    def gated(self) -> bool:
+        """Whether I/O must ask allows(): with no registrant every host may do anything (§8.19)."""
+        return bool(self.registrants)
+
     def _holds(self, host: bytes) -> bool:
         if not self.rtype:
             return False
