@@ -71,7 +71,17 @@ def etcd_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdProces
         yield proc
 
 
-@pytest.fixture(params=["sqlite", "memory", "etcd"])
-def store(request: pytest.FixtureRequest, tmp_path: Path) -> StoreMaker:
+def _maker(request: pytest.FixtureRequest, tmp_path: Path) -> StoreMaker:
     etcd = request.getfixturevalue("etcd_server") if request.param == "etcd" else None
     return StoreMaker(request.param, tmp_path, etcd)
+
+
+@pytest.fixture(params=["sqlite", "memory", "etcd"])
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> StoreMaker:
+    return _maker(request, tmp_path)
+
+
+@pytest.fixture(params=["sqlite", "etcd"])
+def durable_store(request: pytest.FixtureRequest, tmp_path: Path) -> StoreMaker:
+    """The stores a node keeps its desired state in (the memory one keeps nothing)."""
+    return _maker(request, tmp_path)

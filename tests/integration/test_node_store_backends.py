@@ -20,6 +20,12 @@ if TYPE_CHECKING:
     from conftest import StoreMaker
 
 _spaces = itertools.count()
+
+
+@pytest.fixture
+def store(durable_store: StoreMaker) -> StoreMaker:
+    """The node's Store runs over a durable StateStore: SQLite or etcd, not the memory one."""
+    return durable_store
 SECRETS = ("twelve+chars", "DHHC-1:01:5vxYBh5q8aC18ZmEQ1U/rZHUSIsXL0hdWYJ43Cx7n7THwj6G:")
 
 
