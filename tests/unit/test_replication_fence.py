@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import pytest
+
 from openvsan.protocol.nvme import status as S
 from openvsan.protocol.nvme.reservations import EXCLUSIVE_ACCESS, WRITE_EXCLUSIVE
 from openvsan.replication.fence import EpochFence
+from openvsan.replication.peer import FloorFile
 
 OLD, NEW, OTHER = b"o" * 16, b"n" * 16, b"x" * 16
 REGISTER, REPLACE = 0, 2
@@ -58,3 +63,14 @@ def test_only_write_exclusive_is_taken() -> None:
     assert f.register(NEW, REGISTER, False, 0, 0, 3) == S.SUCCESS
     assert f.acquire(NEW, ACQUIRE, EXCLUSIVE_ACCESS, False, 3, 0) == S.INVALID_FIELD
     assert f.floor == 0
+
+
+def test_the_floor_file_round_trips_and_refuses_a_torn_one(tmp_path: Path) -> None:
+    f = FloorFile(tmp_path / "v.floor")
+    assert f.load() == 0                                  # a new replica: no epoch has held it
+    f.save(12)
+    f.save(40)
+    assert f.load() == 40 and not (tmp_path / "v.floor.new").exists()
+    (tmp_path / "v.floor").write_bytes(b"\x01\x02")
+    with pytest.raises(ValueError, match="not a fence floor"):
+        f.load()

@@ -25,7 +25,7 @@ import asyncio
 import itertools
 import logging
 from collections.abc import Awaitable, Callable, Iterable, Mapping
-from typing import Any
+from typing import Any, NoReturn
 
 from openvsan.block.device import BlockDevice, Buffer
 from openvsan.block.errors import Busy
@@ -117,7 +117,7 @@ class MirrorLayer(Layer):
             self._leave(token)
         local = results[0]
         if isinstance(local, BaseException):
-            raise local                       # the primary's own replica failed: not acknowledged
+            await self._local_failed(local)   # the primary's own replica failed: not acknowledged
         failed = [n for n, r in zip(targets, results[1:], strict=True) if isinstance(r, BaseException)]
         for n, r in zip(targets, results[1:], strict=True):
             if n in failed:
@@ -141,11 +141,24 @@ class MirrorLayer(Layer):
         results = await asyncio.gather(self.below.flush(), *(self.peers[n].flush() for n in targets),
                                        return_exceptions=True)
         if isinstance(results[0], BaseException):
-            raise results[0]
+            await self._local_failed(results[0])
         failed = [n for n, r in zip(targets, results[1:], strict=True) if isinstance(r, BaseException)]
         for n in failed:   # what it held in its cache may be gone: every region written since its last flush
             self.dirty.setdefault(n, set()).update(pending[n])
         await self._mark_all(failed)
+
+    async def _local_failed(self, e: BaseException) -> NoReturn:
+        """The local replica refused or failed: if a newer epoch took it (its fence refuses ours), this node is
+        fenced; else the error is the device's own."""
+        try:
+            now = await R.load(self.store, self.view.volume)
+        except Exception:  # noqa: BLE001 - the store's state unknown: the device's error stands
+            raise e from None
+        if now.epoch != self.view.epoch:
+            self.fenced = True
+            raise NotPrimary(f"volume {self.view.volume}: epoch {self.view.epoch} is over (now {now.epoch}, "
+                             f"primary {now.primary})") from e
+        raise e
 
     async def _mark_all(self, failed: Iterable[str]) -> None:
         marks = [self._mark(n) for n in failed]

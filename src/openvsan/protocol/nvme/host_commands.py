@@ -273,3 +273,28 @@ def parse_discovery_log(b: bytes) -> tuple[int, int, list[DiscoveryEntry]]:
         out.append(DiscoveryEntry(e[0], e[1], e[2], struct.unpack_from("<H", e, 4)[0], _text(e[32:64]),
                                   traddr=_text(e[512:768]), subnqn=_text(e[256:512])))
     return genctr, numrec, out
+
+
+@dataclass(frozen=True)
+class ReservationStatus:
+    """An extended Reservation Report (Base 2.0 §7.8 Figures 398-399), as the host reads it."""
+
+    generation: int
+    rtype: int                                   # 0: not reserved
+    registrants: tuple[tuple[bytes, int, bool], ...]   # (host identifier, key, holds the reservation)
+
+    @property
+    def holder_key(self) -> int | None:
+        return next((key for _, key, holds in self.registrants if holds), None) if self.rtype else None
+
+
+def parse_reservation_report(b: bytes) -> ReservationStatus:
+    gen, rtype, regs = struct.unpack_from("<IBH", b)
+    out = []
+    for i in range(regs):
+        off = 64 + 64 * i                        # extended header 64 bytes, each entry 64 bytes
+        if off + 64 > len(b):
+            break
+        _, rcsts, key, hostid = struct.unpack_from("<HB5xQ16s", b, off)
+        out.append((bytes(hostid), int(key), bool(rcsts & 1)))
+    return ReservationStatus(gen, rtype, tuple(out))
