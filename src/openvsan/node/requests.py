@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import AfterValidator, ConfigDict, field_validator
+from pydantic import ConfigDict
 from pydantic.dataclasses import dataclass
 
-from openvsan.node.specs import BLOCK_SIZES, Bool, Hint, Int, Name, PortalT, Size, SpecError, Str, fmt
+from openvsan.node.specs import BlockSize, Bool, Hint, Int, Name, PortalT, Size, Str, one_of
 
 REQUEST = ConfigDict(extra="forbid", arbitrary_types_allowed=True, defer_build=True)
 BACKINGS = ("ram", "file", "null")
@@ -31,27 +31,13 @@ class VolumeCreate:
 
     name: Annotated[Name, Hint("name the volume")]
     size: Size | None = None
-    backing: Str = "ram"
-    block_size: Int = 512
+    backing: Annotated[Str, one_of(BACKINGS, "a backing")] = "ram"
+    block_size: BlockSize = 512
     path: Str | None = None        # a file backing: its file (default: <data_dir>/volumes/<name>.img)
     device: Str | None = None
     pool: Str | None = None
     read_only: Bool = False
     dry_run: Bool = False
-
-    @field_validator("backing")
-    @classmethod
-    def _backing(cls, v: str) -> str:
-        if v not in BACKINGS:
-            raise SpecError(f"{fmt(v)} is not a backing; use one of: {', '.join(BACKINGS)}")
-        return v
-
-    @field_validator("block_size")
-    @classmethod
-    def _block_size(cls, v: int) -> int:
-        if v not in BLOCK_SIZES:
-            raise SpecError(f"{v} is not supported; use 512 or 4096")
-        return v
 
 
 @dataclass(frozen=True, config=REQUEST)
@@ -73,13 +59,7 @@ class VolumeShow:
     name: VolumeName
 
 
-def _protocol(v: str) -> str:
-    if v not in PROTOCOLS:
-        raise SpecError(f"{fmt(v)} is not a protocol; use one of: {', '.join(PROTOCOLS)}")
-    return v
-
-
-Protocol = Annotated[Str, Hint("add protocol: iscsi, nvme or nbd"), AfterValidator(_protocol)]
+Protocol = Annotated[Str, Hint("add protocol: iscsi, nvme or nbd"), one_of(PROTOCOLS, "a protocol")]
 
 
 @dataclass(frozen=True, config=REQUEST)

@@ -139,6 +139,21 @@ def _in_range(lo: float, hi: float, mend: str) -> AfterValidator:
     return AfterValidator(check)
 
 
+def one_of(choices: tuple[str, ...], what: str) -> AfterValidator:
+    """A string out of `choices`: `"x" is not <what>; use one of: ...` otherwise."""
+    def check(v: str) -> str:
+        if v not in choices:
+            raise SpecError(f"{fmt(v)} is not {what}; use one of: {', '.join(choices)}")
+        return v
+    return AfterValidator(check)
+
+
+def _block_size(v: int) -> int:
+    if v not in BLOCK_SIZES:
+        raise SpecError(f"{v} is not supported; use 512 or 4096")
+    return v
+
+
 def _printable(limit: int) -> AfterValidator:
     def check(v: str) -> str:
         if len(v.encode()) > limit or not v.isprintable():
@@ -175,6 +190,7 @@ Int = Annotated[int, Strict()]
 Bool = Annotated[bool, Strict()]
 Number = Annotated[float, Strict()]       # an integer or a float, not a bool
 Name = Annotated[str, Strict(), _check(check_object_name)]
+BlockSize = Annotated[int, Strict(), AfterValidator(_block_size)]
 Size = Annotated[int, BeforeValidator(_size)]
 # written "host:port" (and so in JSON and the REST API's schema), a Portal once read
 PortalT = Annotated[Portal, BeforeValidator(_portal), PlainSerializer(str, return_type=str),
@@ -289,7 +305,7 @@ class DeviceSpec:
     name: Annotated[Name, Hint('give the device a name, e.g. name = "ram0"')]
     type: Annotated[Str, _TYPE_HINT]   # ram | file | null
     size: Size | None = None        # bytes; None only for a file device that takes the file's size
-    block_size: Int = 512
+    block_size: BlockSize = 512
     backing: Path | None = None     # ram: a file (in /dev/shm) that keeps the contents across restarts
     path: Path | None = None        # file: the file or block device
     direct: Bool = False            # file: O_DIRECT
@@ -311,13 +327,6 @@ class DeviceSpec:
     def _type(cls, v: str) -> str:
         if v not in DEVICE_TYPES:
             raise SpecError(f"unknown device type {fmt(v)}; use one of: {', '.join(DEVICE_TYPES)}")
-        return v
-
-    @field_validator("block_size")
-    @classmethod
-    def _block_size(cls, v: int) -> int:
-        if v not in BLOCK_SIZES:
-            raise SpecError(f"{v} is not supported; use 512 or 4096")
         return v
 
     @field_validator("backing", "path", mode="before")
@@ -666,15 +675,8 @@ class NbdExportSpec:
     read_only: Bool = False
     description: Annotated[Str, _printable(4096)] = ""
     # off | optional | require (NBD_OPT_STARTTLS); needs [nbd] tls; in a config "require" when [nbd] has tls
-    tls: Str = "off"
+    tls: Annotated[Str, one_of(NBD_TLS_MODES, "a TLS mode")] = "off"
     allow_unauthenticated: Bool = False
-
-    @field_validator("tls")
-    @classmethod
-    def _tls(cls, v: str) -> str:
-        if v not in NBD_TLS_MODES:
-            raise SpecError(f"{fmt(v)} is not a TLS mode; use one of: {', '.join(NBD_TLS_MODES)}")
-        return v
 
 
 @dataclass(frozen=True, config=SPEC)

@@ -48,6 +48,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Self, TypeVar
 
+from openvsan.durable import replace_file, sync_dir
 from openvsan.node import statestore
 from openvsan.node.config import ConfigError, parse_config
 from openvsan.node.legacy_store import LEGACY_STATE_DB, LegacyStateDb, LegacyStoreError
@@ -301,16 +302,7 @@ class Store:
     def _write_secrets(self, cfg: NodeConfig) -> None:
         """Replace secrets.json with the config's secrets: a new 0600 file, synced, renamed over the old one."""
         self.secrets_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-        tmp = self.secrets_dir / f".{SECRETS}.{os.getpid()}.{threading.get_ident()}.tmp"
-        tmp.unlink(missing_ok=True)
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        try:
-            os.write(fd, json.dumps(_secrets_doc(cfg), indent=1, sort_keys=True).encode())
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, self.secrets_path)
-        _sync_dir(self.secrets_dir)
+        replace_file(self.secrets_path, json.dumps(_secrets_doc(cfg), indent=1, sort_keys=True).encode())
 
     def _read_secrets(self) -> dict[str, Any]:
         try:
@@ -501,7 +493,7 @@ class Store:
         while target.exists():
             target, n = legacy.with_name(f"{MIGRATED}.{n}"), n + 1
         os.rename(legacy, target)
-        _sync_dir(legacy.parent)
+        sync_dir(legacy.parent)
 
 
 def _new_identity() -> VolumeIdentity:
@@ -512,14 +504,6 @@ def _new_identity() -> VolumeIdentity:
 
 def _now() -> str:
     return datetime.now(UTC).isoformat(timespec="seconds")
-
-
-def _sync_dir(path: Path) -> None:
-    dfd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
 
 
 # --- for a running node: the store's work off its event loop ------------------------------------------

@@ -11,10 +11,10 @@ replica's EpochFence (fence.py) refuses a key below its floor, so a primary of a
 
 from __future__ import annotations
 
-import os
 import struct
 from pathlib import Path
 
+from openvsan.durable import replace_file
 from openvsan.initiator.nvme_tcp import NvmeCommandError, NvmeOptions, NvmeTcpInitiator
 from openvsan.protocol.nvme.host_commands import parse_reservation_report
 from openvsan.protocol.nvme.reservations import WRITE_EXCLUSIVE
@@ -92,16 +92,4 @@ class FloorFile:
         return int(struct.unpack("<Q", raw)[0])
 
     def save(self, floor: int) -> None:
-        tmp = self.path.with_name(self.path.name + ".new")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        try:
-            os.write(fd, struct.pack("<Q", floor))
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, self.path)
-        dfd = os.open(self.path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
+        replace_file(self.path, struct.pack("<Q", floor))

@@ -8,11 +8,11 @@ a temporary file, fsynced and renamed over the old one, so a crash leaves the ol
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 import struct
 from dataclasses import dataclass, field
 
+from openvsan.durable import replace_file
 from openvsan.protocol.scsi.nexus import Nexus
 from openvsan.protocol.scsi.opcodes import Access
 from openvsan.protocol.scsi.sense import (
@@ -309,17 +309,7 @@ class PersistentReservations:
                 pass
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.path)
-        dfd = os.open(self.path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
+        replace_file(self.path, data)
 
     def load(self) -> None:
         if self.path is None or not self.path.exists():
