@@ -14,9 +14,10 @@ overlap it go one after the other (as do overlapping writes, so every replica se
 writes also go to the syncing peer, and once nothing is dirty and the peer's flush succeeds the peer is
 recorded in sync again.
 
-Not yet here (issue 12 goes on): the dirty regions are in memory (a crash of the primary loses them, and the
-record then asks for a full copy: `dirty_unknown`); the transport that carries each write's epoch to the
-replica, whose fence refuses older epochs.
+With `dirty_dir`, each out-of-sync peer's regions are also on disk (dirty.py), saved before the write that
+dirtied them is acknowledged, so a primary that restarts resyncs that peer by them; a peer that was out of
+sync before this node became primary, without a file of that outage, gets a full copy (an activity log of
+the old primary's hot regions is the next step).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import asyncio
 import itertools
 import logging
 from collections.abc import Awaitable, Callable, Iterable, Mapping
+from pathlib import Path
 from typing import Any, NoReturn
 
 from openvsan.block.device import BlockDevice, Buffer
@@ -32,6 +34,7 @@ from openvsan.block.errors import Busy
 from openvsan.block.layer import Layer
 from openvsan.node.statestore import StateStore
 from openvsan.replication import record as R
+from openvsan.replication.dirty import DirtyFile
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +50,8 @@ class MirrorLayer(Layer):
     type_name = "mirror"
 
     def __init__(self, below: BlockDevice, *, me: str, view: R.ReplicaSet, store: StateStore,
-                 peers: Mapping[str, BlockDevice], region_size: int = DEFAULT_REGION, name: str | None = None) -> None:
+                 peers: Mapping[str, BlockDevice], region_size: int = DEFAULT_REGION, name: str | None = None,
+                 dirty_dir: Path | None = None) -> None:
         super().__init__(below, name=name or f"mirror:{view.volume}")
         if view.primary != me:
             raise ValueError(f"volume {view.volume}: {me} is not its primary (epoch {view.epoch}: {view.primary})")
@@ -62,9 +66,17 @@ class MirrorLayer(Layer):
         self.peers = dict(peers)
         self.region_blocks = region_size // below.block_size
         self.fenced = False
-        # regions each out-of-sync peer misses; a peer out of sync before we became primary misses an
-        # unknown set of regions: all of them (a full copy) until an activity log says better
-        self.dirty: dict[str, set[int]] = {n: set(self._all_regions()) for n in view.out_of_sync}
+        # regions each out-of-sync peer misses, kept in `dirty_dir` (dirty.py) when given; a peer out of sync
+        # before we became primary misses what its file says, or, without one for this outage, everything
+        self._files = {n: DirtyFile(dirty_dir / f"{view.volume}.{n}.dirty", len(self._all_regions()), region_size)
+                       for n in view.nodes if n != me} if dirty_dir is not None else {}
+        self.dirty: dict[str, set[int]] = {}
+        for n, since in view.out_of_sync.items():
+            saved = self._files[n].load(since) if n in self._files else None
+            self.dirty[n] = saved if saved is not None else set(self._all_regions())
+        self._grown: dict[str, int] = {n: 0 for n in self.dirty}    # times each peer's dirty set grew
+        self._saved: dict[str, int] = {n: 0 for n in self.dirty}    # ... as of its last save
+        self._save_locks: dict[str, asyncio.Lock] = {}
         self._unflushed: dict[str, set[int]] = {n: set() for n in self._in_sync_peers()}
         self._marking: dict[str, asyncio.Future[None]] = {}
         self._syncing: set[str] = set()               # out of sync, but getting new writes (a resync runs)
@@ -107,9 +119,11 @@ class MirrorLayer(Layer):
         regions = self._regions(lba, blocks)
         token = await self._enter(lba, max(blocks, 1))
         try:
+            grew = []
             for n, d in self.dirty.items():   # out of sync and not getting it: it misses these regions
-                if n not in self._syncing:
+                if n not in self._syncing and not d.issuperset(regions):
                     d.update(regions)
+                    grew.append(n)
             targets = self._targets()
             results = await asyncio.gather(op(self.below), *(op(self.peers[n]) for n in targets),
                                            return_exceptions=True)
@@ -128,6 +142,7 @@ class MirrorLayer(Layer):
         for n in failed:
             self.dirty.setdefault(n, set()).update(regions)
         await self._mark_all(failed)          # before the acknowledgement (record.py rule 2)
+        await self._save_dirty([*grew, *failed])   # and what they miss is on disk before it too
         self.stats["writes"] += 1
 
     async def flush(self) -> None:
@@ -146,6 +161,7 @@ class MirrorLayer(Layer):
         for n in failed:   # what it held in its cache may be gone: every region written since its last flush
             self.dirty.setdefault(n, set()).update(pending[n])
         await self._mark_all(failed)
+        await self._save_dirty(failed)
 
     async def _local_failed(self, e: BaseException) -> NoReturn:
         """The local replica refused or failed: if a newer epoch took it (its fence refuses ours), this node is
@@ -159,6 +175,21 @@ class MirrorLayer(Layer):
             raise NotPrimary(f"volume {self.view.volume}: epoch {self.view.epoch} is over (now {now.epoch}, "
                              f"primary {now.primary})") from e
         raise e
+
+    async def _save_dirty(self, nodes: Iterable[str]) -> None:
+        """Each of `nodes`' dirty regions to its file (off the loop), once for all the writes that grew them
+        meanwhile: a writer whose growth a later save already covered does not save again."""
+        for n in dict.fromkeys(nodes):
+            if n not in self._files or n not in self.dirty:
+                continue
+            self._grown[n] = mine = self._grown.get(n, 0) + 1
+            async with self._save_locks.setdefault(n, asyncio.Lock()):
+                if self._saved.get(n, 0) >= mine or n not in self.dirty:
+                    continue
+                upto, regions = self._grown[n], set(self.dirty[n])
+                since = self.view.out_of_sync.get(n, self.view.epoch)
+                await asyncio.to_thread(self._files[n].save, regions, since)
+                self._saved[n] = upto
 
     async def _mark_all(self, failed: Iterable[str]) -> None:
         marks = [self._mark(n) for n in failed]
@@ -261,6 +292,8 @@ class MirrorLayer(Layer):
             raise
         self._syncing.discard(node)
         del self.dirty[node]
+        if node in self._files:
+            await asyncio.to_thread(self._files[node].remove)
         log.info("volume %s: peer %s is in sync again (%d bytes copied)", self.view.volume, node, sent)
         return sent
 
