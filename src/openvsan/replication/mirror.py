@@ -35,6 +35,7 @@ from openvsan.block.layer import Layer
 from openvsan.node.statestore import StateStore
 from openvsan.replication import record as R
 from openvsan.replication.dirty import DirtyFile
+from openvsan.replication.lease import LeaseKeeper
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +52,7 @@ class MirrorLayer(Layer):
 
     def __init__(self, below: BlockDevice, *, me: str, view: R.ReplicaSet, store: StateStore,
                  peers: Mapping[str, BlockDevice], region_size: int = DEFAULT_REGION, name: str | None = None,
-                 dirty_dir: Path | None = None) -> None:
+                 dirty_dir: Path | None = None, lease: LeaseKeeper | None = None) -> None:
         super().__init__(below, name=name or f"mirror:{view.volume}")
         if view.primary != me:
             raise ValueError(f"volume {view.volume}: {me} is not its primary (epoch {view.epoch}: {view.primary})")
@@ -61,6 +62,7 @@ class MirrorLayer(Layer):
         if missing:
             raise ValueError(f"volume {view.volume}: no device for peer replica(s) {', '.join(missing)}")
         self.me = me
+        self.lease = lease          # asked before every acknowledgement (lease.py): None in tests of the rest
         self.view = view
         self.store = store
         self.peers = dict(peers)
@@ -143,6 +145,7 @@ class MirrorLayer(Layer):
             self.dirty.setdefault(n, set()).update(regions)
         await self._mark_all(failed)          # before the acknowledgement (record.py rule 2)
         await self._save_dirty([*grew, *failed])   # and what they miss is on disk before it too
+        self._check_lease()
         self.stats["writes"] += 1
 
     async def flush(self) -> None:
@@ -162,6 +165,14 @@ class MirrorLayer(Layer):
             self.dirty.setdefault(n, set()).update(pending[n])
         await self._mark_all(failed)
         await self._save_dirty(failed)
+        self._check_lease()
+
+    def _check_lease(self) -> None:
+        """A primary whose lease may have lapsed acknowledges nothing (another node may be elected now)."""
+        if self.lease is not None and not self.lease.held:
+            self.fenced = True
+            raise NotPrimary(f"volume {self.view.volume}: {self.me}'s lease was not renewed in time; it is no "
+                             "longer primary")
 
     async def _local_failed(self, e: BaseException) -> NoReturn:
         """The local replica refused or failed: if a newer epoch took it (its fence refuses ours), this node is
