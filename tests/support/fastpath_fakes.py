@@ -1,13 +1,18 @@
 """What the fast-versus-normal byte-equivalence tests of the three frontends share (tests/unit/test_iscsi_fastpath.py,
-test_nvme_fastpath.py, test_nbd_fastpath.py): a transport that keeps what the target sends, the same RAM with its
-fast path taken away by its capabilities, and RAM that counts the commands its fast path answered."""
+test_nvme_fastpath.py, test_nbd_fastpath.py, test_nvme_ana.py): a transport that keeps what the target sends, the
+same RAM with its fast path taken away by its capabilities, RAM that counts the commands its fast path answered,
+and an NVMe/TCP controller brought up over two such transports."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
+
+from nvme_host import HostReader, capsule, connect_cmd, connect_data, icreq, sqe
 
 from openvsan.block.device import Buffer
 from openvsan.block.ram import RamDevice
+from openvsan.frontend.nvme_tcp import Connection, NvmeTcpServer
 
 
 class Wire:
@@ -70,3 +75,29 @@ class Counting(RamDevice):
     def write_now(self, lba: int, data: Buffer) -> bool:
         self.fast += 1
         return super().write_now(lba, data)
+
+
+def last_response(wire: Wire) -> Any:
+    """The last CapsuleResp the target sent on `wire`."""
+    return [p for p in HostReader().feed(bytes(wire.out)) if p.type == 5][-1]
+
+
+async def nvme_controller(srv: NvmeTcpServer, portal: tuple[str, int], nqn: str, *,
+                          sq_flow_off: bool = False) -> tuple[Connection, Connection, Wire, Wire]:
+    """An admin and an I/O queue of one controller of `nqn`, connected and enabled over in-memory transports:
+    (admin, io, admin's wire, io's wire)."""
+    admin, io = Connection(srv, portal), Connection(srv, portal)
+    aw, iw = Wire(), Wire()
+    admin.connection_made(aw)  # type: ignore[arg-type]
+    admin.data_received(icreq())
+    admin.data_received(capsule(connect_cmd(1, 0, 31), connect_data(nqn)))
+    cntlid = last_response(aw).u32(8) & 0xFFFF
+    # Property Set CC: EN, IOSQES 6, IOCQES 4 (NVMe-oF 1.1 §3.4.2)
+    admin.data_received(capsule(sqe(0x7F, 2, 0x00, cdw11=0x14, cdw12=1 | (6 << 16) | (4 << 20))))
+    await asyncio.sleep(0)
+    assert last_response(aw).status == 0
+    io.connection_made(iw)  # type: ignore[arg-type]
+    io.data_received(icreq())
+    io.data_received(capsule(connect_cmd(1, 1, 63, cattr=4 if sq_flow_off else 0), connect_data(nqn, cntlid=cntlid)))
+    assert last_response(iw).status == 0 and io.ctrl is not None
+    return admin, io, aw, iw

@@ -11,12 +11,12 @@ import uuid
 from typing import Any
 
 import pytest
-from fastpath_fakes import AsyncOnly, Counting, Wire
-from nvme_host import HostReader, capsule, connect_cmd, connect_data, icreq, sqe
+from fastpath_fakes import AsyncOnly, Counting, nvme_controller
+from nvme_host import HostReader, capsule, connect_cmd, connect_data, sqe
 
 from openvsan.block import RamDevice
 from openvsan.frontend.config import NvmeNamespaceConfig, NvmeSubsystemConfig
-from openvsan.frontend.nvme_tcp import Connection, NvmeTcpServer
+from openvsan.frontend.nvme_tcp import NvmeTcpServer
 from openvsan.protocol.nvme import ana
 from openvsan.protocol.nvme import identify as ID
 from openvsan.protocol.nvme import status as S
@@ -324,26 +324,11 @@ def test_each_state_refuses_or_serves_every_io_command() -> None:
     run(go())
 
 
-def _resp(wire: Wire) -> Any:
-    return [p for p in HostReader().feed(bytes(wire.out)) if p.type == 5][-1]
-
-
 async def _wire_run(devices: list[Any], steps: list[tuple[str, Any]]) -> bytes:
     vols = [Volume(d, name=f"v{i}", uuid=uuid.UUID(int=i + 1)) for i, d in enumerate(devices)]
     cfg = NvmeSubsystemConfig(NQN, [NvmeNamespaceConfig(1, vols[0])], [A], serial="SN")
     srv = NvmeTcpServer([cfg])
-    admin, io = Connection(srv, A), Connection(srv, A)
-    aw, iw = Wire(), Wire()
-    admin.connection_made(aw)  # type: ignore[arg-type]
-    admin.data_received(icreq())
-    admin.data_received(capsule(connect_cmd(1, 0, 31), connect_data(NQN)))
-    cntlid = _resp(aw).u32(8) & 0xFFFF
-    admin.data_received(capsule(sqe(0x7F, 2, 0x00, cdw11=0x14, cdw12=1 | (6 << 16) | (4 << 20))))
-    await asyncio.sleep(0)
-    io.connection_made(iw)  # type: ignore[arg-type]
-    io.data_received(icreq())
-    io.data_received(capsule(connect_cmd(1, 1, 63), connect_data(NQN, cntlid=cntlid)))
-    assert _resp(iw).status == 0
+    admin, io, _, iw = await nvme_controller(srv, A, NQN)
     for kind, arg in steps:
         if kind == "io":
             io.data_received(arg)

@@ -13,14 +13,14 @@ import uuid
 from collections import Counter
 from typing import Any
 
-from fastpath_fakes import AsyncOnly, Counting, Wire
+from fastpath_fakes import AsyncOnly, Counting, nvme_controller
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from nvme_host import HostReader, capsule, connect_cmd, connect_data, icreq, sqe
+from nvme_host import HostReader, capsule, sqe
 
 from openvsan.block.ram import RamDevice
 from openvsan.frontend.config import NvmeNamespaceConfig, NvmeSubsystemConfig
-from openvsan.frontend.nvme_tcp import Connection, NvmeTcpServer
+from openvsan.frontend.nvme_tcp import NvmeTcpServer
 from openvsan.protocol.nvme import status as S
 from openvsan.protocol.nvme.reservations import EXCLUSIVE_ACCESS, WRITE_EXCLUSIVE
 from openvsan.protocol.nvme.subsystem import ANA_CHANGE, ANA_INACCESSIBLE, ANA_NON_OPTIMIZED, ANA_OPTIMIZED
@@ -117,30 +117,13 @@ def random_stream(rnd: random.Random, n: int) -> list[Step]:
 
 
 # --- a target with one subsystem: namespace 1 read-write, namespace 2 read-only -------------------------
-def _resp(wire: Wire) -> Any:
-    return [p for p in HostReader().feed(bytes(wire.out)) if p.type == 5][-1]
-
-
 async def run(devices: list[Any], steps: list[Step], sq_flow_off: bool) -> tuple[bytes, bytes]:
     vols = [Volume(d, name=f"v{i}", uuid=uuid.UUID(int=i + 1), serial=f"s{i}") for i, d in enumerate(devices)]
     cfg = NvmeSubsystemConfig(NQN, [NvmeNamespaceConfig(1, vols[0]), NvmeNamespaceConfig(2, vols[1], read_only=True)],
                               [PORTAL], serial="SN")
     srv = NvmeTcpServer([cfg])
     sub = srv.fabric.subsystems[NQN]
-    admin, io = Connection(srv, PORTAL), Connection(srv, PORTAL)
-    aw, iw = Wire(), Wire()
-    admin.connection_made(aw)  # type: ignore[arg-type]
-    admin.data_received(icreq())
-    admin.data_received(capsule(connect_cmd(1, 0, 31), connect_data(NQN)))
-    cntlid = _resp(aw).u32(8) & 0xFFFF
-    # Property Set CC: EN, IOSQES 6, IOCQES 4 (NVMe-oF 1.1 §3.4.2)
-    admin.data_received(capsule(sqe(0x7F, 2, 0x00, cdw11=0x14, cdw12=1 | (6 << 16) | (4 << 20))))
-    await asyncio.sleep(0)
-    assert _resp(aw).status == 0
-    io.connection_made(iw)  # type: ignore[arg-type]
-    io.data_received(icreq())
-    io.data_received(capsule(connect_cmd(1, 1, 63, cattr=4 if sq_flow_off else 0), connect_data(NQN, cntlid=cntlid)))
-    assert _resp(iw).status == 0 and io.ctrl is not None
+    admin, io, aw, iw = await nvme_controller(srv, PORTAL, NQN, sq_flow_off=sq_flow_off)
     for step in steps:
         if step[0] == "io":
             io.data_received(step[1])
