@@ -138,6 +138,12 @@ def _is_unavailable(e: BaseException) -> bool:
     )
 
 
+def _is_stream_lost(e: BaseException) -> bool:
+    if isinstance(e, rpc.AioRpcError):
+        return e.code() == rpc.StatusCode.INTERNAL
+    return isinstance(e, aetcd.exceptions.InternalError)
+
+
 def _why(e: BaseException) -> str:
     if isinstance(e, rpc.AioRpcError):
         return f"{e.code().name}: {e.details()}"
@@ -366,7 +372,9 @@ class EtcdStateStore(StateStore):
             except aetcd.exceptions.RevisionCompactedError as e:
                 raise Compacted(nxt, int(e.compacted_revision)) from None
             except (aetcd.exceptions.ClientError, rpc.AioRpcError) as e:
-                if not _is_unavailable(e):
+                # a stream torn down with its member ends as INTERNAL ("Internal error from Core") as often
+                # as UNAVAILABLE; a watch resumes by revision, so either is the member going away
+                if not (_is_unavailable(e) or _is_stream_lost(e)):
                     raise StoreError(f"etcd at {where}: watch {prefix}: {_why(e)}") from None
             finally:
                 with contextlib.suppress(Exception):
