@@ -71,7 +71,7 @@ def test_full_featured_target() -> None:
 
 
 @pytest.mark.parametrize("data, expect", [
-    (cfg(colour="blue"), 'colour: unknown key; remove it'),
+    (cfg(flavour="blue"), 'flavour: unknown key; remove it'),
     (cfg(node={"nmae": "x"}), 'node.nmae: unknown key; did you mean "name"?'),
     (cfg(devices=[{"name": "a", "type": "ram", "size": "1MiB", "szie": 1}]), 'devices[0].szie: unknown key; did you'),
     (cfg(devices=[{"name": "a", "type": "ram", "size": "1MiB", "path": "/x"}]),

@@ -212,6 +212,45 @@ def export_list(as_json: JsonOpt = False, data_dir: DataDir = None, config: Conf
     _console().print(t)
 
 
+# ---- replication
+
+@volume_app.command("status")
+def volume_status(name: VolumeArg, as_json: JsonOpt = False, data_dir: DataDir = None,
+                  config: ConfigOpt = None) -> None:
+    """A replicated volume on this node: role, epoch, primary, replicas in and out of sync, resync progress."""
+    r = _call(data_dir, config, "volume.status", name=name)
+    if as_json:
+        _print_json(r)
+        return
+    if not r.get("replicated"):
+        typer.echo(f"volume {name}: not replicated (one copy, on this node)")
+        return
+    typer.echo(f"volume {name}: {r['role']} on this node; epoch {r['epoch']}, primary {r.get('primary') or 'none'}")
+    typer.echo(f"  replicas: {', '.join(r['nodes'])}; in sync: {', '.join(r['in_sync']) or 'none'}")
+    for n, since in (r.get("out_of_sync") or {}).items():
+        typer.echo(f"  {n}: out of sync since epoch {since}")
+    for n, p in (r.get("peers") or {}).items():
+        state = "connected" if p["connected"] else "not connected"
+        left = p["dirty_regions"] * r.get("region_size", 0)
+        resync = f", resyncing ({left} bytes left)" if p["resyncing"] else (f", {left} bytes to resync" if left else "")
+        typer.echo(f"  peer {n} at {p['address']}: {state}{resync}")
+    m = r.get("mirror")
+    if m:
+        typer.echo(f"  writes {m['writes']}, peer failures {m['peer_failures']}, resync {m['resync_bytes']} bytes")
+    typer.echo(f"  fence: floor {r['fence']['floor']}, stale-epoch commands refused {r['fence']['refused']}")
+
+
+@volume_app.command("move-primary")
+def volume_move_primary(name: VolumeArg, as_json: JsonOpt = False, data_dir: DataDir = None,
+                        config: ConfigOpt = None) -> None:
+    """Planned switchover: this node (the primary) drains and steps down; an in-sync peer becomes primary."""
+    r = _call(data_dir, config, "volume.move_primary", name=name)
+    if as_json:
+        _print_json(r)
+        return
+    typer.echo(f"volume {name}: this node stepped down (it is {r['role']} now); an in-sync peer takes over")
+
+
 # ---- QoS
 
 QOS_KNOBS = [f"{scope}{kind}_{part}" for kind in ("iops", "bps") for scope in ("read_", "write_", "")

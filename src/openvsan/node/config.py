@@ -97,7 +97,8 @@ def parse_config(data: dict[str, Any], *, base_dir: Path | None = None, data_dir
         _volume_ref(f"nbd.exports[{i}].volume", e.volume, known, names)
     cfg = NodeConfig(doc.node, doc.devices, doc.volumes, doc.iscsi.targets if doc.iscsi else (), nvme=doc.nvme,
                      nbd_exports=doc.nbd.exports if doc.nbd else (), pools=doc.pools,
-                     nbd_tls=doc.nbd.tls if doc.nbd else None)
+                     nbd_tls=doc.nbd.tls if doc.nbd else None, cluster=doc.cluster)
+    _check_replicas(cfg)
     _check_portal_clashes(cfg)
     from openvsan.node.access import check_access_policy  # it reads these specs: imported late, no cycle
     check_access_policy(cfg)
@@ -292,6 +293,19 @@ def _volume_ref(key: str, volume: str, known: set[str], names: list[str]) -> Non
         choices = f"use one of: {', '.join(names)}" if names else "none is defined"
         raise ConfigError(f"{key}: unknown volume {fmt(volume)}; define it under [[volumes]] or {choices}")
 
+def _check_replicas(cfg: NodeConfig) -> None:
+    """A replicated volume lives on a cluster node, which holds one of its replicas."""
+    for i, v in enumerate(cfg.volumes):
+        if not v.replicated:
+            continue
+        if cfg.cluster is None:
+            raise ConfigError(f"volumes[{i}].replicas: a replicated volume needs the node in a cluster; add a "
+                              '[cluster] table (id, etcd, replication), or set replicas = 1')
+        if cfg.node.name not in v.nodes:
+            raise ConfigError(f"volumes[{i}].nodes: this node ({fmt(cfg.node.name)}) is not one of "
+                              f"{', '.join(v.nodes)}; a node declares only the volumes it holds a replica of")
+
+
 def _check_portal_clashes(cfg: NodeConfig) -> None:
     """Two protocols cannot listen on one address: the second server would fail to bind at start."""
     seen: dict[Portal, tuple[str, str]] = {}  # portal -> (protocol, key path)
@@ -304,6 +318,8 @@ def _check_portal_clashes(cfg: NodeConfig) -> None:
             uses += [("NVMe/TCP", f"nvme.subsystems[{i}].portals", p) for p in sub.portals]
     for i, e in enumerate(cfg.nbd_exports):
         uses += [("NBD", f"nbd.exports[{i}].portals", p) for p in e.portals]
+    if cfg.cluster is not None:
+        uses.append(("replication", "cluster.replication", cfg.cluster.replication))
     wildcard = ("0.0.0.0", "::")
     for proto, key, p in uses:
         for q, (other, where) in seen.items():

@@ -209,6 +209,27 @@ async def volume_show(node: Node, args: R.VolumeShow) -> Any:
     return _describe(node, args.name)
 
 
+@command("volume.status", R.VolumeShow)
+async def volume_status(node: Node, args: R.VolumeShow) -> Any:
+    """A volume's replication: this node's role, the epoch and primary, replicas in and out of sync, resync
+    progress, fence counters (replication/controller.py status)."""
+    _known_volume(node, args.name)
+    status = node.replication.status(args.name) if node.replication is not None else None
+    return {"volume": args.name, "replicated": status is not None, **(status or {})}
+
+
+@command("volume.move_primary", R.VolumeShow)
+async def volume_move_primary(node: Node, args: R.VolumeShow) -> Any:
+    """A planned switchover: this node, the primary, drains and gives up its epoch; an in-sync peer claims it."""
+    _known_volume(node, args.name)
+    if node.replication is None or node.replication.status(args.name) is None:
+        raise RequestError(f"volume {args.name} is not replicated")
+    try:
+        return await node.replication.move_primary(args.name)
+    except Exception as e:  # noqa: BLE001 - not the primary, or the store refused: one line
+        raise RequestError(str(e)) from None
+
+
 # ---- exports
 
 def _portals(args: R.ExportAdd, fallback: list[str]) -> list[str]:

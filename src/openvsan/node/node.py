@@ -137,6 +137,7 @@ class Node:
     busy_poll: BusyPoll | None = None
     limits: ConnectionLimits | None = None                   # one for all three servers (frontend/limits.py)
     auth_throttle: AuthThrottle | None = None                # failed logins per (initiator, address)
+    replication: Any = None                                  # node/replicas.py NodeReplication with [cluster]
 
     def __post_init__(self) -> None:
         self.pools = ServedPools(self.state, self.data_dir, self.devices)
@@ -162,9 +163,22 @@ class Node:
                 await self.pools.assemble()
             except PoolSetupError as e:
                 raise NodeError(str(e)) from None
+            shared: dict[str, VolumeIdentity] = {}
+            if cfg.cluster is not None:
+                # the cluster first: a replicated volume's identity is the replica set's, on every node
+                from openvsan.node.replicas import NodeReplication, ReplicationSetupError
+
+                self.replication = NodeReplication(self, cfg.cluster)
+                try:
+                    shared = await self.replication.join()
+                except ReplicationSetupError as e:
+                    raise NodeError(str(e)) from None
             for vspec in cfg.volumes:
                 base = self.pools[vspec.pool].pool if vspec.pool is not None else self.devices[str(vspec.device)]
-                self.volumes[vspec.name] = open_volume(vspec, base, self.state.identities[vspec.name])
+                identity = shared.get(vspec.name) or self.state.identities[vspec.name]
+                self.volumes[vspec.name] = open_volume(vspec, base, identity)
+            if self.replication is not None:
+                await self.replication.start()      # replicas standby, then served to the primary
             (self.data_dir / "pr").mkdir(mode=0o700, exist_ok=True)
             for t in cfg.targets:
                 self.targets.append(self.build_target(t))
@@ -189,7 +203,12 @@ class Node:
             self.control_server = ControlServer(socket_path(self.data_dir), self.control)
             await self.control_server.start()
             self.pools.start_meter()
+            if self.replication is not None:
+                self.replication.refresh_paths()
+                self.replication.run()
         except BaseException:
+            if self.replication is not None:
+                await self.replication.stop()
             await self._stop_servers()
             await self.close_devices()
             raise
@@ -265,6 +284,9 @@ class Node:
             f = self.factories or Factories.default()
             self.luns[volume] = f.lun(self.volumes[volume], read_only=self._volume_spec(volume).read_only,
                                       pr_state_path=self.data_dir / "pr" / f"{volume}.json")
+            groups = self.replication.alua.get(volume) if self.replication is not None else None
+            if groups is not None and hasattr(self.luns[volume], "set_alua"):
+                self.luns[volume].set_alua(groups)   # one target port group per replica node
         return self.luns[volume]
 
     def drop_lun_if_unused(self, volume: str) -> None:
@@ -354,6 +376,9 @@ class Node:
     async def stop(self) -> None:
         """Stop accepting, drain in-flight commands, make everything acknowledged durable, close."""
         await self._stop_control()
+        if self.replication is not None:
+            await self.replication.stop()    # a primary steps down (drained), so a peer takes over at once
+            self.replication = None
         if self._servers():
             log.info("stopping: draining in-flight commands")
             await self._stop_servers()

@@ -99,6 +99,9 @@ def _refuse_fixed(actual: NodeConfig, desired: NodeConfig) -> None:
                           "--config, not by apply; leave the pools as they are in the file")
     if actual.nvme is not None and desired.nvme is not None and actual.nvme.portals != desired.nvme.portals:
         raise PlanRefused("[nvme] portals (the discovery portals): change only when vsan serve restarts")
+    if actual.cluster != desired.cluster:
+        raise PlanRefused("[cluster]: the node's cluster membership changes only when vsan serve restarts "
+                          "(`vsan cluster join|leave`, then a restart)")
     if actual.nbd_tls != desired.nbd_tls:
         raise PlanRefused("[nbd] tls: the NBD server's TLS credentials change only when vsan serve restarts")
     for name, dev in _by(actual.devices, "name").items():
@@ -114,6 +117,9 @@ def _refuse_fixed(actual: NodeConfig, desired: NodeConfig) -> None:
                               "a device in service does not shrink (data would be cut off)")
     for name, vol in _by(actual.volumes, "name").items():
         new = _by(desired.volumes, "name").get(name)
+        if new is not None and (new.replicas, new.nodes) != (vol.replicas, vol.nodes):
+            raise PlanRefused(f"volume {name}: its replicas and nodes change only when vsan serve restarts (every "
+                              "replica node with the same list)")
         if new is not None and (new.device, new.pool) != (vol.device, vol.pool):
             raise PlanRefused(f"volume {name}: it cannot move to another device or pool while serving; create a new "
                               "volume there and copy the data")

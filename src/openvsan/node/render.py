@@ -56,6 +56,9 @@ def _volume(v: VolumeSpec) -> dict[str, Any]:
         out["device"] = v.device
     if v.qos:
         out["qos"] = dict(v.qos)
+    if v.replicated:
+        out["replicas"] = v.replicas
+        out["nodes"] = list(v.nodes)
     return out
 
 
@@ -133,4 +136,9 @@ def config_document(cfg: NodeConfig) -> dict[str, Any]:
             nbd["tls"] = {"cert": str(t.cert), "key": str(t.key), "verify_client": t.verify_client,
                           **({"ca": str(t.ca)} if t.ca is not None else {})}
         doc["nbd"] = nbd
+    if cfg.cluster is not None:
+        c = cfg.cluster
+        doc["cluster"] = {"id": c.id, "etcd": list(c.etcd), "replication": str(c.replication),
+                          "lease_ttl": c.lease_ttl, "suspend_seconds": c.suspend_seconds,
+                          **({"management": c.management} if c.management is not None else {})}
     return doc

@@ -70,7 +70,11 @@ POOL_LEVELS = {"raid0": 1, "raid1": 2, "raid10": 4, "raid5": 3, "raid6": 4}
 MAX_CHUNK = 16 << 20
 BLOCK_SIZES = (512, 4096)
 MAX_LUN = 16383  # SAM-5 flat/peripheral addressing as Linux and Windows use it: 14 bits
-MAX_NSID = 0xFFFFFFFE  # NVMe Base 2.0 §3.2.1.2: 0 and FFFFFFFFh are not valid namespace IDs
+MAX_NSID = 0xFFFFFFFE
+MAX_REPLICAS = 3
+DEFAULT_LEASE_TTL = 5          # seconds: a primary's etcd lease (failover takes about this long)
+DEFAULT_SUSPEND_SECONDS = 30   # seconds I/O is held, not failed, while the cluster store has no quorum
+DEFAULT_REPLICATION_PORT = 4430  # NVMe Base 2.0 §3.2.1.2: 0 and FFFFFFFFh are not valid namespace IDs
 ISCSI_PORT, NVME_PORT, NBD_PORT = 3260, 4420, 10809  # IANA: iSCSI; NVMe/TCP I/O controllers; NBD
 NBD_TLS_MODES = ("off", "optional", "require")
 DATA_DIR_REF = "${data_dir}"   # a device path or backing starting with this lies in the node's data dir
@@ -429,6 +433,24 @@ class VolumeSpec:
     # QoS limits (volume/qos.py QosLimits knobs that are set: read_iops_limit, bps_burst, ...); empty: none,
     # and then no QoS layer at all in its stack
     qos: Annotated[dict[str, int | float], BeforeValidator(_qos)] = field(default_factory=dict, hash=False)
+    # replication (replication/, issue 12): the copies kept, one per node; `nodes` names them, this node among
+    # them. 1: a volume of this node alone
+    replicas: Annotated[Int, _in_range(1, MAX_REPLICAS, f"use 1 (not replicated), 2 or {MAX_REPLICAS}")] = 1
+    nodes: Annotated[tuple[Name, ...], AfterValidator(_unique)] = ()
+
+    @model_validator(mode="after")
+    def _replica_nodes(self) -> VolumeSpec:
+        if self.replicas == 1 and self.nodes:
+            raise SpecError(f"names nodes {', '.join(self.nodes)} but the volume has replicas = 1; set replicas = "
+                            f"{max(len(self.nodes), 2)} or remove nodes", "nodes")
+        if self.replicas > 1 and len(self.nodes) != self.replicas:
+            raise SpecError(f"replicas = {self.replicas} needs that many node names, e.g. nodes = "
+                            f"{json.dumps([f'node{i + 1}' for i in range(self.replicas)])}", "nodes")
+        return self
+
+    @property
+    def replicated(self) -> bool:
+        return self.replicas > 1
 
     @model_validator(mode="after")
     def _one_home(self) -> VolumeSpec:
@@ -702,6 +724,42 @@ class NbdTlsSpec:
         return self
 
 
+def _endpoint(v: object) -> object:
+    if isinstance(v, str):
+        rest = v.removeprefix("http://")
+        if not rest or "/" in rest or ":" not in rest:
+            raise SpecError(f"{fmt(v)}: an etcd client URL is host:port (or http://host:port), e.g. "
+                            '"10.0.0.1:2379"')
+    return v
+
+
+@dataclass(frozen=True, config=SPEC)
+class ClusterSpec:
+    """[cluster]: this node is a member of a cluster whose shared state (replica sets, leases, members) lives
+    in etcd. The node's own name is [node] name."""
+
+    id: Annotated[Str, Hint('add id = "cluster1" (what `vsan cluster init --id` was given)'),
+                  _check(check_object_name)]
+    etcd: Annotated[tuple[Annotated[Str, AfterValidator(_endpoint)], ...],
+                    Hint('add etcd = ["10.0.0.1:2379", "10.0.0.2:2379", "10.0.0.3:2379"] (every member, the '
+                         "witness too)")]
+    # where peers reach this node's replicas (NVMe/TCP, our replication path); never the initiators
+    replication: Annotated[PortalT, Hint(f'add replication = "10.0.1.1:{DEFAULT_REPLICATION_PORT}" (an address '
+                                         "the other nodes reach)")]
+    management: Str | None = None       # the REST API's address, published for `vsan cluster status`
+    lease_ttl: Annotated[Int, _in_range(2, 60, f"use 2 to 60 seconds (default {DEFAULT_LEASE_TTL})")] = \
+        DEFAULT_LEASE_TTL
+    suspend_seconds: Annotated[Number, _in_range(0, 3600, "use 0 (fail at once) to 3600 seconds (default "
+                                                 f"{DEFAULT_SUSPEND_SECONDS})")] = DEFAULT_SUSPEND_SECONDS
+
+    @field_validator("etcd")
+    @classmethod
+    def _some(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        if not v:
+            raise SpecError('list at least one etcd member, e.g. etcd = ["10.0.0.1:2379"]')
+        return _unique(v)
+
+
 @dataclass(frozen=True, config=SPEC)
 class NodeConfig:
     node: NodeSettings
@@ -713,6 +771,7 @@ class NodeConfig:
     nbd_exports: tuple[NbdExportSpec, ...] = ()
     pools: tuple[PoolSpec, ...] = ()
     nbd_tls: NbdTlsSpec | None = None
+    cluster: ClusterSpec | None = None            # None: a node of its own (no replicated volumes)
 
     @property
     def subsystems(self) -> tuple[SubsystemSpec, ...]:
@@ -810,3 +869,4 @@ class ConfigDocument:
     iscsi: IscsiSection | None = None
     nvme: NvmeSpec | None = None
     nbd: NbdSection | None = None
+    cluster: Annotated[ClusterSpec | None, Table('a [cluster] table')] = None

@@ -66,7 +66,7 @@ MIGRATED = "state.db.migrated"
 SECRETS = "secrets.json"  # in the data dir, mode 0600: every secret, so a dump of the state carries none
 
 DESIRED = "/desired"
-_SINGLE = ("/node", "/nvme", "/nbd")
+_SINGLE = ("/node", "/nvme", "/nbd", "/cluster")
 _LISTS = {"/devices/": "devices", "/pools/": "pools", "/volumes/": "volumes"}
 _CHILDREN = ("/iscsi/targets/", "/nvme/subsystems/", "/nbd/exports/")
 IDENTITIES = "/identities/"
@@ -145,6 +145,8 @@ def config_objects(cfg: NodeConfig) -> dict[str, dict[str, Any]]:
         for i, e in enumerate(nbd.pop("exports")):
             out["/nbd/exports/" + _seg(e["name"])] = {"position": i, **e}
         out["/nbd"] = nbd
+    if "cluster" in doc:
+        out["/cluster"] = doc["cluster"]
     # as the store gives them back (lists, not tuples), so a comparison with what is stored is exact
     normal: dict[str, dict[str, Any]] = json.loads(json.dumps(out))
     return normal
@@ -187,6 +189,8 @@ def config_from_objects(objects: Mapping[str, Mapping[str, Any]], secrets: Mappi
     exports = ordered("/nbd/exports/")
     if "/nbd" in objects or exports:
         doc["nbd"] = {**objects.get("/nbd", {}), "exports": exports}
+    if "/cluster" in objects:
+        doc["cluster"] = dict(objects["/cluster"])
     return parse_config(doc)
 
 

@@ -52,13 +52,41 @@ class EpochFence(Reservations):
             return S.INVALID_FIELD      # the replication path holds Write Exclusive, nothing else
         status = super().acquire(host, racqa, rtype, iekey, crkey, prkey)
         if status == S.SUCCESS and key is not None and key > self.floor:
-            if self._persist is not None:
-                self._persist(key)        # durable before the new primary is told it holds the replica
-            self.floor = key
-            for h in [h for h, k in self.registrants.items() if k < key]:
-                del self.registrants[h]
-                self.generation += 1
+            self._raise_floor(key)
         return status
+
+    def _raise_floor(self, key: int) -> None:
+        if key <= self.floor:
+            return
+        if self._persist is not None:
+            self._persist(key)            # durable before the new primary is told it holds the replica
+        self.floor = key
+        for h in [h for h, k in self.registrants.items() if k < key]:
+            del self.registrants[h]
+            self.generation += 1
+
+    def take_local(self, host: bytes, epoch: int) -> bool:
+        """The primary of `epoch` takes its own replica in-process, as a peer would over the wire (register
+        `epoch`, then acquire or preempt the holder): False when a newer epoch holds it already."""
+        if epoch < self.floor:
+            self.refused += 1
+            return False
+        if (self.register(host, 0, False, 0, 0, epoch) != S.SUCCESS
+                and self.register(host, 2, True, 0, 0, epoch) != S.SUCCESS):
+            return False
+        if self.holder == host and self.rtype:
+            self._raise_floor(epoch)           # ours already (an earlier epoch of this node): now this one's
+            return True
+        holder = self.registrants.get(self.holder) if self.holder is not None else None
+        if holder is None:
+            status = self.acquire(host, 0, WRITE_EXCLUSIVE, False, epoch, 0)
+        else:
+            status = self.acquire(host, 1, WRITE_EXCLUSIVE, False, epoch, holder)
+        return status == S.SUCCESS and self.floor == epoch
+
+    def holds(self, host: bytes, epoch: int) -> bool:
+        """Whether `host` holds the replica for `epoch` now (nobody newer took it)."""
+        return self.floor == epoch and self.registrants.get(host) == epoch
 
     def allows(self, host: bytes, write: bool) -> bool:
         key = self.registrants.get(host)

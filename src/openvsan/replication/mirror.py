@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any, NoReturn
@@ -32,7 +33,7 @@ from typing import Any, NoReturn
 from openvsan.block.device import BlockDevice, Buffer
 from openvsan.block.errors import Busy
 from openvsan.block.layer import Layer
-from openvsan.node.statestore import StateStore
+from openvsan.node.statestore import StateStore, StoreError
 from openvsan.replication import record as R
 from openvsan.replication.dirty import DirtyFile
 from openvsan.replication.lease import LeaseKeeper
@@ -52,7 +53,9 @@ class MirrorLayer(Layer):
 
     def __init__(self, below: BlockDevice, *, me: str, view: R.ReplicaSet, store: StateStore,
                  peers: Mapping[str, BlockDevice], region_size: int = DEFAULT_REGION, name: str | None = None,
-                 dirty_dir: Path | None = None, lease: LeaseKeeper | None = None) -> None:
+                 dirty_dir: Path | None = None, lease: LeaseKeeper | None = None, activity: Any = None,
+                 hot: Iterable[int] = (), suspend: float = 0.0, clock: Callable[[], float] = time.monotonic,
+                 sleep: Callable[[float], Awaitable[None]] = asyncio.sleep) -> None:
         super().__init__(below, name=name or f"mirror:{view.volume}")
         if view.primary != me:
             raise ValueError(f"volume {view.volume}: {me} is not its primary (epoch {view.epoch}: {view.primary})")
@@ -63,6 +66,10 @@ class MirrorLayer(Layer):
             raise ValueError(f"volume {view.volume}: no device for peer replica(s) {', '.join(missing)}")
         self.me = me
         self.lease = lease          # asked before every acknowledgement (lease.py): None in tests of the rest
+        # activity.py's log (or None): every region written is in it, durably, before the write is sent
+        self.activity = activity
+        self.suspend = suspend      # seconds an acknowledgement waits for the store (lease, marking) before failing
+        self.clock, self.sleep = clock, sleep
         self.view = view
         self.store = store
         self.peers = dict(peers)
@@ -76,6 +83,13 @@ class MirrorLayer(Layer):
         for n, since in view.out_of_sync.items():
             saved = self._files[n].load(since) if n in self._files else None
             self.dirty[n] = saved if saved is not None else set(self._all_regions())
+        # regions that may differ because a primary (this node or another) crashed or was fenced with writes
+        # in flight (its activity log, activity.py): copied to every peer, in sync or not
+        hot = set(hot)
+        if hot:
+            for n in view.nodes:
+                if n != me:
+                    self.dirty.setdefault(n, set()).update(hot)
         self._grown: dict[str, int] = {n: 0 for n in self.dirty}    # times each peer's dirty set grew
         self._saved: dict[str, int] = {n: 0 for n in self.dirty}    # ... as of its last save
         self._save_locks: dict[str, asyncio.Lock] = {}
@@ -123,12 +137,18 @@ class MirrorLayer(Layer):
         try:
             grew = []
             for n, d in self.dirty.items():   # out of sync and not getting it: it misses these regions
-                if n not in self._syncing and not d.issuperset(regions):
+                if n in self.view.out_of_sync and n not in self._syncing and not d.issuperset(regions):
                     d.update(regions)
                     grew.append(n)
             targets = self._targets()
-            results = await asyncio.gather(op(self.below), *(op(self.peers[n]) for n in targets),
-                                           return_exceptions=True)
+            if self.activity is not None:
+                await self.activity.enter(regions)    # durable before any replica can have the write
+            try:
+                results = await asyncio.gather(op(self.below), *(op(self.peers[n]) for n in targets),
+                                               return_exceptions=True)
+            finally:
+                if self.activity is not None:
+                    self.activity.leave(regions)
         finally:
             self._leave(token)
         local = results[0]
@@ -145,7 +165,7 @@ class MirrorLayer(Layer):
             self.dirty.setdefault(n, set()).update(regions)
         await self._mark_all(failed)          # before the acknowledgement (record.py rule 2)
         await self._save_dirty([*grew, *failed])   # and what they miss is on disk before it too
-        self._check_lease()
+        await self._check_lease()
         self.stats["writes"] += 1
 
     async def flush(self) -> None:
@@ -165,14 +185,32 @@ class MirrorLayer(Layer):
             self.dirty.setdefault(n, set()).update(pending[n])
         await self._mark_all(failed)
         await self._save_dirty(failed)
-        self._check_lease()
+        await self._check_lease()
 
-    def _check_lease(self) -> None:
-        """A primary whose lease may have lapsed acknowledges nothing (another node may be elected now)."""
-        if self.lease is not None and not self.lease.held:
+    async def _check_lease(self) -> None:
+        """A primary whose lease may have lapsed acknowledges nothing (another node may be elected now). While
+        the store does not answer, the acknowledgement waits up to `suspend` seconds for a renewal (I/O is
+        suspended, not failed: a renewal that gets through proves the lease still lives)."""
+        if self.lease is None or self.lease.held:
+            return
+        deadline = self.clock() + self.suspend
+        while not self.lease.held and not self.lease.lost and self.clock() < deadline:
+            await self.sleep(min(0.05, max(deadline - self.clock(), 0.001)))
+        if not self.lease.held:
             self.fenced = True
             raise NotPrimary(f"volume {self.view.volume}: {self.me}'s lease was not renewed in time; it is no "
                              "longer primary")
+
+    async def drain(self) -> None:
+        """Wait for the requests in flight (after fencing: none of them is acknowledged any more)."""
+        while self._ops:
+            await next(iter(self._ops.values()))[2].wait()
+
+    async def save_all_dirty(self) -> None:
+        """Every out-of-sync peer's dirty regions to its file now (after seeding them with a hot set)."""
+        for n in list(self.dirty):
+            if n in self._files and n in self.view.out_of_sync:
+                await asyncio.to_thread(self._files[n].save, set(self.dirty[n]), self.view.out_of_sync[n])
 
     async def _local_failed(self, e: BaseException) -> NoReturn:
         """The local replica refused or failed: if a newer epoch took it (its fence refuses ours), this node is
@@ -217,8 +255,15 @@ class MirrorLayer(Layer):
             fut = asyncio.get_running_loop().create_future()
             self._marking[node] = fut
             try:
-                if node in self.view.in_sync:
-                    self.view = await R.mark_out_of_sync(self.store, self.view, node)
+                deadline = self.clock() + self.suspend
+                while node in self.view.in_sync:
+                    try:
+                        self.view = await R.mark_out_of_sync(self.store, self.view, node)
+                    except StoreError:
+                        if self.clock() >= deadline:      # suspended long enough: fail the write
+                            raise
+                        await self.sleep(0.2)
+                        continue
                     log.warning("volume %s: peer %s is out of sync since epoch %d", self.view.volume, node,
                                 self.view.epoch)
                 fut.set_result(None)

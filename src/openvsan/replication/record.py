@@ -62,6 +62,7 @@ class ReplicaSet:
     primary: str | None = None
     out_of_sync: Mapping[str, int] = field(default_factory=dict)   # node -> epoch since which it misses writes
     revision: int = 0                   # the record's revision in the store (what a CAS expects)
+    uuid: str | None = None             # the volume's identity on every replica node (NAA, EUI-64, NGUID, serial)
 
     @property
     def in_sync(self) -> tuple[str, ...]:
@@ -69,12 +70,12 @@ class ReplicaSet:
 
     def value(self) -> dict[str, Any]:
         return {"nodes": list(self.nodes), "epoch": self.epoch, "primary": self.primary,
-                "out_of_sync": dict(self.out_of_sync)}
+                "out_of_sync": dict(self.out_of_sync), **({"uuid": self.uuid} if self.uuid else {})}
 
     @classmethod
     def from_entry(cls, volume: str, value: Mapping[str, Any], revision: int) -> ReplicaSet:
         return cls(volume, tuple(value["nodes"]), int(value["epoch"]), value.get("primary"),
-                   {str(k): int(v) for k, v in value.get("out_of_sync", {}).items()}, revision)
+                   {str(k): int(v) for k, v in value.get("out_of_sync", {}).items()}, revision, value.get("uuid"))
 
 
 def _key(prefix: str, volume: str) -> str:
@@ -82,14 +83,14 @@ def _key(prefix: str, volume: str) -> str:
     return prefix + volume
 
 
-async def create(store: StateStore, volume: str, nodes: Sequence[str]) -> ReplicaSet:
+async def create(store: StateStore, volume: str, nodes: Sequence[str], *, uuid: str | None = None) -> ReplicaSet:
     """A new replica set: every replica in sync (each starts empty, or from a full copy before it joins)."""
     nodes = tuple(nodes)
     if not 2 <= len(nodes) <= MAX_REPLICAS or len(set(nodes)) != len(nodes):
         raise ReplicationError(f"volume {volume}: replicas on 2 or {MAX_REPLICAS} different nodes, not {list(nodes)}")
     for n in nodes:
         check_object_name(n)
-    rs = ReplicaSet(volume, nodes)
+    rs = ReplicaSet(volume, nodes, uuid=uuid)
     try:
         rev = await store.put(_key(VOLUMES, volume), rs.value(), expect=0)
     except Conflict:

@@ -1,0 +1,149 @@
+"""`vsan cluster init|join|leave|status`: a cluster's membership in etcd (cluster/membership.py).
+
+`init` makes the cluster once (its ID); `join` adds a node (vsan serve with a [cluster] table also joins by
+itself at start); `leave` removes one that holds no replica; `status` shows the members, which are up, and
+every replicated volume's primary, epoch and replicas in sync. Each talks to etcd directly (`--etcd`, or the
+[cluster] table of `--config`). Errors are one line on stderr: exit 2 for a refused change, 1 when etcd
+does not answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Annotated, Any, TypeVar
+
+import typer
+from rich.table import Table
+
+from openvsan.cli.pool import EXIT_FAILED, EXIT_USAGE, JsonOpt, _console, _fail, _print_json
+
+cluster_app = typer.Typer(help="A cluster of nodes sharing state in etcd: init, join, leave, status.",
+                          no_args_is_help=True)
+
+T = TypeVar("T")
+EtcdOpt = Annotated[str | None, typer.Option("--etcd", help="etcd client URLs, comma-separated (host:port,...); "
+                                                            "default: [cluster] etcd of --config.")]
+ConfigOpt = Annotated[Path | None, typer.Option("--config", "-c", help="A node's config file (its [cluster]).")]
+
+
+def _cluster_of(config: Path | None) -> Any:
+    if config is None:
+        return None
+    from openvsan.node.config import ConfigError, load_config
+
+    try:
+        return load_config(config).cluster
+    except ConfigError as e:
+        _fail(str(e), EXIT_USAGE)
+
+
+def _endpoints(etcd: str | None, config: Path | None) -> list[str]:
+    if etcd:
+        return [e.strip() for e in etcd.split(",") if e.strip()]
+    c = _cluster_of(config)
+    if c is None:
+        _fail("give --etcd host:port[,host:port...] or --config FILE with a [cluster] table", EXIT_USAGE)
+    return list(c.etcd)
+
+
+def _run(endpoints: list[str], work: Callable[[Any], Awaitable[T]]) -> T:
+    from openvsan.cluster import membership as M
+    from openvsan.cluster.etcd import EtcdStateStore
+    from openvsan.node.replicas import ETCD_PREFIX
+    from openvsan.node.statestore import StoreError
+
+    async def go() -> T:
+        store = EtcdStateStore(endpoints, prefix=ETCD_PREFIX, timeout=5.0)
+        try:
+            return await work(store)
+        finally:
+            await store.close()
+
+    try:
+        return asyncio.run(go())
+    except (M.ClusterError, ValueError) as e:
+        _fail(str(e), EXIT_USAGE)
+    except StoreError as e:
+        _fail(f"etcd at {', '.join(endpoints)}: {e}", EXIT_FAILED)
+
+
+@cluster_app.command("init")
+def cluster_init(cluster_id: Annotated[str, typer.Option("--id", help="The cluster's ID ([cluster] id).")],
+                 etcd: EtcdOpt = None, config: ConfigOpt = None) -> None:
+    """Make the cluster in etcd, once (again with the same ID: nothing changes)."""
+    from openvsan.cluster import membership as M
+
+    _run(_endpoints(etcd, config), lambda s: M.init(s, cluster_id))
+    typer.echo(f"cluster {cluster_id}: ready in etcd")
+
+
+@cluster_app.command("join")
+def cluster_join(name: Annotated[str, typer.Argument(help="The node's name ([node] name).")],
+                 replication: Annotated[str, typer.Option("--replication",
+                                                          help="host:port where peers reach its replicas.")],
+                 cluster_id: Annotated[str, typer.Option("--id", help="The cluster's ID.")],
+                 management: Annotated[str | None, typer.Option("--management", help="Its management address.")]
+                 = None,
+                 etcd: EtcdOpt = None, config: ConfigOpt = None) -> None:
+    """Add a node to the cluster (vsan serve with a cluster table in its config does this itself at start)."""
+    from openvsan.cluster import membership as M
+
+    m = _run(_endpoints(etcd, config), lambda s: M.join(s, cluster_id, name, replication, management))
+    typer.echo(f"node {m.name}: member {m.number} of cluster {cluster_id}, replicas at {m.replication}")
+
+
+@cluster_app.command("leave")
+def cluster_leave(name: Annotated[str, typer.Argument(help="The node's name.")],
+                  etcd: EtcdOpt = None, config: ConfigOpt = None) -> None:
+    """Remove a node that holds no replica."""
+    from openvsan.cluster import membership as M
+    from openvsan.replication import record as R
+
+    async def work(store: Any) -> None:
+        holds = [e.key[len(R.VOLUMES):] for e in await store.list(R.VOLUMES) if name in e.value.get("nodes", ())]
+        await M.leave(store, name, holds=holds)
+
+    _run(_endpoints(etcd, config), work)
+    typer.echo(f"node {name}: left the cluster")
+
+
+@cluster_app.command("status")
+def cluster_status(etcd: EtcdOpt = None, config: ConfigOpt = None, as_json: JsonOpt = False) -> None:
+    """Members (up or not), and every replicated volume's primary, epoch and replicas."""
+    from openvsan.cluster import membership as M
+    from openvsan.replication import record as R
+
+    async def work(store: Any) -> dict[str, Any]:
+        info = await store.get(M.INFO)
+        if info is None:
+            raise M.ClusterError("no openvsan cluster in this etcd; run `vsan cluster init --id NAME` first")
+        members, up = await M.members(store), await M.alive(store)
+        volumes = []
+        for e in await store.list(R.VOLUMES):
+            rs = R.ReplicaSet.from_entry(e.key[len(R.VOLUMES):], e.value, e.revision)
+            held = await store.get(R.PRIMARY + rs.volume)
+            volumes.append({"volume": rs.volume, "nodes": list(rs.nodes), "epoch": rs.epoch,
+                            "primary": held.value.get("node") if held is not None else None,
+                            "in_sync": list(rs.in_sync), "out_of_sync": dict(rs.out_of_sync)})
+        return {"id": info.value.get("id"),
+                "nodes": [{"name": n, "number": m.number, "replication": m.replication, "management": m.management,
+                           "up": n in up} for n, m in sorted(members.items(), key=lambda x: x[1].number)],
+                "volumes": volumes}
+
+    r = _run(_endpoints(etcd, config), work)
+    if as_json:
+        _print_json(r)
+        return
+    typer.echo(f"cluster {r['id']}")
+    t = Table("node", "number", "up", "replication", "management")
+    for n in r["nodes"]:
+        t.add_row(n["name"], str(n["number"]), "yes" if n["up"] else "NO", n["replication"], n["management"] or "-")
+    _console().print(t)
+    if r["volumes"]:
+        v = Table("volume", "primary", "epoch", "replicas", "out of sync")
+        for x in r["volumes"]:
+            v.add_row(x["volume"], x["primary"] or "none (election)", str(x["epoch"]), ", ".join(x["nodes"]),
+                      ", ".join(f"{n} (since {e})" for n, e in x["out_of_sync"].items()) or "-")
+        _console().print(v)

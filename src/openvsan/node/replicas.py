@@ -1,0 +1,236 @@
+"""The node's replicated volumes ([cluster] and volumes with replicas > 1): the cluster store, the replica
+server on the replication portal, one ReplicaController per volume (replication/controller.py), and the
+volume's paths on this node (ALUA target port groups of its LUN, ANA groups and controller IDs of the NVMe
+subsystems that export it), turned as the controller's role changes.
+
+Identity: every replica node exports the volume as one disk. Its UUID (hence NAA, EUI-64, NGUID and serial)
+is the replica set's, in the cluster store, made by the first node that serves it. This node's cluster
+member number (cluster/membership.py) is its ALUA target port group and picks its range of NVMe controller
+IDs, so the paths of one volume differ on every node."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import time
+import uuid as uuidlib
+from typing import TYPE_CHECKING, Any
+
+from openvsan.cluster import membership as M
+from openvsan.node.specs import ClusterSpec, VolumeSpec
+from openvsan.node.store import VolumeIdentity
+from openvsan.protocol.nvme import ana
+from openvsan.protocol.scsi.alua import AccessState, TargetPortGroup, TargetPortGroups
+from openvsan.replication import record as R
+from openvsan.replication.controller import Paths, ReplicaController, floor_file
+from openvsan.replication.fence import EpochFence
+from openvsan.replication.lease import LeaseKeeper
+from openvsan.replication.peer import node_nqn, replica_nqn
+
+if TYPE_CHECKING:
+    from openvsan.node.node import Node
+    from openvsan.node.statestore import Lease, StateStore
+    from openvsan.volume import Volume
+
+log = logging.getLogger("openvsan.node")
+
+ETCD_PREFIX = "/openvsan"
+CNTLIDS_PER_NODE = 0x0800          # NVMe controller IDs each node hands out (1..0xFFEF in all: 31 nodes)
+
+
+def group_of(volume: VolumeSpec, node: str) -> int:
+    """`node`'s ALUA target port group for `volume`: its place among the volume's nodes, sorted (every node
+    computes the same from its own config, before the others have even joined)."""
+    return sorted(volume.nodes).index(node) + 1
+
+
+class ReplicationSetupError(RuntimeError):
+    """str() is one line for the user."""
+
+
+class NodeReplication:
+    def __init__(self, node: Node, cluster: ClusterSpec) -> None:
+        self.node = node
+        self.spec = cluster
+        self.me = node.state.config.node.name
+        self.dir = node.data_dir / "replication"
+        self.store: StateStore | None = None
+        self.members: dict[str, M.Member] = {}
+        self.number = 0
+        self.controllers: dict[str, ReplicaController] = {}
+        self.fences: dict[str, EpochFence] = {}
+        self.alua: dict[str, TargetPortGroups] = {}
+        self.server: Any = None
+        self._alive: Lease | None = None
+        self._alive_task: asyncio.Task[None] | None = None
+
+    @property
+    def volumes(self) -> list[VolumeSpec]:
+        return [v for v in self.node.state.config.volumes if v.replicated]
+
+    def open_store(self) -> StateStore:
+        from openvsan.cluster.etcd import EtcdStateStore
+
+        return EtcdStateStore(list(self.spec.etcd), prefix=ETCD_PREFIX)
+
+    # ---- before the volumes are opened: the cluster, this node's membership, each volume's identity
+
+    async def join(self) -> dict[str, VolumeIdentity]:
+        self.dir.mkdir(mode=0o700, exist_ok=True)
+        self.store = self.open_store()
+        try:
+            await M.check(self.store, self.spec.id)
+            me = await M.join(self.store, self.spec.id, self.me, str(self.spec.replication), self.spec.management)
+        except M.ClusterError as e:
+            raise ReplicationSetupError(f"cluster {self.spec.id}: {e}") from None
+        except Exception as e:  # noqa: BLE001 - the store unreachable: say which
+            raise ReplicationSetupError(f"cluster {self.spec.id}: etcd at {', '.join(self.spec.etcd)}: {e}") from None
+        self.number = me.number
+        self.members = await M.members(self.store)
+        granted_at = time.monotonic()
+        self._alive = await self.store.grant_lease(self.spec.lease_ttl)
+        self._alive_task = asyncio.create_task(LeaseKeeper(self._alive, granted_at).run())
+        await M.announce(self.store, self.me, self._alive, replication=str(self.spec.replication))
+        identities: dict[str, VolumeIdentity] = {}
+        for v in self.volumes:
+            local = self.node.state.identities.get(v.name)
+            u = local.uuid if local is not None else uuidlib.uuid4()
+            try:
+                rs = await R.load(self.store, v.name)
+            except R.ReplicationError:
+                try:
+                    rs = await R.create(self.store, v.name, v.nodes, uuid=str(u))
+                except R.ReplicationError:
+                    rs = await R.load(self.store, v.name)
+            if set(rs.nodes) != set(v.nodes):
+                raise ReplicationSetupError(f"volume {v.name}: this node lists replicas on {', '.join(v.nodes)}, the "
+                                            f"cluster on {', '.join(rs.nodes)}; give every node the same nodes list")
+            shared = uuidlib.UUID(rs.uuid) if rs.uuid else u
+            identities[v.name] = VolumeIdentity(shared, shared.hex)
+            groups = [TargetPortGroup(group_of(v, n), state=AccessState.STANDBY) for n in v.nodes]
+            self.alua[v.name] = TargetPortGroups(groups, default=group_of(v, self.me))
+        return identities
+
+    # ---- after the volumes are opened: their controllers, in standby, and the replica server
+
+    async def start(self) -> None:
+        from openvsan.frontend.config import NvmeNamespaceConfig, NvmeSubsystemConfig
+        from openvsan.frontend.nvme_tcp import NvmeTcpServer
+        from openvsan.volume import Volume
+
+        assert self.store is not None
+        subsystems = []
+        for v in self.volumes:
+            vol = self.node.volumes[v.name]
+            floor = floor_file(self.dir, v.name)
+            fence = self.fences[v.name] = EpochFence(floor=floor.load(), persist=floor.save)
+            c = self.controllers[v.name] = ReplicaController(
+                volume=vol, local=vol.stack, me=self.me, nodes=v.nodes, store=self.store,
+                addresses=self._addresses, fence=fence, data_dir=self.dir,
+                paths=Paths(functools.partial(self.turn_paths, v.name)),
+                lease_ttl=self.spec.lease_ttl, suspend=self.spec.suspend_seconds,
+                activity=self._activity_log(v.name, vol))
+            await c.prepare(str(vol.uuid))          # hot regions published before anyone can resync us
+            await c.start()                         # standby under the frontends until elected
+            handle = Volume(c.local, name=v.name, uuid=vol.uuid, serial=vol.serial)
+            others = [node_nqn(n) for n in v.nodes if n != self.me]
+            subsystems.append(NvmeSubsystemConfig(replica_nqn(v.name), [NvmeNamespaceConfig(1, handle)],
+                                                  [(self.spec.replication.host, self.spec.replication.port)],
+                                                  allowed_hosts=others, serial=vol.serial[:20],
+                                                  model="openvsan replica"))
+        if not subsystems:
+            return
+        self.server = NvmeTcpServer(subsystems)
+        for v in self.volumes:
+            sub = self.server.subsystem(replica_nqn(v.name))
+            sub.namespaces[1].reservations = self.fences[v.name]
+        await self.server.start()
+        log.info("replication: %d replicated volume(s), replicas served on %s (node %s, number %d, cluster %s)",
+                 len(subsystems), self.spec.replication, self.me, self.number, self.spec.id)
+
+    def _activity_log(self, name: str, vol: Volume) -> Any:
+        try:
+            from openvsan.replication.activity import ActivityLog
+        except ImportError:       # not built yet: no hot-set tracking (a crashed primary's peer gets a full copy)
+            return None
+        from openvsan.replication.mirror import DEFAULT_REGION
+
+        regions = -(-vol.num_blocks * vol.block_size // DEFAULT_REGION)
+        return ActivityLog(self.dir / f"{name}.al", regions, DEFAULT_REGION)
+
+    def run(self) -> None:
+        """Elections start once the frontends serve."""
+        for c in self.controllers.values():
+            c.run_loop()
+
+    async def _addresses(self) -> dict[str, str]:
+        assert self.store is not None
+        self.members = await M.members(self.store)
+        return {n: m.replication for n, m in self.members.items()}
+
+    # ---- paths
+
+    def turn_paths(self, volume: str, role: str, primary: str | None) -> None:
+        """ALUA and ANA states of `volume` on this node after a role change."""
+        groups = self.alua.get(volume)
+        if groups is not None:
+            spec = self.node.state.config.volume(volume)
+            groups.set_states({group_of(spec, n): AccessState.ACTIVE_OPTIMIZED if n == primary else AccessState.STANDBY
+                               for n in spec.nodes})
+        self.turn_nvme(volume, role)
+
+    def turn_nvme(self, volume: str, role: str) -> None:
+        server = self.node.nvme_server
+        if server is None:
+            return
+        lo = (self.number - 1) * CNTLIDS_PER_NODE + 1
+        for sub in server.fabric.subsystems.values():
+            for ns in list(sub.namespaces.values()):
+                if ns.volume.name != volume or ns.volume is not self.node.volumes.get(volume):
+                    continue
+                group = ns.nsid + 1
+                if group > ana.ANAGRPMAX:
+                    log.error("%s namespace %d: replicated namespaces need NSIDs up to %d (one ANA group each)",
+                              sub.nqn, ns.nsid, ana.ANAGRPMAX - 1)
+                    continue
+                if sub.cntlids != (lo, lo + CNTLIDS_PER_NODE - 1):
+                    sub.set_cntlid_range(lo, lo + CNTLIDS_PER_NODE - 1)
+                sub.set_ana_group(ns.nsid, group)
+                sub.set_ana_state(group, ana.OPTIMIZED if role == "primary" else ana.INACCESSIBLE)
+
+    def refresh_paths(self) -> None:
+        """After the frontends are built (or changed): every volume's paths as its controller's role says."""
+        for name, c in self.controllers.items():
+            primary = c.history[-1]["primary"] if c.history else None
+            self.turn_paths(name, c.role, primary)
+
+    # ---- status, switchover, stop
+
+    def status(self, volume: str) -> dict[str, Any] | None:
+        c = self.controllers.get(volume)
+        return c.status() if c is not None else None
+
+    async def move_primary(self, volume: str) -> dict[str, Any]:
+        c = self.controllers.get(volume)
+        if c is None:
+            raise ValueError(f"volume {volume} is not replicated on this node")
+        await c.move_primary()
+        return c.status()
+
+    async def stop(self) -> None:
+        for c in self.controllers.values():
+            await c.stop()
+        if self.server is not None:
+            await self.server.stop()
+        if self._alive_task is not None:
+            self._alive_task.cancel()
+            with contextlib.suppress(BaseException):
+                await self._alive_task
+        if self.store is not None:
+            if self._alive is not None:
+                with contextlib.suppress(Exception):   # the store gone: the lease expires by itself
+                    await self._alive.revoke()
+            await self.store.close()
+

@@ -1,0 +1,529 @@
+"""One node's part in a replicated volume, running: its replica served to the primary, the election, and, while
+it is primary, the mirror layer over its stack and the peers' replicas.
+
+Every replica node runs a `ReplicaController` per replicated volume:
+- its local stack is served to the other nodes on the replication portal (`ReplicaServer`: our NVMe/TCP,
+  subsystem `replica_nqn(volume)`, only the volume's other nodes admitted), behind an EpochFence whose
+  floor is in the data dir (fence.py, peer.py FloorFile);
+- as a **secondary** its frontends report ALUA standby / ANA inaccessible for its own paths, the primary's
+  target port group active/optimized; it polls the primary's key and, when the key is gone (the primary's
+  lease expired) and the record says it is in sync, it claims the primary (record.py claim_primary);
+- as the **primary** of epoch E it keeps its lease (lease.py), takes its own replica in-process (its fence
+  floor becomes E, so once a newer primary preempts it, its own late writes are refused too), connects to
+  each peer's replica (peer.py connect_peer: taken for E), puts a MirrorLayer (mirror.py) on top of the
+  volume's stack under the frontends (Volume.swap), turns its paths active/optimized, and resyncs peers
+  that are out of sync (or hold hot regions) whenever they can be reached. When its lease is lost, or a
+  newer epoch fences it, it turns its paths standby, drains what is in flight, publishes its activity log's
+  regions, and takes the mirror off again.
+
+Hot regions (`/replication/hot/<volume>/<node>`): the regions a node had in its activity log (activity.py)
+when it stopped being primary, by a crash or a fence: writes to them may have reached some replicas and not
+others. A node publishes them before it serves its replica (so before any primary can resync it) and the
+primary copies them to every peer before deleting the key: replicas end bit-identical without a full copy,
+even after every node went down at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid as uuidlib
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from openvsan.block.device import BlockDevice, Buffer
+from openvsan.block.layer import Layer
+from openvsan.node.statestore import Lease, StateStore, StoreError
+from openvsan.replication import record as R
+from openvsan.replication.fence import EpochFence
+from openvsan.replication.lease import LeaseKeeper
+from openvsan.replication.mirror import DEFAULT_REGION, MirrorLayer, NotPrimary
+from openvsan.replication.peer import FloorFile, PeerFenced, connect_peer, node_nqn
+from openvsan.volume import Volume
+
+log = logging.getLogger("openvsan.replication")
+
+HOT = "/replication/hot/"
+POLL = 0.5                     # seconds between a secondary's looks at the primary's key
+RESYNC_RATE = 200 << 20        # bytes/s a resync sends at most (DRBD's c-max-rate is of this order)
+
+
+def host_id(node: str) -> bytes:
+    """The NVMe Host Identifier our initiator sends for `node` (initiator/nvme_tcp.py derives it the same way):
+    the node's own in-process take of its replica registers as the same host."""
+    return uuidlib.uuid5(uuidlib.NAMESPACE_URL, node_nqn(node)).bytes
+
+
+class ReplicaFenced(NotPrimary):
+    """This node's own replica is held by a newer epoch: its write was not made."""
+
+
+class LocalReplica(Layer):
+    """The primary's own replica, written in-process only while its epoch holds the replica's fence."""
+
+    type_name = "local-replica"
+
+    def __init__(self, below: BlockDevice, fence: EpochFence, host: bytes, epoch: int, volume: str) -> None:
+        super().__init__(below, name=f"local-replica:{volume}")
+        self.fence, self.host, self.epoch, self.volume = fence, host, epoch, volume
+
+    def _check(self) -> None:
+        if not self.fence.holds(self.host, self.epoch):
+            self.fence.refused += 1
+            raise ReplicaFenced(f"volume {self.volume}: epoch {self.epoch} no longer holds this node's replica "
+                                f"(floor {self.fence.floor})")
+
+    async def write(self, lba: int, data: Buffer, *, fua: bool = False) -> None:
+        self._check()
+        await self.below.write(lba, data, fua=fua)
+
+    async def unmap(self, lba: int, blocks: int) -> None:
+        self._check()
+        await self.below.unmap(lba, blocks)
+
+    async def write_zeroes(self, lba: int, blocks: int) -> None:
+        self._check()
+        await self.below.write_zeroes(lba, blocks)
+
+
+class Standby(Layer):
+    """A secondary's stack under its frontends: no I/O (the primary's path serves it; ALUA/ANA refuse it
+    first with their own status, this refuses what has no such state, an NBD export)."""
+
+    type_name = "standby"
+
+    def __init__(self, below: BlockDevice, volume: str, why: Callable[[], str]) -> None:
+        super().__init__(below, name=f"standby:{volume}")
+        self.volume, self.why = volume, why
+
+    def _refuse(self) -> NotPrimary:
+        return NotPrimary(f"volume {self.volume}: {self.why()}")
+
+    async def read(self, lba: int, blocks: int) -> Buffer:
+        raise self._refuse()
+
+    async def write(self, lba: int, data: Buffer, *, fua: bool = False) -> None:
+        raise self._refuse()
+
+    async def flush(self) -> None:
+        raise self._refuse()
+
+    async def unmap(self, lba: int, blocks: int) -> None:
+        raise self._refuse()
+
+    async def write_zeroes(self, lba: int, blocks: int) -> None:
+        raise self._refuse()
+
+
+class PeerLink(BlockDevice):
+    """A peer's replica as a BlockDevice for the mirror: our NVMe/TCP initiator while connected; while not,
+    every command fails at once (the mirror records the peer out of sync) and a task reconnects."""
+
+    def __init__(self, node: str, address_of: Callable[[], Awaitable[str | None]], volume: str, me: str, epoch: int,
+                 geometry: BlockDevice, *, timeout: float) -> None:
+        self.node, self.volume, self.me, self.epoch = node, volume, me, epoch
+        self.address_of = address_of     # the peer's replication address as the cluster says now (None: no member)
+        self.address: str | None = None
+        self.geometry = geometry
+        self.timeout = timeout
+        self.name = f"peer:{node}:{volume}"
+        self.dev: Any = None
+        self.fenced: PeerFenced | None = None
+        self.connected = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self.closed = False
+
+    @property
+    def block_size(self) -> int:
+        return self.geometry.block_size
+
+    @property
+    def num_blocks(self) -> int:
+        return self.geometry.num_blocks
+
+    @property
+    def capabilities(self) -> Any:
+        return self.geometry.capabilities
+
+    def to_config(self) -> dict[str, Any]:
+        return {"type": "peer", "node": self.node, "address": self.address}
+
+    async def connect(self) -> bool:
+        from openvsan.initiator.nvme_tcp import NvmeOptions
+
+        try:
+            self.address = await self.address_of()
+        except Exception as e:  # noqa: BLE001 - the store did not answer: try again later
+            log.debug("volume %s: address of %s: %s", self.volume, self.node, e)
+            return False
+        if self.address is None:
+            return False
+        host, _, port = self.address.rpartition(":")
+        opts = NvmeOptions(command_timeout=self.timeout, reconnect_timeout=0.0, connect_timeout=self.timeout,
+                           kato_ms=max(int(self.timeout * 4000), 2000))
+        try:
+            self.dev = await asyncio.wait_for(
+                connect_peer(host.strip("[]"), int(port), self.volume, self.me, self.epoch, opts=opts),
+                self.timeout * 2)
+        except PeerFenced as e:
+            self.fenced = e
+            return False
+        except Exception as e:  # noqa: BLE001 - unreachable (refused, timed out, reset): try again later
+            log.debug("volume %s: peer %s not reachable: %s", self.volume, self.node, e)
+            return False
+        if (self.dev.block_size, self.dev.num_blocks) != (self.block_size, self.num_blocks):
+            log.error("volume %s: %s's replica is %d x %d bytes, this one %d x %d: not used", self.volume, self.node,
+                      self.dev.num_blocks, self.dev.block_size, self.num_blocks, self.block_size)
+            await self._drop()
+            return False
+        self.connected.set()
+        log.info("volume %s: connected to %s's replica at %s (epoch %d)", self.volume, self.node, self.address,
+                 self.epoch)
+        return True
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._keep_connected())
+
+    async def _keep_connected(self) -> None:
+        while not self.closed and self.fenced is None:
+            if self.dev is None and not await self.connect():
+                await asyncio.sleep(1.0)
+                continue
+            await asyncio.sleep(0.5)
+
+    async def _drop(self) -> None:
+        dev, self.dev = self.dev, None
+        self.connected.clear()
+        if dev is not None:
+            with contextlib.suppress(Exception):
+                await dev.close()
+
+    async def _do(self, call: Callable[[Any], Awaitable[Any]]) -> Any:
+        if self.dev is None:
+            raise ConnectionError(f"{self.node}'s replica of {self.volume} is not connected")
+        try:
+            return await asyncio.wait_for(call(self.dev), self.timeout)
+        except BaseException:
+            await self._drop()
+            raise
+
+    async def read(self, lba: int, blocks: int) -> Buffer:
+        result: Buffer = await self._do(lambda d: d.read(lba, blocks))
+        return result
+
+    async def write(self, lba: int, data: Buffer, *, fua: bool = False) -> None:
+        await self._do(lambda d: d.write(lba, data, fua=fua))
+
+    async def flush(self) -> None:
+        await self._do(lambda d: d.flush())
+
+    async def unmap(self, lba: int, blocks: int) -> None:
+        await self._do(lambda d: d.unmap(lba, blocks))
+
+    async def write_zeroes(self, lba: int, blocks: int) -> None:
+        await self._do(lambda d: d.write_zeroes(lba, blocks))
+
+    async def close(self) -> None:
+        self.closed = True
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(BaseException):
+                await self._task
+        await self._drop()
+
+
+@dataclass
+class Paths:
+    """How the node turns a volume's paths (its frontends): set(role) -> ALUA/ANA states; the controller
+    calls it, the node implements it (node/replicas.py)."""
+
+    set: Callable[[str, str | None], None]     # (this node's role, the primary's name or None)
+
+
+@dataclass
+class ReplicaController:
+    volume: Volume                       # the frontends' handle: its stack is swapped to the mirror and back
+    local: BlockDevice                   # this node's replica: the volume's own stack (served to the primary)
+    me: str
+    nodes: tuple[str, ...]
+    store: StateStore
+    addresses: Callable[[], Awaitable[Mapping[str, str]]]   # node -> replication address (the cluster's members)
+    fence: EpochFence
+    data_dir: Path
+    paths: Paths
+    lease_ttl: int = 5
+    suspend: float = 30.0
+    region_size: int = DEFAULT_REGION
+    activity: Any = None                 # activity.py ActivityLog, or None (no hot-set tracking)
+    resync_rate: float = RESYNC_RATE
+    role: str = "starting"
+    view: R.ReplicaSet | None = None
+    mirror: MirrorLayer | None = None
+    links: dict[str, PeerLink] = field(default_factory=dict)
+    keeper: LeaseKeeper | None = None
+    resyncing: dict[str, asyncio.Task[int]] = field(default_factory=dict)
+    history: list[dict[str, Any]] = field(default_factory=list)   # role changes, for status and tests
+    _task: asyncio.Task[None] | None = None
+    _keeper_task: asyncio.Task[None] | None = None
+    _lease: Lease | None = None
+    _stopping: bool = False
+    _hot_keys: list[str] = field(default_factory=list)
+    _standby: Standby | None = None
+
+    @property
+    def name(self) -> str:
+        return self.volume.name
+
+    # ---- start: what must come before the replica is served
+
+    async def prepare(self, identity: str) -> R.ReplicaSet:
+        """The replica set (made if this is the first node to serve it); this node's hot regions from a
+        crash published. Before the replica server starts."""
+        try:
+            rs = await R.load(self.store, self.name)
+        except R.ReplicationError:
+            try:
+                rs = await R.create(self.store, self.name, self.nodes, uuid=identity)
+            except R.ReplicationError:
+                rs = await R.load(self.store, self.name)     # another node made it meanwhile
+        if set(rs.nodes) != set(self.nodes):
+            raise R.ReplicationError(f"volume {self.name}: this node lists replicas on {', '.join(self.nodes)}, "
+                                     f"the cluster on {', '.join(rs.nodes)}; give every node the same nodes list")
+        if self.activity is not None:
+            hot = self.activity.load()
+            if hot is None:          # unreadable: every region may differ
+                hot = set(range(-(-self.volume.num_blocks * self.volume.block_size // self.region_size)))
+            if hot:
+                await self.store.put(f"{HOT}{self.name}/{self.me}", {"regions": sorted(hot)})
+                log.warning("volume %s: %d region(s) were in flight when this node stopped as primary: published "
+                            "for the next resync", self.name, len(hot))
+            await self.activity.clear()
+        self.view = rs
+        return rs
+
+    async def start(self) -> None:
+        """Standby under the frontends (before they serve): no I/O through this node until it is elected."""
+        self._standby = Standby(self.local, self.name, self._standby_why)
+        await self.volume.swap(self._standby)
+        self._set_role("secondary", None)
+
+    def run_loop(self) -> None:
+        """Elections, and the primary's duties, from now on (once the frontends serve)."""
+        self._task = asyncio.create_task(self._run(), name=f"replica {self.name}")
+
+    def _standby_why(self) -> str:
+        primary = self.history[-1]["primary"] if self.history else None
+        return (f"this node is a secondary; its primary is {primary}" if primary else
+                "no node is its primary now (an election is under way)")
+
+    async def stop(self) -> None:
+        self._stopping = True
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(BaseException):
+                await self._task
+        await self._step_down(planned=True)
+        if self.volume.stack is self._standby:
+            await self.volume.swap(self.local)
+
+    # ---- the loop
+
+    async def _run(self) -> None:
+        while not self._stopping:
+            try:
+                if self.role == "primary":
+                    await self._serve_as_primary()
+                else:
+                    await self._watch_as_secondary()
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001 - the store or a peer failed: look again in a moment
+                log.warning("volume %s: %s", self.name, e)
+                await asyncio.sleep(POLL)
+
+    async def _watch_as_secondary(self) -> None:
+        rs = await R.load(self.store, self.name)
+        self.view = rs
+        held = await self.store.get(R.PRIMARY + self.name)
+        if held is not None:
+            self._set_role("secondary", str(held.value.get("node")))
+            await asyncio.sleep(POLL)
+            return
+        if self.me in rs.out_of_sync:
+            self._set_role("secondary", None)
+            await asyncio.sleep(POLL)
+            return
+        # no primary: the node that was primary last goes first, the others give it a moment
+        if rs.primary not in (None, self.me) and rs.primary in rs.in_sync:
+            await asyncio.sleep(POLL)
+        await self._elect()
+
+    async def _elect(self) -> None:
+        granted_at = time.monotonic()
+        lease = await self.store.grant_lease(self.lease_ttl)
+        try:
+            rs = await R.claim_primary(self.store, self.name, self.me, lease)
+        except R.ReplicationError as e:
+            with contextlib.suppress(Exception):
+                await lease.revoke()
+            log.debug("volume %s: not elected: %s", self.name, e)
+            await asyncio.sleep(POLL)
+            return
+        self._lease = lease
+        self.keeper = LeaseKeeper(lease, granted_at)
+        self._keeper_task = asyncio.create_task(self.keeper.run())
+        try:
+            await self._become_primary(rs)
+        except BaseException:
+            await self._step_down(planned=False)
+            raise
+
+    async def _become_primary(self, rs: R.ReplicaSet) -> None:
+        if not self.fence.take_local(host_id(self.me), rs.epoch):
+            raise NotPrimary(f"volume {self.name}: a newer epoch than {rs.epoch} holds this node's replica")
+        timeout = max(1.0, self.lease_ttl / 3)
+        for n in rs.nodes:
+            if n == self.me:
+                continue
+
+            async def address_of(n: str = n) -> str | None:
+                return (await self.addresses()).get(n)     # a node not joined yet: unreachable, for now
+
+            self.links[n] = PeerLink(n, address_of, self.name, self.me, rs.epoch, self.local, timeout=timeout)
+        # the peers that answer at once get the first writes; the others are recorded out of sync by them
+        await asyncio.gather(*(link.connect() for link in self.links.values()))
+        hot_entries = await self.store.list(f"{HOT}{self.name}/")
+        hot = {r for e in hot_entries for r in e.value.get("regions", ())}
+        local = LocalReplica(self.local, self.fence, host_id(self.me), rs.epoch, self.name)
+        self.mirror = MirrorLayer(local, me=self.me, view=rs, store=self.store, peers=self.links,
+                                  region_size=self.region_size, dirty_dir=self.data_dir, lease=self.keeper,
+                                  activity=self.activity, hot=hot, suspend=self.suspend)
+        await self.mirror.save_all_dirty()        # the hot regions of out-of-sync peers are on disk now
+        self._hot_keys = [e.key for e in hot_entries]
+        await self.volume.swap(self.mirror)
+        self.view = rs
+        for link in self.links.values():
+            link.start()
+        self._set_role("primary", self.me)
+        log.warning("volume %s: this node is primary (epoch %d; in sync: %s%s)", self.name, rs.epoch,
+                    ", ".join(rs.in_sync), f"; hot regions to copy: {len(hot)}" if hot else "")
+
+    async def _serve_as_primary(self) -> None:
+        m, keeper = self.mirror, self.keeper
+        assert m is not None and keeper is not None
+        lost = (m.fenced or keeper.lost or any(link.fenced for link in self.links.values())
+                or not (keeper.held or keeper.clock() < keeper.valid_until + self.suspend))
+        if lost:
+            log.warning("volume %s: epoch %d is over for this node (%s)", self.name, m.view.epoch,
+                        "fenced by a newer epoch" if m.fenced else "its lease was not renewed")
+            m.fenced = True
+            await self._step_down(planned=False)
+            return
+        self.view = m.view
+        for n in list(m.dirty):
+            link = self.links[n]
+            task = self.resyncing.get(n)
+            if task is not None and task.done():
+                del self.resyncing[n]
+                with contextlib.suppress(BaseException):
+                    task.result()
+                task = None
+            if task is None and link.dev is not None:
+                self.resyncing[n] = asyncio.create_task(m.resync(n, rate=self.resync_rate))
+        if not m.dirty and self._hot_keys:
+            for k in self._hot_keys:
+                with contextlib.suppress(StoreError):
+                    await self.store.delete(k)
+            self._hot_keys = []
+        await asyncio.sleep(0.2)
+
+    async def _step_down(self, *, planned: bool) -> None:
+        """Stop being primary: paths standby first, then drain, publish the hot set, take the mirror off."""
+        m = self.mirror
+        if m is None and self.keeper is None:
+            return
+        self._set_role("secondary", None)
+        for task in self.resyncing.values():
+            task.cancel()
+        for task in self.resyncing.values():
+            with contextlib.suppress(BaseException):
+                await task
+        self.resyncing.clear()
+        if m is not None:
+            if not planned:
+                m.fenced = True
+            await m.drain()
+            if self.activity is not None and not planned:
+                hot = self.activity.hot()
+                if hot:
+                    with contextlib.suppress(StoreError):
+                        await self.store.put(f"{HOT}{self.name}/{self.me}", {"regions": sorted(hot)})
+            if planned:
+                with contextlib.suppress(Exception):
+                    await m.flush()
+            if self.volume.stack is m and self._standby is not None:
+                await self.volume.swap(self._standby)
+            self.mirror = None
+        for link in self.links.values():
+            await link.close()
+        self.links.clear()
+        if self._keeper_task is not None:
+            self._keeper_task.cancel()
+            with contextlib.suppress(BaseException):
+                await self._keeper_task
+            self._keeper_task = None
+        if planned and m is not None and self.view is not None and not m.fenced:
+            with contextlib.suppress(Exception):
+                await R.step_down(self.store, m.view)
+        if self._lease is not None and planned:
+            with contextlib.suppress(Exception):
+                await self._lease.revoke()
+        self._lease = None
+        self.keeper = None
+
+    async def move_primary(self) -> None:
+        """A planned switchover away from this node: drain, give up the epoch; another in-sync node claims it."""
+        if self.role != "primary":
+            raise R.ReplicationError(f"volume {self.name}: this node is not its primary")
+        await self._step_down(planned=True)
+        await asyncio.sleep(self.lease_ttl)      # let another node claim before this one looks again
+
+    # ---- what it reports
+
+    def _set_role(self, role: str, primary: str | None) -> None:
+        if (role, primary) != (self.role, self.history[-1]["primary"] if self.history else None):
+            self.history.append({"role": role, "primary": primary, "time": time.time(),
+                                 "epoch": self.view.epoch if self.view else 0})
+        self.role = role
+        self.paths.set(role, primary)
+
+    def status(self) -> dict[str, Any]:
+        v = self.view
+        out: dict[str, Any] = {"role": self.role, "nodes": list(self.nodes),
+                               "epoch": v.epoch if v else 0, "primary": v.primary if v else None,
+                               "in_sync": list(v.in_sync) if v else [], "out_of_sync": dict(v.out_of_sync) if v else {},
+                               "fence": {"floor": self.fence.floor, "refused": self.fence.refused}}
+        if self.mirror is not None:
+            rs = self.mirror.replication_stats()
+            out.update(epoch=rs["epoch"], in_sync=rs["in_sync"], primary=self.me)
+            out["mirror"] = rs
+            out["peers"] = {n: {"connected": link.dev is not None, "address": link.address,
+                                "dirty_regions": len(self.mirror.dirty.get(n, ())),
+                                "resyncing": n in self.resyncing}
+                            for n, link in self.links.items()}
+            out["region_size"] = self.region_size
+        if self.activity is not None:
+            out["activity_log"] = self.activity.stats()
+        return out
+
+
+def all_regions(volume: Volume, region_size: int) -> Iterable[int]:
+    return range(-(-volume.num_blocks * volume.block_size // region_size))
+
+
+def floor_file(data_dir: Path, volume: str) -> FloorFile:
+    return FloorFile(data_dir / f"{volume}.floor")

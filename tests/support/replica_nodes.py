@@ -1,0 +1,181 @@
+"""Replica nodes for fault tests: `vsan serve` processes (real ones), each with its own data dir, ports and a
+file device, in one cluster whose state is in a real etcd (tests/support/etcd_cluster.py).
+
+    with EtcdCluster(tmp / "etcd", ["e1"]) as etcd:
+        nodes = ReplicaCluster(tmp, etcd.endpoints, ["a", "b"])     # `vsan cluster init` done
+        nodes.start_all(); p = nodes.wait_primary()
+        nodes["a"].kill()                                            # SIGKILL
+        nodes["a"].start()                                           # same data dir: it resyncs
+
+`lab`: a netns Lab to run each node in its namespace (its addresses then are the Lab's), for link cuts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from vsan_harness import free_port
+
+VSAN = [sys.executable, "-m", "openvsan.cli.main"]
+CLUSTER_ID = "ctest"
+VOLUME = "v1"
+IQN = "iqn.2026-12.org.openvsan.test:v1"
+NQN = "nqn.2026-12.org.openvsan.test:v1"
+
+
+def vsan(*args: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*VSAN, *args], check=False, capture_output=True, text=True, timeout=timeout)
+
+
+class ReplicaNode:
+    def __init__(self, name: str, workdir: Path, etcd: Sequence[str], nodes: Sequence[str], *, size: str,
+                 host: str = "127.0.0.1", lab: Any = None, lease_ttl: int = 3, suspend: float = 5.0) -> None:
+        self.name, self.host, self.lab = name, host, lab
+        self.dir = workdir / name
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.data_dir = self.dir / "data"
+        self.image = self.dir / "d0.img"
+        self.config = self.dir / "vsan.toml"
+        self.log = self.dir / "vsan.log"
+        same = lab is None
+        self.repl_port = free_port() if same else 4430
+        self.iscsi_port = free_port() if same else 3260
+        self.nvme_port = free_port() if same else 4420
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.config.write_text("\n".join([
+            "[node]", f'name = "{name}"', f'data_dir = "{self.data_dir}"', "",
+            "[cluster]", f'id = "{CLUSTER_ID}"', f"etcd = {json.dumps(list(etcd))}",
+            f'replication = "{host}:{self.repl_port}"', f"lease_ttl = {lease_ttl}", f"suspend_seconds = {suspend}", "",
+            "[[devices]]", 'name = "d0"', 'type = "file"', f'path = "{self.image}"', f'size = "{size}"', "",
+            "[[volumes]]", f'name = "{VOLUME}"', 'device = "d0"', f"replicas = {len(nodes)}",
+            f"nodes = {json.dumps(list(nodes))}", "",
+            "[iscsi]", f'portals = ["{host}:{self.iscsi_port}"]', "",
+            "[[iscsi.targets]]", f'iqn = "{IQN}"', f'luns = [{{ lun = 0, volume = "{VOLUME}" }}]', "",
+            "[nvme]", f'portals = ["{host}:{self.nvme_port}"]', "",
+            "[[nvme.subsystems]]", f'nqn = "{NQN}"', f'namespaces = [{{ nsid = 1, volume = "{VOLUME}" }}]', "",
+        ]))
+
+    @property
+    def nvme_url(self) -> str:
+        return f"nvme+tcp://{self.host}:{self.nvme_port}/{NQN}/1"
+
+    @property
+    def iscsi_url(self) -> str:
+        return f"iscsi://{self.host}:{self.iscsi_port}/{IQN}/0"
+
+    def start(self) -> None:
+        assert self.proc is None or self.proc.poll() is not None, f"{self.name} is running"
+        argv = [*VSAN, "serve", "--config", str(self.config)]
+        with open(self.log, "ab") as log:
+            if self.lab is None:
+                self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            else:
+                self.proc = self.lab.popen(self.name, argv, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 30
+        while not (self.data_dir / "control.sock").exists() or self.status() is None:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"{self.name} exited {self.proc.returncode}:\n{self.log_tail()}")
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{self.name} did not come up:\n{self.log_tail()}")
+            time.sleep(0.2)
+
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        assert self.proc is not None
+        os.kill(self.proc.pid, sig)
+        if sig in (signal.SIGKILL, signal.SIGTERM):
+            self.proc.wait(30)
+
+    def stop(self) -> None:
+        if self.running():
+            assert self.proc is not None
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+
+    def status(self) -> dict[str, Any] | None:
+        r = vsan("volume", "status", VOLUME, "--data-dir", str(self.data_dir), "--json", timeout=15)
+        if r.returncode != 0:
+            return None
+        out: dict[str, Any] = json.loads(r.stdout)
+        return out
+
+    def log_tail(self, n: int = 4000) -> str:
+        try:
+            return self.log.read_text(errors="replace")[-n:]
+        except OSError:
+            return "(no log)"
+
+
+class ReplicaCluster:
+    def __init__(self, workdir: Path, etcd: Sequence[str], names: Sequence[str], *, size: str = "64MiB",
+                 lab: Any = None, **kw: Any) -> None:
+        self.etcd = list(etcd)
+        r = vsan("cluster", "init", "--id", CLUSTER_ID, "--etcd", ",".join(self.etcd))
+        assert r.returncode == 0, r.stderr
+        self.nodes = {n: ReplicaNode(n, workdir, self.etcd, names, size=size, lab=lab,
+                                     host=lab.addr[n] if lab is not None else "127.0.0.1", **kw) for n in names}
+
+    def __getitem__(self, name: str) -> ReplicaNode:
+        return self.nodes[name]
+
+    def start_all(self) -> None:
+        for n in self.nodes.values():
+            n.start()
+
+    def stop_all(self) -> None:
+        for n in self.nodes.values():
+            n.stop()
+
+    def cluster_status(self) -> dict[str, Any]:
+        r = vsan("cluster", "status", "--etcd", ",".join(self.etcd), "--json")
+        assert r.returncode == 0, r.stderr
+        out: dict[str, Any] = json.loads(r.stdout)
+        return out
+
+    def wait_primary(self, *, not_: str | None = None, timeout: float = 30) -> str:
+        """The node that serves as primary (its own status says so), other than `not_`."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for n in self.nodes.values():
+                if n.name != not_ and n.running():
+                    s = n.status()
+                    if s is not None and s.get("role") == "primary":
+                        return n.name
+            time.sleep(0.2)
+        raise AssertionError("no primary came up:\n" + "\n".join(f"--- {n.name}\n{n.log_tail(1500)}"
+                                                                  for n in self.nodes.values()))
+
+    def wait_in_sync(self, timeout: float = 60) -> dict[str, Any]:
+        """Until the primary says every replica is in sync and nothing is left to copy."""
+        deadline = time.monotonic() + timeout
+        last: dict[str, Any] | None = None
+        while time.monotonic() < deadline:
+            for n in self.nodes.values():
+                s = n.status() if n.running() else None
+                if s is not None and s.get("role") == "primary":
+                    last = s
+                    peers = s.get("peers", {})
+                    if (set(s["in_sync"]) == set(self.nodes) and peers
+                            and all(p["connected"] and not p["dirty_regions"] for p in peers.values())):
+                        return s
+            time.sleep(0.3)
+        raise AssertionError(f"replicas not in sync: {last}")
+
+    def close(self) -> None:
+        for n in self.nodes.values():
+            if n.running():
+                n.kill()
