@@ -16,6 +16,8 @@ def is_url(target: str) -> bool:
 
 def redact(target: str) -> str:
     """The target as it may be printed and stored: no CHAP secret."""
+    if len(target.split()) > 1:   # the paths of one volume (initiator/multipath.py)
+        return " ".join(redact(t) for t in target.split())
     if target.lower().startswith(("iscsi://", "nvme")):
         from openvsan.initiator.url import parse_url
         return parse_url(target).redacted()

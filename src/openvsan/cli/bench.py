@@ -1,5 +1,8 @@
 """`vsan bench TARGET`: a fio/DiskSpd-class benchmark through our own initiators (docs/benchmarks.md).
 
+`--target URL --target URL ...` names the paths of one volume (a replicated volume's nodes): the run goes
+through a MultipathDevice (initiator/multipath.py) and follows ALUA/ANA state and failover.
+
 Exit 0 when every run finished without an I/O error or a --verify mismatch, 1 otherwise, 2 for a bad
 command line.
 """
@@ -52,9 +55,15 @@ class _ProgressLine:
 
 
 def bench(
-    targets: Annotated[list[str], typer.Argument(
+    targets: Annotated[list[str] | None, typer.Argument(
         help="iscsi://HOST[:PORT]/IQN/LUN, nvme+tcp://HOST[:PORT]/NQN/NSID, nbd://HOST[:PORT]/EXPORT, or a file "
-             "or block device path. Several only with --compare.", show_default=False)],
+             "or block device path. Several only with --compare.", show_default=False)] = None,
+    paths: Annotated[list[str] | None, typer.Option(
+        "--target", "--path", help="One path of a multipath volume (iscsi:// or nvme+tcp://), repeated for each "
+                                   "path: I/O follows ALUA/ANA and failover. Counts as one target.",
+        show_default=False)] = None,
+    no_path_retry: Annotated[float, typer.Option(
+        help="With --target: seconds I/O is held while no path serves it, then fails.")] = 30.0,
     profile: Annotated[str | None, typer.Option(
         "--profile", "-p", help="4k-randread, 4k-randwrite, 4k-70-30, 4k-90-10, 4k-50-50, 64k-randread, "
                                 "64k-randwrite, 1m-seqread, 1m-seqwrite, 2m-seqread, 2m-seqwrite, or a suite: "
@@ -98,8 +107,17 @@ def bench(
     from openvsan.block.errors import BlockError
     from openvsan.initiator.url import UrlError
 
+    targets = list(targets or [])
+    if paths:
+        if any(" " in p or not p.lower().startswith(("iscsi://", "nvme+tcp://", "nvme-tcp://")) for p in paths):
+            raise _fail("--target takes iscsi:// or nvme+tcp:// URLs, one path of the volume each", EXIT_USAGE)
+        targets.append(" ".join(paths))   # one target: open_url makes a MultipathDevice of it
+    if not targets:
+        raise _fail("give a TARGET, or --target URL once for each path of one volume", EXIT_USAGE)
     if len(targets) > 1 and not compare:
         raise _fail("several targets need --compare", EXIT_USAGE)
+    if no_path_retry < 0:
+        raise _fail("--no-path-retry must not be negative", EXIT_USAGE)
     if duration <= 0 or warmup < 0 or rounds < 1 or (rate is not None and rate <= 0):
         raise _fail("--duration and --rate must be positive, --warmup not negative, --rounds at least 1",
                     EXIT_USAGE)
@@ -120,7 +138,8 @@ def bench(
             for target in targets:  # interleaved: T1 T2 T1 T2 ..., so drift hits every target alike
                 plan = Plan(target, job, warmup=warmup, duration=duration, verify=verify,
                             precondition=precondition and rnd == 0,
-                            rate=None if rate is None else rate / job.threads, size=size_b, seed=seed + rnd)
+                            rate=None if rate is None else rate / job.threads, size=size_b, seed=seed + rnd,
+                            options={"no_path_retry": no_path_retry} if len(target.split()) > 1 else {})
                 progress = _ProgressLine(f"{job.name} {target}") if live else None
                 try:
                     res = run(plan, target_pid=target_pid, on_progress=progress)

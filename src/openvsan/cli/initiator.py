@@ -191,25 +191,49 @@ def write(url: UrlArg,
 
 
 @initiator_app.command()
-def attach(url: UrlArg,
+def attach(urls: Annotated[list[str], typer.Argument(
+               help="The volume's URL; several: the paths of one volume (its replica nodes), followed by "
+                    "ALUA/ANA state and failover.", metavar="URL [URL...]", show_default=False)],
            path: Annotated[Path, typer.Argument(help="A regular file (created if missing) the volume appears as.")],
            read_only: Annotated[bool, typer.Option("--read-only", help="Refuse writes.")] = False,
            allow_other: Annotated[bool, typer.Option("--allow-other", help="Let other users open the file.")] = False,
+           no_path_retry: Annotated[float, typer.Option(
+               help="With several URLs: seconds I/O is held while no path serves it, then fails.")] = 30.0,
            ) -> None:
     """Expose the volume as the file PATH through FUSE, until Ctrl-C, SIGTERM or `fusermount3 -u PATH`.
 
-    Then: `losetup -f --show PATH`, mkfs, mount, as with a local disk.
+    Then: `losetup -f --show PATH`, mkfs, mount, as with a local disk. With several URLs, each path's
+    state change is printed on stderr.
     """
-    u = _url(url)
+    parsed = [_url(url) for url in dict.fromkeys(urls)]
+    if no_path_retry < 0:
+        _fail("--no-path-retry must not be negative", EXIT_USAGE)
+    if len(parsed) > 1 and len({u.scheme for u in parsed}) > 1:
+        _fail("one volume's paths must all be iscsi:// or all nvme+tcp://", EXIT_USAGE)
+    shown = " + ".join(u.redacted() for u in parsed)
 
     async def go() -> None:
         from openvsan.initiator.fuse import attach as fuse_attach
 
-        dev = await _open(url)
+        if len(parsed) > 1:
+            from openvsan.initiator.multipath import Path as MPath
+            from openvsan.initiator.multipath import PathState, open_paths
+
+            def changed(p: MPath, old: PathState, new: PathState) -> None:
+                why = f" ({p.last_error})" if p.last_error and not new.usable else ""
+                sys.stderr.write(f"vsan: path {p.name}: {old.label} -> {new.label}{why}\n")
+                sys.stderr.flush()
+
+            dev: Any = await open_paths(list(dict.fromkeys(urls)), no_path_retry=no_path_retry, on_change=changed)
+        else:
+            dev = await _open(urls[0])
         size = dev.num_blocks * dev.block_size
 
         def ready() -> None:
-            sys.stderr.write(f"vsan: attached {u.redacted()} ({_size(size)}) at {path}\n")
+            sys.stderr.write(f"vsan: attached {shown} ({_size(size)}) at {path}\n")
+            if len(parsed) > 1:
+                for st in dev.stats():
+                    sys.stderr.write(f"vsan: path {st['path']}: {st['state']}\n")
             sys.stderr.flush()
 
         try:

@@ -13,6 +13,7 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -77,6 +78,9 @@ class IscsiSession:
         self.inflight = 0
         self.logins = 0
         self.closed = False
+        # told the ASC/ASCQ of each unit attention before the command is sent again (a multipath device
+        # re-reads the path states on ASYMMETRIC ACCESS STATE CHANGED, SPC-4 5.15.2.6)
+        self.on_attention: Callable[[int], None] | None = None
 
     @property
     def name(self) -> str:
@@ -156,6 +160,10 @@ class IscsiSession:
                     continue
                 if done.status != S.GOOD and X.retryable(done.status, done.sense) and attempt < retries:
                     attempt += 1
+                    if self.on_attention is not None and done.status == S.CHECK_CONDITION:
+                        key, asc, _ = X.sense_key_asc(done.sense)
+                        if key == S.UNIT_ATTENTION:
+                            self.on_attention(asc)
                     if done.status != S.CHECK_CONDITION:
                         await asyncio.sleep(0.01 * attempt)
                     continue

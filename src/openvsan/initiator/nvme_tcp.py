@@ -38,6 +38,15 @@ class NvmeCommandError(BlockError):
         self.status = status
 
 
+class AnaPathError(Busy):
+    """A path related status (Base 2.0 §4.6.1.2.4, SCT 3h): ANA persistent loss (01h), inaccessible (02h),
+    transition (03h). The command did not run; another controller of the subsystem may serve it."""
+
+    def __init__(self, message: str, status: int) -> None:
+        super().__init__(message)
+        self.status = status
+
+
 def default_hostnqn() -> str:
     """nqn.2014-08.org.nvmexpress:uuid:<uuid> (Base 2.0 §4.5), stable per machine name."""
     return f"nqn.2014-08.org.nvmexpress:uuid:{uuid.uuid5(uuid.NAMESPACE_DNS, socket.gethostname())}"
@@ -60,8 +69,8 @@ def status_error(status: int, what: str) -> BlockError:
             return DeviceFailed(text)
     if sct == 2:
         return MediumError(text, write=sc == 0x80)
-    if sct == 3 and sc in (0x02, 0x03):
-        return Busy(text)
+    if sct == 3 and sc in (0x01, 0x02, 0x03):
+        return AnaPathError(text, status)
     return NvmeCommandError(text, status)
 
 
@@ -92,6 +101,9 @@ class NvmeOptions:
     # authentication; used where the Connect response asks for it (AUTHREQ.ATR), on every queue
     dhchap_secret: str = field(default="", repr=False)
     dhchap_ctrl_secret: str = field(default="", repr=False)
+    # send a command refused with ANA inaccessible / transition again on this path (a lone path waits out
+    # a transition); a multipath device turns it off and sends it on another path instead
+    path_retry: bool = True
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -377,6 +389,10 @@ class NvmeTcpInitiator:
     def reconnects(self) -> int:
         return max(0, self.associations - 1)
 
+    async def ensure_connected(self) -> None:
+        """Connect the association again if it dropped (DeviceFailed once reconnect_timeout is spent)."""
+        await self._ensure()
+
     async def io(self, build: Any, *, data: Buffer | None = None, read_len: int = 0, in_capsule: bool = False,
                  what: str = "I/O", retries: int = 8) -> Result:
         """One I/O command to completion on the least busy queue, across reconnects."""
@@ -396,7 +412,8 @@ class NvmeTcpInitiator:
                     continue
                 finally:
                     a.inflight[i] -= 1
-            if r.status and retryable(r.status) and attempt < retries:
+            if (r.status and retryable(r.status) and attempt < retries
+                    and (self.opts.path_retry or (r.status >> 8) & 7 != 3)):
                 attempt += 1
                 await asyncio.sleep(0.01 * attempt)
                 continue
@@ -498,6 +515,14 @@ class NvmeTcpInitiator:
         r = await self.io(lambda cid: C.reservation_report(cid, self.nsid, length), read_len=length,
                           what="Reservation Report", retries=0)
         return bytes(r.data)
+
+    # ---------------------------------------------------------------------------------- ANA
+    async def ana_log(self, size: int = 4096) -> tuple[int, dict[int, tuple[int, tuple[int, ...]]]]:
+        """The ANA log page of this path's controller (Base 2.0 §5.16.1.12): its change count and, per ANA
+        group, the state and the NSIDs in it."""
+        a = await self._ensure()
+        r = await a.admin_cmd(lambda cid: C.get_log_page(cid, C.LID_ANA, size), read_len=size, what="ANA log")
+        return C.parse_ana_log(bytes(r.data))
 
     async def close(self) -> None:
         self.closed = True

@@ -23,6 +23,8 @@ WRITE_SAME_16 = 0x93
 SERVICE_ACTION_IN_16 = 0x9E
 SA_READ_CAPACITY_16 = 0x10
 REPORT_LUNS = 0xA0
+MAINTENANCE_IN = 0xA3
+SA_REPORT_TARGET_PORT_GROUPS = 0x0A
 
 
 class ScsiCommandError(BlockError):
@@ -31,6 +33,15 @@ class ScsiCommandError(BlockError):
     def __init__(self, message: str, status: int = S.CHECK_CONDITION, key: int = 0, asc: int = 0) -> None:
         super().__init__(message)
         self.status, self.key, self.asc = status, key, asc
+
+
+class PathNotAccessible(Busy):
+    """NOT READY, LOGICAL UNIT NOT ACCESSIBLE (SPC-4 5.15.2.4/5: the target port is in standby, unavailable or
+    transitioning): this path serves no I/O now, another path to the LU may. `asc` says which."""
+
+    def __init__(self, message: str, asc: int) -> None:
+        super().__init__(message)
+        self.asc = asc
 
 
 # --- CDBs --------------------------------------------------------------------------------------------
@@ -81,6 +92,11 @@ def report_luns(alloc: int = 4096) -> bytes:
     return struct.pack(">BB4xIBB", REPORT_LUNS, 0, alloc, 0, 0)
 
 
+def report_target_port_groups(alloc: int = 1024) -> bytes:
+    """SPC-4 6.36: PARAMETER DATA FORMAT 000b (length-only header)."""
+    return struct.pack(">BBxxxxIxx", MAINTENANCE_IN, SA_REPORT_TARGET_PORT_GROUPS, alloc)
+
+
 # --- data in -----------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -89,14 +105,16 @@ class Inquiry:
     vendor: str
     product: str
     revision: str
+    tpgs: int = 0   # TARGET PORT GROUP SUPPORT: 0 no ALUA, 1 implicit, 2 explicit, 3 both
 
     @classmethod
     def parse(cls, data: bytes) -> Inquiry:
-        """SPC-4 6.6.2 standard INQUIRY data."""
+        """SPC-4 6.6.2 standard INQUIRY data; TPGS is bits 5-4 of byte 5."""
         if len(data) < 36:
             raise ScsiCommandError(f"INQUIRY data too short ({len(data)} bytes)")
-        txt = [data[a:b].decode("ascii", "replace").strip() for a, b in ((8, 16), (16, 32), (32, 36))]
-        return cls(data[0] & 0x1F, *txt)
+        vendor, product, revision = (data[a:b].decode("ascii", "replace").strip()
+                                     for a, b in ((8, 16), (16, 32), (32, 36)))
+        return cls(data[0] & 0x1F, vendor, product, revision, (data[5] >> 4) & 0x3)
 
 
 @dataclass(frozen=True)
@@ -170,6 +188,61 @@ def designators(data: bytes) -> list[tuple[int, bytes]]:
     return out
 
 
+@dataclass(frozen=True)
+class DeviceIdentification:
+    """What VPD page 83h (SPC-4 7.8.6) says of the LU and of the target port the command came in on."""
+
+    naa: bytes = b""                 # the LU's NAA designator (association 00b, type 3): same LU, same bytes
+    relative_port: int | None = None  # relative target port identifier (association 01b, type 4, 7.8.6.4)
+    port_group: int | None = None     # target port group (association 01b, type 5, 7.8.6.5)
+
+    @classmethod
+    def parse(cls, data: bytes) -> DeviceIdentification:
+        if len(data) < 4 or data[1] != 0x83:
+            return cls()
+        naa, rel, grp = b"", None, None
+        end = min(len(data), 4 + struct.unpack_from(">H", data, 2)[0])
+        pos = 4
+        while pos + 4 <= end:
+            assoc, dtype, n = (data[pos + 1] >> 4) & 0x3, data[pos + 1] & 0x0F, data[pos + 3]
+            ident = bytes(data[pos + 4:pos + 4 + n])
+            if assoc == 0 and dtype == 0x3 and not naa:
+                naa = ident
+            elif assoc == 1 and dtype in (0x4, 0x5) and len(ident) >= 4:
+                value = struct.unpack_from(">H", ident, 2)[0]
+                rel, grp = (value, grp) if dtype == 0x4 else (rel, value)
+            pos += 4 + n
+        return cls(naa, rel, grp)
+
+
+@dataclass(frozen=True)
+class PortGroup:
+    """One target port group descriptor of REPORT TARGET PORT GROUPS (SPC-4 6.36)."""
+
+    id: int
+    # ASYMMETRIC ACCESS STATE: 0 active/optimized, 1 active/non-optimized, 2 standby, 3 unavailable,
+    # Eh offline, Fh transitioning
+    state: int
+    preferred: bool
+    ports: tuple[int, ...]
+
+
+def port_groups(data: bytes) -> list[PortGroup]:
+    """REPORT TARGET PORT GROUPS parameter data (SPC-4 6.36), header format 000b or 001b."""
+    if len(data) < 4:
+        return []
+    end = min(len(data), 4 + struct.unpack_from(">I", data, 0)[0])
+    pos = 8 if len(data) >= 8 and (data[4] >> 4) & 0x7 == 1 else 4   # extended header: 4 more bytes
+    out: list[PortGroup] = []
+    while pos + 8 <= end:
+        first, gid, count = data[pos], struct.unpack_from(">H", data, pos + 2)[0], data[pos + 7]
+        ports = tuple(struct.unpack_from(">H", data, pos + 8 + 4 * i + 2)[0] for i in range(count)
+                      if pos + 8 + 4 * i + 4 <= end)
+        out.append(PortGroup(gid, first & 0x0F, bool(first & 0x80), ports))
+        pos += 8 + 4 * count
+    return out
+
+
 # --- status → errors ---------------------------------------------------------------------------------
 
 def sense_key_asc(sense: bytes) -> tuple[int, int, int | None]:
@@ -213,6 +286,9 @@ def status_error(status: int, sense: bytes, *, write: bool, what: str) -> BlockE
         return ReadOnly(text)
     if key == S.HARDWARE_ERROR or (key == S.NOT_READY and asc == S.ASC_MEDIUM_NOT_PRESENT):
         return DeviceFailed(text)
+    if key == S.NOT_READY and asc in (S.ASC_LU_NOT_ACCESSIBLE_TRANSITION, S.ASC_LU_NOT_ACCESSIBLE_STANDBY,
+                                      S.ASC_LU_NOT_ACCESSIBLE_UNAVAILABLE):
+        return PathNotAccessible(text, asc)
     if key == S.NOT_READY:
         return Busy(text)
     return ScsiCommandError(text, status, key, asc)

@@ -42,6 +42,7 @@ CSTS_CFS = 2
 FEATURE_NUMBER_OF_QUEUES = 0x07
 CNS_NAMESPACE, CNS_CONTROLLER, CNS_ACTIVE_NS_LIST = 0x00, 0x01, 0x02
 LID_DISCOVERY = 0x70
+LID_ANA = 0x0C     # Base 2.0 §5.16.1.12 Asymmetric Namespace Access
 DISCOVERY_NQN = "nqn.2014-08.org.nvmexpress.discovery"
 CONNECT_DATA_LEN = 1024
 IDENTIFY_LEN = 4096
@@ -207,6 +208,7 @@ class IdentifyController:
     subnqn: str
     ioccsz: int        # bytes of a command capsule (SQE + in-capsule data)
     icdoff: int
+    cmic: int = 0      # bit 3: the controller reports ANA (Base 2.0 Figure 275, byte 76)
 
     @classmethod
     def parse(cls, b: bytes) -> IdentifyController:
@@ -216,7 +218,11 @@ class IdentifyController:
         ioccsz, _iorcsz, icdoff = struct.unpack_from("<IIH", b, 1792)
         return cls(vid, _text(b[4:24]), _text(b[24:64]), _text(b[64:72]), b[77], cntlid, ver,
                    struct.unpack_from("<H", b, 320)[0], maxcmd, nn, struct.unpack_from("<H", b, 520)[0], b[525],
-                   _text(b[768:1024]), ioccsz * 16, icdoff)
+                   _text(b[768:1024]), ioccsz * 16, icdoff, b[76])
+
+    @property
+    def ana(self) -> bool:
+        return bool(self.cmic & 0x08)
 
     @property
     def write_zeroes(self) -> bool:
@@ -238,13 +244,15 @@ class IdentifyNamespace:
     block_size: int
     nguid: bytes
     eui64: bytes
+    anagrpid: int = 0   # the namespace's ANA group (Base 2.0 §5.17.2.1 Figure 276, bytes 95:92); 0: none
 
     @classmethod
     def parse(cls, b: bytes) -> IdentifyNamespace:
         nsze, ncap, nuse = struct.unpack_from("<QQQ", b, 0)
         flbas = b[26] & 0x0F
         lbads = b[128 + 4 * flbas + 2]
-        return cls(nsze, ncap, nuse, b[24], 1 << lbads if lbads else 0, bytes(b[104:120]), bytes(b[120:128]))
+        return cls(nsze, ncap, nuse, b[24], 1 << lbads if lbads else 0, bytes(b[104:120]), bytes(b[120:128]),
+                   struct.unpack_from("<I", b, 92)[0])
 
 
 @dataclass(frozen=True)
@@ -258,6 +266,24 @@ class DiscoveryEntry:
     trsvcid: str
     traddr: str
     subnqn: str
+
+
+def parse_ana_log(b: bytes) -> tuple[int, dict[int, tuple[int, tuple[int, ...]]]]:
+    """(change count, {ANAGRPID: (ANA state, NSIDs)}) of an ANA log page (Base 2.0 §5.16.1.12 Figures 230,
+    231): a 16-byte header, then per group a 32-byte descriptor and its NSIDs."""
+    if len(b) < 16:
+        return 0, {}
+    count, n = struct.unpack_from("<QH", b, 0)
+    groups: dict[int, tuple[int, tuple[int, ...]]] = {}
+    off = 16
+    for _ in range(n):
+        if off + 32 > len(b):
+            break
+        gid, nn, _, state = struct.unpack_from("<IIQB", b, off)
+        nsids = struct.unpack_from(f"<{nn}I", b, off + 32) if off + 32 + 4 * nn <= len(b) else ()
+        groups[gid] = (state & 0x0F, tuple(nsids))
+        off += 32 + 4 * nn
+    return count, groups
 
 
 def parse_discovery_log(b: bytes) -> tuple[int, int, list[DiscoveryEntry]]:
