@@ -74,3 +74,17 @@ def test_the_floor_file_round_trips_and_refuses_a_torn_one(tmp_path: Path) -> No
     (tmp_path / "v.floor").write_bytes(b"\x01\x02")
     with pytest.raises(ValueError, match="not a fence floor"):
         f.load()
+
+
+def test_a_primary_takes_its_own_replica_in_process_and_loses_it_to_a_newer_epoch() -> None:
+    floors: list[int] = []
+    f = EpochFence(persist=floors.append)
+    assert f.take_local(OLD, 5) and f.holds(OLD, 5) and floors == [5]
+    # the same node elected again (a later epoch of its own): it holds it for that epoch now
+    assert f.take_local(OLD, 7) and f.holds(OLD, 7) and not f.holds(OLD, 5) and floors == [5, 7]
+    # another node's epoch preempts it over the wire: this node's in-process writes are refused from then on
+    assert primary(f, NEW, 9, preempt=7) == S.SUCCESS
+    assert not f.holds(OLD, 7) and f.holds(NEW, 9)
+    # and it cannot take it back with its old epoch
+    before = f.refused
+    assert not f.take_local(OLD, 7) and f.refused == before + 1 and f.holds(NEW, 9)

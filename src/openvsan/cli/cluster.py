@@ -69,6 +69,46 @@ def _run(endpoints: list[str], work: Callable[[Any], Awaitable[T]]) -> T:
         _fail(f"etcd at {', '.join(endpoints)}: {e}", EXIT_FAILED)
 
 
+@cluster_app.command("etcd")
+def cluster_etcd(
+    name: Annotated[str, typer.Option("--name", help="This member's name (one of --peers).")],
+    peers: Annotated[str, typer.Option("--peers", help="Every member: name=host[:peer_port],... (the two nodes "
+                                                       "and the witness); peer port default 2380.")],
+    client_port: Annotated[int, typer.Option("--client-port", help="Port for clients (vsan) on this member's "
+                                                                  "host.")] = 2379,
+    data_dir: Annotated[Path | None, typer.Option("--data-dir", help="etcd's data (default ./etcd-NAME).")] = None,
+) -> None:
+    """Run one etcd member of the cluster's store in the foreground (Debian etcd-server): on each node and on
+    a witness, a small third host whose only job is the third vote (StarWind's node majority)."""
+    import os
+    import shutil
+
+    from openvsan.cluster.etcd_process import ETCD_PACKAGE
+
+    members: dict[str, str] = {}
+    for item in peers.split(","):
+        n, _, where = item.strip().partition("=")
+        if not n or not where:
+            _fail(f"--peers: {item!r} is not name=host[:port]", EXIT_USAGE)
+        members[n] = where if ":" in where.rsplit("]", 1)[-1] else f"{where}:2380"
+    if name not in members:
+        _fail(f"--name {name}: not one of --peers ({', '.join(members)})", EXIT_USAGE)
+    binary = shutil.which("etcd")
+    if binary is None:
+        _fail(f"etcd not found on PATH: apt-get install -y {ETCD_PACKAGE}", EXIT_FAILED)
+    host = members[name].rsplit(":", 1)[0]
+    data = data_dir or Path(f"etcd-{name}")
+    data.mkdir(mode=0o700, parents=True, exist_ok=True)
+    argv = [binary, "--name", name, "--data-dir", str(data),
+            "--listen-client-urls", f"http://{host}:{client_port}", "--advertise-client-urls",
+            f"http://{host}:{client_port}", "--listen-peer-urls", f"http://{members[name]}",
+            "--initial-advertise-peer-urls", f"http://{members[name]}",
+            "--initial-cluster", ",".join(f"{n}=http://{w}" for n, w in members.items()),
+            "--initial-cluster-state", "new", "--initial-cluster-token", "openvsan"]
+    typer.echo(f"etcd member {name}: clients on {host}:{client_port}, peers {', '.join(members)}", err=True)
+    os.execv(binary, argv)
+
+
 @cluster_app.command("init")
 def cluster_init(cluster_id: Annotated[str, typer.Option("--id", help="The cluster's ID ([cluster] id).")],
                  etcd: EtcdOpt = None, config: ConfigOpt = None) -> None:

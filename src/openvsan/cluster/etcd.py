@@ -140,7 +140,7 @@ def _is_unavailable(e: BaseException) -> bool:
 
 def _is_stream_lost(e: BaseException) -> bool:
     if isinstance(e, rpc.AioRpcError):
-        return e.code() == rpc.StatusCode.INTERNAL
+        return bool(e.code() == rpc.StatusCode.INTERNAL)
     return isinstance(e, aetcd.exceptions.InternalError)
 
 

@@ -115,6 +115,10 @@ def _refuse_fixed(actual: NodeConfig, desired: NodeConfig) -> None:
         if new is not None and new.size is not None and dev.size is not None and new.size < dev.size:
             raise PlanRefused(f"device {name}: {format_size(new.size)} is smaller than its {format_size(dev.size)}; "
                               "a device in service does not shrink (data would be cut off)")
+    for name, vol in _by(desired.volumes, "name").items():
+        if vol.replicated and name not in _by(actual.volumes, "name"):
+            raise PlanRefused(f"volume {name}: a replicated volume is added to each of its nodes' configs and served "
+                              "at their next restart (its replica service starts with vsan serve)")
     for name, vol in _by(actual.volumes, "name").items():
         new = _by(desired.volumes, "name").get(name)
         if new is not None and (new.replicas, new.nodes) != (vol.replicas, vol.nodes):

@@ -272,6 +272,7 @@ class ReplicaController:
     _lease: Lease | None = None
     _stopping: bool = False
     _hot_keys: list[str] = field(default_factory=list)
+    _hot_checked: float = 0.0
     _standby: Standby | None = None
 
     @property
@@ -424,6 +425,10 @@ class ReplicaController:
             await self._step_down(planned=False)
             return
         self.view = m.view
+        now = time.monotonic()
+        if now >= self._hot_checked + 1.0:
+            self._hot_checked = now
+            await m.add_hot(await self._new_hot())
         for n in list(m.dirty):
             link = self.links[n]
             task = self.resyncing.get(n)
@@ -433,13 +438,21 @@ class ReplicaController:
                     task.result()
                 task = None
             if task is None and link.dev is not None:
-                self.resyncing[n] = asyncio.create_task(m.resync(n, rate=self.resync_rate))
+                self.resyncing[n] = asyncio.create_task(m.resync(n, rate=self.resync_rate, more=self._new_hot))
         if not m.dirty and self._hot_keys:
             for k in self._hot_keys:
                 with contextlib.suppress(StoreError):
                     await self.store.delete(k)
             self._hot_keys = []
         await asyncio.sleep(0.2)
+
+    async def _new_hot(self) -> set[int]:
+        """Regions of hot sets published since this node looked (a node that restarted after a crash as
+        primary publishes its own before it serves its replica: a resync to it sees them before it ends)."""
+        entries = await self.store.list(f"{HOT}{self.name}/")
+        fresh = [e for e in entries if e.key not in self._hot_keys]
+        self._hot_keys += [e.key for e in fresh]
+        return {r for e in fresh for r in e.value.get("regions", ())}
 
     async def _step_down(self, *, planned: bool) -> None:
         """Stop being primary: paths standby first, then drain, publish the hot set, take the mirror off."""

@@ -16,8 +16,9 @@ recorded in sync again.
 
 With `dirty_dir`, each out-of-sync peer's regions are also on disk (dirty.py), saved before the write that
 dirtied them is acknowledged, so a primary that restarts resyncs that peer by them; a peer that was out of
-sync before this node became primary, without a file of that outage, gets a full copy (an activity log of
-the old primary's hot regions is the next step).
+sync before this node became primary, without a file of that outage, gets a full copy. Regions a crashed or
+fenced primary may have left different (its activity log, activity.py) come in as `hot` regions: copied to
+every peer, in sync or not.
 """
 
 from __future__ import annotations
@@ -166,6 +167,9 @@ class MirrorLayer(Layer):
         await self._mark_all(failed)          # before the acknowledgement (record.py rule 2)
         await self._save_dirty([*grew, *failed])   # and what they miss is on disk before it too
         await self._check_lease()
+        if not self.stats["writes"]:
+            log.info("volume %s: %s acknowledged its first write in epoch %d", self.view.volume, self.me,
+                     self.view.epoch)
         self.stats["writes"] += 1
 
     async def flush(self) -> None:
@@ -304,10 +308,24 @@ class MirrorLayer(Layer):
     def _leave(self, token: int) -> None:
         self._ops.pop(token)[2].set()
 
+    async def add_hot(self, regions: Iterable[int]) -> None:
+        """Regions that may differ between replicas (a crashed or fenced primary's activity log): every peer
+        gets them copied, in sync or not (saved first for those out of sync)."""
+        hot = set(regions)
+        if not hot:
+            return
+        for n in self.view.nodes:
+            if n != self.me:
+                self.dirty.setdefault(n, set()).update(hot)
+        await self.save_all_dirty()
+
     async def resync(self, node: str, *, rate: float | None = None,
-                     sleep: Callable[[float], Awaitable[None]] = asyncio.sleep) -> int:
+                     sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+                     more: Callable[[], Awaitable[Iterable[int]]] | None = None) -> int:
         """Copy `node`'s dirty regions from the local stack, then record it in sync; returns the bytes sent.
-        `rate`: bytes/s at most. The volume takes writes meanwhile (they go to `node` too)."""
+        `rate`: bytes/s at most. The volume takes writes meanwhile (they go to `node` too). `more`: asked
+        once the dirty regions are copied, before the peer is recorded in sync: regions learnt meanwhile
+        (hot sets published since), copied too."""
         if node not in self.dirty:
             raise ValueError(f"volume {self.view.volume}: {node} is not out of sync")
         peer = self.peers[node]
@@ -337,6 +355,10 @@ class MirrorLayer(Layer):
                 self.stats["resync_bytes"] += nbytes
                 if rate:
                     await sleep(nbytes / rate)
+                if not self.dirty[node] and more is not None:
+                    extra = set(await more())
+                    if extra:
+                        await self.add_hot(extra)
             await peer.flush()
             self.view = await R.mark_in_sync(self.store, self.view, node)
         except R.Fenced as e:
