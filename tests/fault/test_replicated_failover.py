@@ -10,14 +10,19 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
+import random
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 from etcd_cluster import EtcdCluster
+from history import check_identical
 from replica_nodes import ReplicaCluster
 
-from openvsan.initiator.nvme_tcp import AnaPathError, NvmeTcpInitiator
+from openvsan.initiator.nvme_tcp import AnaPathError, NvmeOptions, NvmeTcpInitiator
+from openvsan.replication.peer import PeerFenced, connect_peer, replica_nqn
 
 BS = 512
 REGION = 1 << 20
@@ -142,3 +147,84 @@ def test_primary_killed_then_back(tmp_path: Path) -> None:
         assert len(a) == len(b) == os.path.getsize(cluster["a"].image)
         assert a == b, "the two replicas differ after resync: first at byte " + str(
             next(i for i in range(len(a)) if a[i] != b[i]))
+
+
+def test_resync_sends_only_what_a_downed_secondary_missed(tmp_path: Path) -> None:
+    """A secondary down for 30 s while 5 % of a 1 GiB volume is rewritten (51 of its 1,024 regions, each by
+    random 4 KiB writes): its resync sends at most 1.1 x those regions, far from a full copy."""
+    with EtcdCluster(tmp_path / "etcd", ["e1"]) as etcd:
+        etcd.start()
+        cluster = ReplicaCluster(tmp_path, etcd.endpoints, ["a", "b"], size="1GiB")
+        try:
+            cluster.start_all()
+            p = cluster.wait_primary()
+            s = "b" if p == "a" else "a"
+            cluster.wait_in_sync()
+            cluster[s].kill()
+            down = time.monotonic()
+            rng = random.Random(7)
+            regions = rng.sample(range(1024), 51)
+
+            async def rewrite() -> None:
+                dev = await open_url(cluster[p].nvme_url)
+                try:
+                    for r in regions:
+                        for _ in range(16):
+                            lba = r * (REGION // BS) + rng.randrange(REGION // 4096) * 8
+                            await dev.write(lba, block(b"new", lba))
+                    await dev.flush()
+                finally:
+                    await dev.close()
+
+            asyncio.run(rewrite())
+            time.sleep(max(0.0, 30 - (time.monotonic() - down)))
+            cluster[s].start()
+            st = cluster.wait_in_sync(timeout=120)
+            sent, dirty = st["mirror"]["resync_bytes"], len(regions) * REGION
+            print(f"resync after 30 s down: {sent} bytes sent for {dirty} bytes of dirty regions "
+                  f"({sent / dirty:.2f}x; the volume is {1 << 30} bytes)")
+            assert dirty <= sent <= 1.1 * dirty, (sent, dirty)
+        finally:
+            cluster.stop_all()
+            cluster.close()
+        same = check_identical({n: cluster[n].image for n in ("a", "b")})
+        assert same.ok, str(same)
+
+
+def test_strangers_stale_epochs_and_other_clusters_are_refused(tmp_path: Path) -> None:
+    with EtcdCluster(tmp_path / "etcd", ["e1"]) as etcd:
+        etcd.start()
+        cluster = ReplicaCluster(tmp_path, etcd.endpoints, ["a", "b"], size="16MiB")
+        try:
+            cluster.start_all()
+            p = cluster.wait_primary()
+            s = "b" if p == "a" else "a"
+            node = cluster[s]           # the secondary's replica, which the primary holds
+            before = node.status()
+            assert before is not None
+
+            async def attempts() -> None:
+                # a host that is not one of the volume's nodes cannot connect to the replica at all
+                with pytest.raises(Exception, match="(?i)refused|not allowed|connect"):
+                    dev = NvmeTcpInitiator("127.0.0.1", node.repl_port, replica_nqn("v1"), 1,
+                                           NvmeOptions(hostnqn="nqn.2014-08.org.example:stranger",
+                                                       reconnect_timeout=0.0, connect_timeout=3.0))
+                    await dev.open()
+                # the primary's own host NQN with an old epoch: refused by the fence, and counted
+                with pytest.raises(PeerFenced):
+                    await connect_peer("127.0.0.1", node.repl_port, "v1", p, 1,
+                                       opts=NvmeOptions(reconnect_timeout=0.0, connect_timeout=3.0))
+
+            asyncio.run(attempts())
+            after = node.status()
+            assert after is not None and after["fence"]["refused"] > before["fence"]["refused"], after
+            # a node of another cluster does not start (one line, exit status not 0)
+            other = cluster["a"].config.read_text().replace('id = "ctest"', 'id = "other"')
+            bad = tmp_path / "other.toml"
+            bad.write_text(other.replace(str(cluster["a"].data_dir), str(tmp_path / "other-data")))
+            r = subprocess.run([sys.executable, "-m", "openvsan.cli.main", "serve", "--config", str(bad)],
+                               capture_output=True, text=True, timeout=60, check=False)
+            assert r.returncode != 0 and "holds openvsan cluster 'ctest', not 'other'" in r.stderr, r.stderr
+        finally:
+            cluster.stop_all()
+            cluster.close()
