@@ -11,6 +11,7 @@ import asyncio
 import hashlib
 import os
 import random
+import shutil
 import subprocess
 import sys
 import time
@@ -228,3 +229,38 @@ def test_strangers_stale_epochs_and_other_clusters_are_refused(tmp_path: Path) -
         finally:
             cluster.stop_all()
             cluster.close()
+
+
+def test_a_wiped_replica_is_copied_in_full(tmp_path: Path) -> None:
+    """A secondary whose data dir and device are lost (a replaced server) comes back empty: it declares itself
+    out of sync, is never elected meanwhile, and gets every region; the replicas end identical."""
+    with EtcdCluster(tmp_path / "etcd", ["e1"]) as etcd:
+        etcd.start()
+        cluster = ReplicaCluster(tmp_path, etcd.endpoints, ["a", "b"], size="8MiB")
+        try:
+            cluster.start_all()
+            p = cluster.wait_primary()
+            s = "b" if p == "a" else "a"
+
+            async def fill() -> None:
+                dev = await open_url(cluster[p].nvme_url)
+                try:
+                    for i in range(0, 16384, 512):
+                        await dev.write(i, block(b"full", i))
+                    await dev.flush()
+                finally:
+                    await dev.close()
+
+            asyncio.run(fill())
+            cluster.wait_in_sync()
+            cluster[s].kill()
+            shutil.rmtree(cluster[s].data_dir)
+            cluster[s].image.unlink()
+            cluster[s].start()
+            st = cluster.wait_in_sync(timeout=120)
+            assert st["mirror"]["resync_bytes"] == 8 << 20, st["mirror"]
+        finally:
+            cluster.stop_all()
+            cluster.close()
+        same = check_identical({n: cluster[n].image for n in ("a", "b")})
+        assert same.ok, str(same)

@@ -37,6 +37,7 @@ from typing import Any
 
 from openvsan.block.device import BlockDevice, Buffer
 from openvsan.block.layer import Layer
+from openvsan.durable import replace_file
 from openvsan.node.statestore import Lease, StateStore, StoreError
 from openvsan.replication import record as R
 from openvsan.replication.fence import EpochFence
@@ -294,6 +295,16 @@ class ReplicaController:
         if set(rs.nodes) != set(self.nodes):
             raise R.ReplicationError(f"volume {self.name}: this node lists replicas on {', '.join(self.nodes)}, "
                                      f"the cluster on {', '.join(rs.nodes)}; give every node the same nodes list")
+        # this data dir's replica state: without it (a new node, or a wiped one) the local copy may lack
+        # acknowledged writes, so the replica declares itself stale and gets a full copy
+        marker = self.data_dir / f"{self.name}.replica"
+        known = marker.read_text().strip() if marker.exists() else None
+        if known != (rs.uuid or "") and rs.written and self.me in rs.in_sync:
+            rs = await R.declare_stale(self.store, self.name, self.me)
+            log.warning("volume %s: this node's replica is new (or its state was lost): out of sync until the "
+                        "primary has copied it in full", self.name)
+        if known != (rs.uuid or ""):
+            await asyncio.to_thread(replace_file, marker, (rs.uuid or "").encode() + b"\n")
         if self.activity is not None:
             hot = self.activity.load()
             if hot is None:          # unreadable: every region may differ
@@ -429,6 +440,11 @@ class ReplicaController:
         if now >= self._hot_checked + 1.0:
             self._hot_checked = now
             await m.add_hot(await self._new_hot())
+            rs = await R.load(self.store, self.name)
+            if rs.epoch != m.view.epoch:
+                m.fenced = True           # another node was elected: the next turn steps down
+                return
+            m.adopt(rs)                   # a replica that declared itself stale: copied in full
         for n in list(m.dirty):
             link = self.links[n]
             task = self.resyncing.get(n)

@@ -96,6 +96,7 @@ class MirrorLayer(Layer):
         self._save_locks: dict[str, asyncio.Lock] = {}
         self._unflushed: dict[str, set[int]] = {n: set() for n in self._in_sync_peers()}
         self._marking: dict[str, asyncio.Future[None]] = {}
+        self._written_lock = asyncio.Lock()
         self._syncing: set[str] = set()               # out of sync, but getting new writes (a resync runs)
         self._ops: dict[int, tuple[int, int, asyncio.Event]] = {}   # requests in flight: (lba, blocks, done)
         self._tokens = itertools.count()
@@ -166,6 +167,8 @@ class MirrorLayer(Layer):
             self.dirty.setdefault(n, set()).update(regions)
         await self._mark_all(failed)          # before the acknowledgement (record.py rule 2)
         await self._save_dirty([*grew, *failed])   # and what they miss is on disk before it too
+        if not self.view.written:
+            await self._mark_written()
         await self._check_lease()
         if not self.stats["writes"]:
             log.info("volume %s: %s acknowledged its first write in epoch %d", self.view.volume, self.me,
@@ -204,6 +207,29 @@ class MirrorLayer(Layer):
             self.fenced = True
             raise NotPrimary(f"volume {self.view.volume}: {self.me}'s lease was not renewed in time; it is no "
                              "longer primary")
+
+    async def _mark_written(self) -> None:
+        async with self._written_lock:          # one compare-and-swap for the first writes together
+            if self.view.written:
+                return
+            try:
+                self.adopt(await R.mark_written(self.store, self.view))
+            except R.Fenced as e:
+                self.fenced = True
+                raise NotPrimary(str(e)) from None
+
+    def adopt(self, rs: R.ReplicaSet) -> None:
+        """A newer record of this epoch (a replica that declared itself stale, record.py declare_stale): a
+        peer out of sync that this layer did not mark gets every region copied."""
+        if rs.epoch != self.view.epoch or rs.revision < self.view.revision:
+            return
+        self.view = rs
+        for n in rs.out_of_sync:
+            if n != self.me and n not in self.dirty:
+                self.dirty[n] = set(self._all_regions())
+                self._syncing.discard(n)
+                self._unflushed.pop(n, None)
+                log.warning("volume %s: %s declared its replica stale: a full copy follows", rs.volume, n)
 
     async def drain(self) -> None:
         """Wait for the requests in flight (after fencing: none of them is acknowledged any more)."""
@@ -262,7 +288,7 @@ class MirrorLayer(Layer):
                 deadline = self.clock() + self.suspend
                 while node in self.view.in_sync:
                     try:
-                        self.view = await R.mark_out_of_sync(self.store, self.view, node)
+                        self.adopt(await R.mark_out_of_sync(self.store, self.view, node))
                     except StoreError:
                         if self.clock() >= deadline:      # suspended long enough: fail the write
                             raise
@@ -360,7 +386,7 @@ class MirrorLayer(Layer):
                     if extra:
                         await self.add_hot(extra)
             await peer.flush()
-            self.view = await R.mark_in_sync(self.store, self.view, node)
+            self.adopt(await R.mark_in_sync(self.store, self.view, node))
         except R.Fenced as e:
             self.fenced = True
             raise NotPrimary(str(e)) from None

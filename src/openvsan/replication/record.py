@@ -63,6 +63,7 @@ class ReplicaSet:
     out_of_sync: Mapping[str, int] = field(default_factory=dict)   # node -> epoch since which it misses writes
     revision: int = 0                   # the record's revision in the store (what a CAS expects)
     uuid: str | None = None             # the volume's identity on every replica node (NAA, EUI-64, NGUID, serial)
+    written: bool = False               # some primary acknowledged a write: a new, empty replica needs a full copy
 
     @property
     def in_sync(self) -> tuple[str, ...]:
@@ -70,12 +71,14 @@ class ReplicaSet:
 
     def value(self) -> dict[str, Any]:
         return {"nodes": list(self.nodes), "epoch": self.epoch, "primary": self.primary,
-                "out_of_sync": dict(self.out_of_sync), **({"uuid": self.uuid} if self.uuid else {})}
+                "out_of_sync": dict(self.out_of_sync), **({"uuid": self.uuid} if self.uuid else {}),
+                **({"written": True} if self.written else {})}
 
     @classmethod
     def from_entry(cls, volume: str, value: Mapping[str, Any], revision: int) -> ReplicaSet:
         return cls(volume, tuple(value["nodes"]), int(value["epoch"]), value.get("primary"),
-                   {str(k): int(v) for k, v in value.get("out_of_sync", {}).items()}, revision, value.get("uuid"))
+                   {str(k): int(v) for k, v in value.get("out_of_sync", {}).items()}, revision, value.get("uuid"),
+                   bool(value.get("written", False)))
 
 
 def _key(prefix: str, volume: str) -> str:
@@ -132,7 +135,8 @@ async def claim_primary(store: StateStore, volume: str, node: str, lease: Lease)
     return replace(new, revision=rev)
 
 
-async def _change(store: StateStore, view: ReplicaSet, node: str, change: Mapping[str, int | None]) -> ReplicaSet:
+async def _change(store: StateStore, view: ReplicaSet, node: str, change: Mapping[str, int | None], *,
+                  written: bool = False) -> ReplicaSet:
     """Apply `change` to out_of_sync as the primary of `view.epoch`, retrying a CAS lost to a change of the
     same epoch; Fenced when the epoch is over."""
     rs = view
@@ -146,7 +150,7 @@ async def _change(store: StateStore, view: ReplicaSet, node: str, change: Mappin
                 out.pop(n, None)
             else:
                 out.setdefault(n, since)      # missing writes since the first epoch it missed them
-        new = replace(rs, out_of_sync=out)
+        new = replace(rs, out_of_sync=out, written=rs.written or written)
         try:
             rev = await store.put(_key(VOLUMES, view.volume), new.value(), expect=rs.revision)
         except Conflict:
@@ -159,7 +163,7 @@ async def mark_out_of_sync(store: StateStore, view: ReplicaSet, node: str) -> Re
     """Rule 2: before acknowledging a write `node` did not get. Raises Fenced if `view`'s epoch is over."""
     if node not in view.nodes or node == view.primary:
         raise ReplicationError(f"volume {view.volume}: {node} is not a secondary of it")
-    return await _change(store, view, node, {node: view.epoch})
+    return await _change(store, view, node, {node: view.epoch}, written=True)   # a write is acknowledged next
 
 
 async def mark_in_sync(store: StateStore, view: ReplicaSet, node: str) -> ReplicaSet:
@@ -167,6 +171,30 @@ async def mark_in_sync(store: StateStore, view: ReplicaSet, node: str) -> Replic
     if node not in view.nodes:
         raise NotAMember(f"volume {view.volume}: {node} holds no replica of it")
     return await _change(store, view, node, {node: None})
+
+
+async def mark_written(store: StateStore, view: ReplicaSet) -> ReplicaSet:
+    """Before the first acknowledged write of the volume: from now on a replica that comes empty (a new or
+    wiped node) must get a full copy before it counts as in sync."""
+    return await _change(store, view, view.primary or "", {}, written=True)
+
+
+async def declare_stale(store: StateStore, volume: str, node: str) -> ReplicaSet:
+    """A replica that knows it lacks data (its node's replica state is new or wiped) records itself out of
+    sync. Any node may do this for itself at any time: it only narrows who may be elected, never widens it;
+    the primary then copies it in full."""
+    while True:
+        rs = await load(store, volume)
+        if node not in rs.nodes:
+            raise NotAMember(f"volume {volume}: {node} holds no replica of it")
+        if node in rs.out_of_sync:
+            return rs
+        new = replace(rs, out_of_sync={**rs.out_of_sync, node: rs.epoch})
+        try:
+            rev = await store.put(_key(VOLUMES, volume), new.value(), expect=rs.revision)
+        except Conflict:
+            continue
+        return replace(new, revision=rev)
 
 
 async def step_down(store: StateStore, view: ReplicaSet) -> None:
