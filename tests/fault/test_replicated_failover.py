@@ -264,3 +264,58 @@ def test_a_wiped_replica_is_copied_in_full(tmp_path: Path) -> None:
             cluster.close()
         same = check_identical({n: cluster[n].image for n in ("a", "b")})
         assert same.ok, str(same)
+
+
+def test_persistent_reservations_are_the_volumes_on_every_node(tmp_path: Path) -> None:
+    """SCSI PR taken through the secondary's (standby) path is enforced by the primary at once, reported by
+    both, and still enforced by the other node after the primary is killed (SPC-4 5.13: the logical unit's
+    reservations, whichever port)."""
+    from openvsan.initiator.iscsi import IscsiInitiator
+
+    def pr_out(sa: int, key: int, sa_key: int, rtype: int = 0) -> tuple[bytes, bytes]:
+        cdb = bytes((0x5F, sa, rtype)) + b"\0\0" + (24).to_bytes(4, "big") + b"\0"
+        return cdb, key.to_bytes(8, "big") + sa_key.to_bytes(8, "big") + bytes(8)
+
+    read_keys = bytes((0x5E, 0)) + bytes(5) + (512).to_bytes(2, "big") + b"\0"
+    write10 = bytes((0x2A, 0)) + (64).to_bytes(4, "big") + b"\0" + (1).to_bytes(2, "big") + b"\0"
+
+    with EtcdCluster(tmp_path / "etcd", ["e1"]) as etcd:
+        etcd.start()
+        cluster = ReplicaCluster(tmp_path, etcd.endpoints, ["a", "b"], size="8MiB")
+        try:
+            cluster.start_all()
+            p = cluster.wait_primary()
+            s = "b" if p == "a" else "a"
+
+            async def take() -> None:
+                x = await IscsiInitiator.open_url(cluster[s].iscsi_url + "?initiator=iqn.2026-12.test:x")
+                y = await IscsiInitiator.open_url(cluster[p].iscsi_url + "?initiator=iqn.2026-12.test:y")
+                try:
+                    for sa, key, sa_key, rtype in ((0, 0, 0xA1, 0), (1, 0xA1, 0, 1)):   # REGISTER, RESERVE WE
+                        cdb, params = pr_out(sa, key, sa_key, rtype)
+                        done = await x.execute(cdb, data=params)
+                        assert done.status == 0, (sa, done.status, done.sense.hex())
+                    done = await y.execute(write10, data=bytes(BS))
+                    assert done.status == 0x18, f"write of another initiator under X's reservation: {done.status}"
+                    keys = await y.execute(read_keys, read_len=512)
+                    assert bytes(keys.data)[8:16] == (0xA1).to_bytes(8, "big"), bytes(keys.data).hex()
+                finally:
+                    await x.close()
+                    await y.close()
+
+            asyncio.run(take())
+            cluster[p].kill()
+            cluster.wait_primary(not_=p)
+
+            async def after() -> None:
+                y = await IscsiInitiator.open_url(cluster[s].iscsi_url + "?initiator=iqn.2026-12.test:y")
+                try:
+                    done = await y.execute(write10, data=bytes(BS))
+                    assert done.status == 0x18, f"the new primary forgot the reservation: status {done.status}"
+                finally:
+                    await y.close()
+
+            asyncio.run(after())
+        finally:
+            cluster.stop_all()
+            cluster.close()

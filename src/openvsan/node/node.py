@@ -287,6 +287,7 @@ class Node:
             groups = self.replication.alua.get(volume) if self.replication is not None else None
             if groups is not None and hasattr(self.luns[volume], "set_alua"):
                 self.luns[volume].set_alua(groups)   # one target port group per replica node
+                self.luns[volume].pr_sync = self.replication.pr.get(volume)   # one PR state on every node
         return self.luns[volume]
 
     def drop_lun_if_unused(self, volume: str) -> None:

@@ -40,6 +40,48 @@ ETCD_PREFIX = "/openvsan"
 CNTLIDS_PER_NODE = 0x0800          # NVMe controller IDs each node hands out (1..0xFFEF in all: 31 nodes)
 
 
+PR = "/replication/pr/"                 # a replicated volume's SCSI persistent reservations, shared
+PR_APPLIED = "/replication/pr-applied/"  # the revision of them its primary enforces now
+
+
+class PrSync:
+    """One SCSI PR state for every node of a replicated volume (SPC-4 5.13: the reservations are the logical
+    unit's, whichever port a command comes through). A PR command on any node first reads the shared state,
+    then runs, then commits it with a compare-and-swap (a command of another node that came first: run again
+    on the new state); on a secondary it completes once the primary, the only node doing I/O, enforces it."""
+
+    def __init__(self, store: StateStore, volume: str, role: Any) -> None:
+        self.store, self.volume, self.role = store, volume, role
+        self.revision = 0          # of the state applied here
+
+    async def refresh(self, pr: Any) -> bool:
+        e = await self.store.get(PR + self.volume)
+        if e is None or e.revision == self.revision:
+            return False
+        pr.apply_state(e.value)
+        self.revision = e.revision
+        return True
+
+    async def commit(self, state: dict[str, Any]) -> bool:
+        from openvsan.node.statestore import Conflict
+
+        try:
+            self.revision = await self.store.put(PR + self.volume, state, expect=self.revision)
+        except Conflict:
+            return False
+        if self.role() != "primary" and await self.store.get(R.PRIMARY + self.volume) is not None:
+            deadline = time.monotonic() + 2.0
+            while time.monotonic() < deadline:
+                e = await self.store.get(PR_APPLIED + self.volume)
+                if e is not None and int(e.value.get("revision", 0)) >= self.revision:
+                    break
+                await asyncio.sleep(0.02)
+            else:
+                log.warning("volume %s: the primary did not confirm PR state %d within 2 s", self.volume,
+                            self.revision)
+        return True
+
+
 def group_of(volume: VolumeSpec, node: str) -> int:
     """`node`'s ALUA target port group for `volume`: its place among the volume's nodes, sorted (every node
     computes the same from its own config, before the others have even joined)."""
@@ -63,6 +105,8 @@ class NodeReplication:
         self.fences: dict[str, EpochFence] = {}
         self.alua: dict[str, TargetPortGroups] = {}
         self.server: Any = None
+        self.pr: dict[str, PrSync] = {}
+        self._pr_tasks: dict[str, asyncio.Task[None]] = {}
         self._alive: Lease | None = None
         self._alive_task: asyncio.Task[None] | None = None
 
@@ -131,7 +175,9 @@ class NodeReplication:
                 addresses=self._addresses, fence=fence, data_dir=self.dir,
                 paths=Paths(functools.partial(self.turn_paths, v.name)),
                 lease_ttl=self.spec.lease_ttl, suspend=self.spec.suspend_seconds,
-                activity=self._activity_log(v.name, vol))
+                activity=self._activity_log(v.name, vol),
+                before_primary=functools.partial(self._pr_catch_up, v.name))
+            self.pr[v.name] = PrSync(self.store, v.name, lambda c=c: c.role)
             await c.prepare(str(vol.uuid))          # hot regions published before anyone can resync us
             await c.start()                         # standby under the frontends until elected
             handle = Volume(c.local, name=v.name, uuid=vol.uuid, serial=vol.serial)
@@ -172,8 +218,45 @@ class NodeReplication:
 
     # ---- paths
 
+    # ---- persistent reservations, shared
+
+    async def _pr_catch_up(self, volume: str) -> None:
+        """Before this node serves I/O as primary: the latest shared PR state is the one it enforces."""
+        lun = self.node.luns.get(volume)
+        if lun is not None:
+            async with lun.pr_lock:
+                await self.pr[volume].refresh(lun.pr)
+            await self._pr_applied(volume)
+
+    async def _pr_applied(self, volume: str) -> None:
+        assert self.store is not None
+        await self.store.put(PR_APPLIED + volume, {"revision": self.pr[volume].revision})
+
+    async def _pr_follow(self, volume: str) -> None:
+        """While primary: every PR change another node commits is applied here, then confirmed."""
+        assert self.store is not None
+        while True:
+            try:
+                async for _ in self.store.watch(PR + volume):
+                    lun = self.node.luns.get(volume)
+                    if lun is not None and self.controllers[volume].role == "primary":
+                        async with lun.pr_lock:
+                            await self.pr[volume].refresh(lun.pr)
+                        await self._pr_applied(volume)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001 - the store failed: watch again
+                log.debug("volume %s: PR watch: %s", volume, e)
+                await asyncio.sleep(0.5)
+
     def turn_paths(self, volume: str, role: str, primary: str | None) -> None:
         """ALUA and ANA states of `volume` on this node after a role change."""
+        task = self._pr_tasks.get(volume)
+        if role == "primary" and task is None and self.store is not None:
+            self._pr_tasks[volume] = asyncio.get_running_loop().create_task(self._pr_follow(volume))
+        elif role != "primary" and task is not None:
+            task.cancel()
+            del self._pr_tasks[volume]
         groups = self.alua.get(volume)
         if groups is not None:
             spec = self.node.state.config.volume(volume)
@@ -222,6 +305,9 @@ class NodeReplication:
     async def stop(self) -> None:
         for c in self.controllers.values():
             await c.stop()
+        for task in self._pr_tasks.values():
+            task.cancel()
+        self._pr_tasks.clear()
         if self.server is not None:
             await self.server.stop()
         if self._alive_task is not None:

@@ -261,6 +261,7 @@ class ReplicaController:
     region_size: int = DEFAULT_REGION
     activity: Any = None                 # activity.py ActivityLog, or None (no hot-set tracking)
     resync_rate: float = RESYNC_RATE
+    before_primary: Callable[[], Awaitable[None]] | None = None   # e.g. the shared PR state brought up to date
     role: str = "starting"
     view: R.ReplicaSet | None = None
     mirror: MirrorLayer | None = None
@@ -416,6 +417,8 @@ class ReplicaController:
                                   activity=self.activity, hot=hot, suspend=self.suspend)
         await self.mirror.save_all_dirty()        # the hot regions of out-of-sync peers are on disk now
         self._hot_keys = [e.key for e in hot_entries]
+        if self.before_primary is not None:
+            await self.before_primary()
         await self.volume.swap(self.mirror)
         self.view = rs
         for link in self.links.values():

@@ -12,6 +12,7 @@ import asyncio
 import pathlib
 import struct
 from collections.abc import Awaitable, Callable, Iterable
+from typing import Any
 
 from openvsan.block.device import Buffer
 from openvsan.block.errors import BlockError
@@ -126,6 +127,9 @@ class Lun:
         self.pr = PersistentReservations(pr_state_path)
         self.pr.load()
         self.pr_lock = asyncio.Lock()
+        # a replicated volume's nodes share one PR state (node/replicas.py PrSync: refresh(pr), then
+        # commit(state) -> False when another node's command came first); None: this LU's own
+        self.pr_sync: Any = None
         self.spc2_holder: Nexus | None = None       # RESERVE(6)/(10) (SPC-2 7.21)
         self.prevent: set[Nexus] = set()            # PREVENT ALLOW MEDIUM REMOVAL (SPC-4 6.13)
         self.medium_present = True

@@ -11,6 +11,7 @@ import json
 import pathlib
 import struct
 from dataclasses import dataclass, field
+from typing import Any
 
 from openvsan.durable import replace_file
 from openvsan.protocol.scsi.nexus import Nexus
@@ -297,6 +298,26 @@ class PersistentReservations:
                  "key": k, "holder": n == self.holder} for n, k in self.keys.items()]
         return json.dumps({"version": 1, "generation": self.generation, "type": self.type,
                            "registrations": regs}, indent=1).encode()
+
+    # ---- the whole state as data, whatever APTPL says (a replicated volume's nodes share it: PrSync)
+
+    def state(self) -> dict[str, Any]:
+        return {"generation": self.generation, "type": self.type, "aptpl": self.aptpl,
+                "registrations": [{"initiator": n.initiator_name, "isid": n.isid, "target": n.target_name,
+                                   "tpgt": n.tpgt, "key": k, "holder": n == self.holder}
+                                  for n, k in self.keys.items()],
+                "all_holder": self.type != 0 and self.holder is None}
+
+    def apply_state(self, state: dict[str, Any]) -> None:
+        self.generation = int(state["generation"])
+        self.type = int(state["type"])
+        self.aptpl = bool(state.get("aptpl", False))
+        self.keys, self.holder = {}, None
+        for r in state["registrations"]:
+            n = Nexus(r["initiator"], int(r["isid"]), r["target"], int(r["tpgt"]))
+            self.keys[n] = int(r["key"])
+            if r.get("holder"):
+                self.holder = n
 
     def save(self, data: bytes | None) -> None:
         """Write a snapshot() crash-safely (blocking: call it off the event loop)."""

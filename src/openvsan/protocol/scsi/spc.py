@@ -14,11 +14,13 @@ from openvsan.protocol.scsi.mode import mode_select, mode_sense
 from openvsan.protocol.scsi.nexus import Nexus
 from openvsan.protocol.scsi.opcodes import COMMANDS, SERVICE_ACTION_OPCODES, Access, CommandSpec
 from openvsan.protocol.scsi.sense import (
+    ASC_LU_COMMUNICATION_FAILURE,
     ASC_MEDIUM_REMOVAL_PREVENTED,
     ASC_NO_ADDITIONAL,
     GOOD,
     ILLEGAL_REQUEST,
     NO_SENSE,
+    NOT_READY,
     UNIT_ATTENTION,
     ScsiError,
     ScsiResult,
@@ -158,8 +160,22 @@ async def start_stop_unit(lun: Lun, cdb: bytes, data: memoryview, nexus: Nexus) 
 # ---- PERSISTENT RESERVE IN / OUT (SPC-4 6.15, 6.16)
 
 async def persistent_reserve_in(lun: Lun, cdb: bytes, data: memoryview, nexus: Nexus) -> ScsiResult:
+    if lun.pr_sync is not None:
+        async with lun.pr_lock:
+            await _pr_refresh(lun)
     out = lun.pr.persistent_reserve_in(cdb[1] & 0x1F)
     return ScsiResult(GOOD, out[:u16(cdb, 7)])
+
+
+PR_SYNC_TRIES = 8     # PR OUT commands of other nodes that may come first before this one gives up
+
+
+async def _pr_refresh(lun: Lun) -> None:
+    try:
+        await lun.pr_sync.refresh(lun.pr)
+    except Exception as e:
+        # the shared state cannot be read: no answer from a stale copy (SPC-4 5.13: one state per LU)
+        raise ScsiError(NOT_READY, ASC_LU_COMMUNICATION_FAILURE) from e
 
 
 async def persistent_reserve_out(lun: Lun, cdb: bytes, data: memoryview, nexus: Nexus) -> ScsiResult:
@@ -168,14 +184,30 @@ async def persistent_reserve_out(lun: Lun, cdb: bytes, data: memoryview, nexus: 
         raise param_list_length_error()
     params = bytes(data[:plen])
     async with lun.pr_lock:
-        before = lun.pr.snapshot()
-        for n, asc in lun.pr.persistent_reserve_out(nexus, cdb, params):
-            lun.add_ua(n, asc)
-        after = lun.pr.snapshot()
-        if after != before:
-            # the new state is durable before the command completes (APTPL)
-            await asyncio.to_thread(lun.pr.save, after)
-    return _GOOD
+        sync = lun.pr_sync
+        for _ in range(PR_SYNC_TRIES):
+            if sync is not None:
+                await _pr_refresh(lun)        # a replicated volume: the state every node shares, latest
+            state = lun.pr.state()
+            before = lun.pr.snapshot()
+            uas = lun.pr.persistent_reserve_out(nexus, cdb, params)
+            if sync is not None and lun.pr.state() != state:
+                try:
+                    committed = await sync.commit(lun.pr.state())
+                except Exception as e:
+                    lun.pr.apply_state(state)      # not shared: not done
+                    raise ScsiError(NOT_READY, ASC_LU_COMMUNICATION_FAILURE) from e
+                if not committed:                  # another node's command came first: do it again on it
+                    lun.pr.apply_state(state)
+                    continue
+            for n, asc in uas:
+                lun.add_ua(n, asc)
+            after = lun.pr.snapshot()
+            if after != before:
+                # the new state is durable before the command completes (APTPL)
+                await asyncio.to_thread(lun.pr.save, after)
+            return _GOOD
+    raise ScsiError(NOT_READY, ASC_LU_COMMUNICATION_FAILURE)
 
 
 # ---- REPORT SUPPORTED OPERATION CODES (SPC-4 6.35), REPORT SUPPORTED TMFs (SPC-4 6.36)
