@@ -319,3 +319,58 @@ def test_persistent_reservations_are_the_volumes_on_every_node(tmp_path: Path) -
         finally:
             cluster.stop_all()
             cluster.close()
+
+
+def test_nvme_reservations_move_with_the_primary(tmp_path: Path) -> None:
+    """An NVMe reservation taken through the primary holds on the next primary after a kill -9: the other
+    host's writes get Reservation Conflict there, the holder's go through (Base 2.0 §8.19)."""
+    from openvsan.initiator.nvme_tcp import NvmeCommandError
+
+    def host(name: str) -> NvmeOptions:
+        return NvmeOptions(hostnqn=f"nqn.2026-12.org.openvsan.test:{name}", command_timeout=3.0,
+                           reconnect_timeout=0.0, connect_timeout=3.0)
+
+    async def open_as(url: str, name: str) -> NvmeTcpInitiator:
+        dev = await NvmeTcpInitiator.open_url(url, hostnqn=host(name).hostnqn, command_timeout=3.0,
+                                              reconnect_timeout=0.0, connect_timeout=3.0)
+        return dev
+
+    with EtcdCluster(tmp_path / "etcd", ["e1"]) as etcd:
+        etcd.start()
+        cluster = ReplicaCluster(tmp_path, etcd.endpoints, ["a", "b"], size="8MiB")
+        try:
+            cluster.start_all()
+            p = cluster.wait_primary()
+            s = "b" if p == "a" else "a"
+
+            async def take() -> None:
+                x, y = await open_as(cluster[p].nvme_url, "x"), await open_as(cluster[p].nvme_url, "y")
+                try:
+                    await x.reservation_register(0xB1)
+                    await x.reservation_acquire(0xB1, 1)              # Write Exclusive
+                    with pytest.raises(NvmeCommandError) as e:
+                        await y.write(64, bytes(BS))
+                    assert e.value.status & 0xFF == 0x83, hex(e.value.status)
+                finally:
+                    await x.close()
+                    await y.close()
+
+            asyncio.run(take())
+            cluster[p].kill()
+            cluster.wait_primary(not_=p)
+
+            async def after() -> None:
+                x, y = await open_as(cluster[s].nvme_url, "x"), await open_as(cluster[s].nvme_url, "y")
+                try:
+                    with pytest.raises(NvmeCommandError) as e:
+                        await y.write(64, bytes(BS))
+                    assert e.value.status & 0xFF == 0x83, f"the new primary forgot the reservation: {e.value}"
+                    await x.write(64, bytes(BS))                       # the holder writes
+                finally:
+                    await x.close()
+                    await y.close()
+
+            asyncio.run(after())
+        finally:
+            cluster.stop_all()
+            cluster.close()

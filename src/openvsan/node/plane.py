@@ -222,6 +222,8 @@ class DataPlane:
         cfg = self.node.build_subsystem(spec)
         await server.add_subsystem(cfg)
         self.node.subsystems.append(cfg)
+        if self.node.replication is not None:
+            self.node.replication.refresh_paths()
 
     async def _remove_subsystem(self, c: Change) -> None:
         await self.node.nvme_server.remove_subsystem(c.key)
@@ -237,6 +239,8 @@ class DataPlane:
         vol = self.node.volumes[c.new.volume]
         read_only = self.config.volume(c.new.volume).read_only
         self.node.nvme_server.subsystem(c.parent).add_namespace(Namespace(c.new.nsid, vol, read_only))
+        if self.node.replication is not None:
+            self.node.replication.refresh_paths()     # a replicated volume's namespace: its ANA group, shared state
 
     async def _remove_namespace(self, c: Change) -> None:
         self.node.nvme_server.subsystem(c.parent).remove_namespace(c.old.nsid)

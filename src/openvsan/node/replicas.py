@@ -22,6 +22,7 @@ from openvsan.cluster import membership as M
 from openvsan.node.specs import ClusterSpec, VolumeSpec
 from openvsan.node.store import VolumeIdentity
 from openvsan.protocol.nvme import ana
+from openvsan.protocol.nvme.reservations import Reservations
 from openvsan.protocol.scsi.alua import AccessState, TargetPortGroup, TargetPortGroups
 from openvsan.replication import record as R
 from openvsan.replication.controller import Paths, ReplicaController, floor_file
@@ -40,25 +41,24 @@ ETCD_PREFIX = "/openvsan"
 CNTLIDS_PER_NODE = 0x0800          # NVMe controller IDs each node hands out (1..0xFFEF in all: 31 nodes)
 
 
-PR = "/replication/pr/"                 # a replicated volume's SCSI persistent reservations, shared
-PR_APPLIED = "/replication/pr-applied/"  # the revision of them its primary enforces now
+class SharedState:
+    """One reservation state for every node of a replicated volume: SCSI persistent reservations (kind "pr":
+    SPC-4 5.13, they are the logical unit's, whichever port a command comes through) or NVMe reservations
+    (kind "resv", Base 2.0 §8.19, the namespace's). A reservation command on any node first reads the shared
+    state (`/replication/<kind>/<volume>`), then runs, then commits it with a compare-and-swap (a command of
+    another node that came first: run again on the new state); on a secondary it completes once the primary,
+    the only node doing I/O, confirms it enforces it (`/replication/<kind>-applied/<volume>`)."""
 
-
-class PrSync:
-    """One SCSI PR state for every node of a replicated volume (SPC-4 5.13: the reservations are the logical
-    unit's, whichever port a command comes through). A PR command on any node first reads the shared state,
-    then runs, then commits it with a compare-and-swap (a command of another node that came first: run again
-    on the new state); on a secondary it completes once the primary, the only node doing I/O, enforces it."""
-
-    def __init__(self, store: StateStore, volume: str, role: Any) -> None:
+    def __init__(self, store: StateStore, volume: str, kind: str, role: Any) -> None:
         self.store, self.volume, self.role = store, volume, role
+        self.key, self.applied_key = f"/replication/{kind}/{volume}", f"/replication/{kind}-applied/{volume}"
         self.revision = 0          # of the state applied here
 
-    async def refresh(self, pr: Any) -> bool:
-        e = await self.store.get(PR + self.volume)
+    async def refresh(self, state: Any) -> bool:
+        e = await self.store.get(self.key)
         if e is None or e.revision == self.revision:
             return False
-        pr.apply_state(e.value)
+        state.apply_state(e.value)
         self.revision = e.revision
         return True
 
@@ -66,20 +66,23 @@ class PrSync:
         from openvsan.node.statestore import Conflict
 
         try:
-            self.revision = await self.store.put(PR + self.volume, state, expect=self.revision)
+            self.revision = await self.store.put(self.key, state, expect=self.revision)
         except Conflict:
             return False
         if self.role() != "primary" and await self.store.get(R.PRIMARY + self.volume) is not None:
             deadline = time.monotonic() + 2.0
             while time.monotonic() < deadline:
-                e = await self.store.get(PR_APPLIED + self.volume)
+                e = await self.store.get(self.applied_key)
                 if e is not None and int(e.value.get("revision", 0)) >= self.revision:
                     break
                 await asyncio.sleep(0.02)
             else:
-                log.warning("volume %s: the primary did not confirm PR state %d within 2 s", self.volume,
-                            self.revision)
+                log.warning("volume %s: the primary did not confirm %s state %d within 2 s", self.volume,
+                            self.key, self.revision)
         return True
+
+    async def confirm(self) -> None:
+        await self.store.put(self.applied_key, {"revision": self.revision})
 
 
 def group_of(volume: VolumeSpec, node: str) -> int:
@@ -105,7 +108,9 @@ class NodeReplication:
         self.fences: dict[str, EpochFence] = {}
         self.alua: dict[str, TargetPortGroups] = {}
         self.server: Any = None
-        self.pr: dict[str, PrSync] = {}
+        self.pr: dict[str, SharedState] = {}         # SCSI PR of each volume's LUN
+        self.resv: dict[str, SharedState] = {}       # NVMe reservations of its namespaces
+        self.nvme_resv: dict[str, Reservations] = {}  # ... one state for all of them on this node
         self._pr_tasks: dict[str, asyncio.Task[None]] = {}
         self._alive: Lease | None = None
         self._alive_task: asyncio.Task[None] | None = None
@@ -177,7 +182,9 @@ class NodeReplication:
                 lease_ttl=self.spec.lease_ttl, suspend=self.spec.suspend_seconds,
                 activity=self._activity_log(v.name, vol),
                 before_primary=functools.partial(self._pr_catch_up, v.name))
-            self.pr[v.name] = PrSync(self.store, v.name, lambda c=c: c.role)
+            self.pr[v.name] = SharedState(self.store, v.name, "pr", lambda c=c: c.role)
+            self.resv[v.name] = SharedState(self.store, v.name, "resv", lambda c=c: c.role)
+            self.nvme_resv[v.name] = Reservations()
             await c.prepare(str(vol.uuid))          # hot regions published before anyone can resync us
             await c.start()                         # standby under the frontends until elected
             handle = Volume(c.local, name=v.name, uuid=vol.uuid, serial=vol.serial)
@@ -221,32 +228,33 @@ class NodeReplication:
     # ---- persistent reservations, shared
 
     async def _pr_catch_up(self, volume: str) -> None:
-        """Before this node serves I/O as primary: the latest shared PR state is the one it enforces."""
+        """Before this node serves I/O as primary: the latest shared reservations are the ones it enforces."""
+        await self._follow_once(volume)
+
+    async def _follow_once(self, volume: str) -> None:
         lun = self.node.luns.get(volume)
         if lun is not None:
             async with lun.pr_lock:
                 await self.pr[volume].refresh(lun.pr)
-            await self._pr_applied(volume)
-
-    async def _pr_applied(self, volume: str) -> None:
-        assert self.store is not None
-        await self.store.put(PR_APPLIED + volume, {"revision": self.pr[volume].revision})
+            await self.pr[volume].confirm()
+        await self.resv[volume].refresh(self.nvme_resv[volume])
+        await self.resv[volume].confirm()
 
     async def _pr_follow(self, volume: str) -> None:
-        """While primary: every PR change another node commits is applied here, then confirmed."""
+        """While primary: every reservation change another node commits is applied here, then confirmed."""
+        await asyncio.gather(self._watch(volume, self.pr[volume].key), self._watch(volume, self.resv[volume].key))
+
+    async def _watch(self, volume: str, key: str) -> None:
         assert self.store is not None
         while True:
             try:
-                async for _ in self.store.watch(PR + volume):
-                    lun = self.node.luns.get(volume)
-                    if lun is not None and self.controllers[volume].role == "primary":
-                        async with lun.pr_lock:
-                            await self.pr[volume].refresh(lun.pr)
-                        await self._pr_applied(volume)
+                async for _ in self.store.watch(key):
+                    if self.controllers[volume].role == "primary":
+                        await self._follow_once(volume)
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # noqa: BLE001 - the store failed: watch again
-                log.debug("volume %s: PR watch: %s", volume, e)
+                log.debug("volume %s: watch of %s: %s", volume, key, e)
                 await asyncio.sleep(0.5)
 
     def turn_paths(self, volume: str, role: str, primary: str | None) -> None:
@@ -278,6 +286,9 @@ class NodeReplication:
                     log.error("%s namespace %d: replicated namespaces need NSIDs up to %d (one ANA group each)",
                               sub.nqn, ns.nsid, ana.ANAGRPMAX - 1)
                     continue
+                if ns.reservations is not self.nvme_resv[volume]:
+                    ns.reservations = self.nvme_resv[volume]    # one state, shared with the other nodes
+                    ns.reservation_sync = self.resv[volume]
                 if sub.cntlids != (lo, lo + CNTLIDS_PER_NODE - 1):
                     sub.set_cntlid_range(lo, lo + CNTLIDS_PER_NODE - 1)
                 sub.set_ana_group(ns.nsid, group)

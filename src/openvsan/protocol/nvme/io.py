@@ -192,6 +192,8 @@ async def execute_io(ctrl: Controller, sqe: Sqe, data: bytes | bytearray | memor
         if op == OP_DATASET_MANAGEMENT:
             return await _dataset_management(sqe, ns, data)
         if op in (OP_RESERVATION_REGISTER, OP_RESERVATION_ACQUIRE, OP_RESERVATION_RELEASE, OP_RESERVATION_REPORT):
+            if ns.reservation_sync is not None:
+                return await _shared_reservation(ctrl, sqe, ns, data)
             return _reservation(ctrl, sqe, ns, data)
     except BlockError as e:
         write = op not in (OP_READ, OP_COMPARE)
@@ -233,6 +235,36 @@ async def _dataset_management(sqe: Sqe, ns: Namespace, data: bytes | bytearray |
         if nlb:
             await dev.unmap(slba, nlb)
     return S.OK
+
+
+RESERVATION_SYNC_TRIES = 8    # reservation commands of other nodes that may come first before one gives up
+
+
+async def _shared_reservation(ctrl: Controller, sqe: Sqe, ns: Namespace,
+                              data: bytes | bytearray | memoryview) -> Completion:
+    """A replicated volume's reservations, one state on every node: read the latest, run the command, commit
+    it (compare-and-swap; another node's command first: run again on its result). A store that does not
+    answer fails the command with Internal Error, DNR clear (the host retries), the state unchanged."""
+    res, sync = ns.reservations, ns.reservation_sync
+    async with ns.reservation_lock:
+        for _ in range(RESERVATION_SYNC_TRIES):
+            try:
+                await sync.refresh(res)
+            except Exception:  # noqa: BLE001 - not answered: no answer from a stale copy
+                return S.fail(S.INTERNAL_ERROR)
+            before = res.state()
+            done = _reservation(ctrl, sqe, ns, data)
+            if res.state() == before:
+                return done
+            try:
+                committed = await sync.commit(res.state())
+            except Exception:  # noqa: BLE001
+                res.apply_state(before)
+                return S.fail(S.INTERNAL_ERROR)
+            if committed:
+                return done
+            res.apply_state(before)
+    return S.fail(S.INTERNAL_ERROR)
 
 
 def _reservation(ctrl: Controller, sqe: Sqe, ns: Namespace, data: bytes | bytearray | memoryview) -> Completion:

@@ -7,6 +7,7 @@ registration (§8.19.1). Not persistent through power loss (RESCAP bit 0 clear, 
 from __future__ import annotations
 
 import struct
+from typing import Any
 
 from openvsan.protocol.nvme import status as S
 
@@ -142,6 +143,19 @@ class Reservations:
             self.generation += 1
             return S.SUCCESS
         return S.INVALID_FIELD
+
+    # ---- the whole state as data (a replicated volume's nodes share it: node/replicas.py)
+
+    def state(self) -> dict[str, Any]:
+        return {"generation": self.generation, "rtype": self.rtype,
+                "holder": self.holder.hex() if self.holder is not None else None,
+                "registrants": {h.hex(): k for h, k in self.registrants.items()}}
+
+    def apply_state(self, state: dict[str, Any]) -> None:
+        self.generation = int(state["generation"])
+        self.rtype = int(state["rtype"])
+        self.holder = bytes.fromhex(state["holder"]) if state.get("holder") else None
+        self.registrants = {bytes.fromhex(h): int(k) for h, k in state["registrants"].items()}
 
     def report(self, eds: bool, size: int) -> tuple[int, bytes]:
         """Reservation Report (§7.8): (status, data of at most `size` bytes). Over fabrics Host Identifiers

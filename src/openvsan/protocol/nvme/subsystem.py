@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import uuid as uuidlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from openvsan.protocol.nvme import ana
 from openvsan.protocol.nvme.ana import AnaGroups, Portal
@@ -37,6 +38,10 @@ class Namespace:
     ana_group: int = 1
     reservations: Reservations = field(default_factory=Reservations)
     unlisten: Callable[[], None] | None = field(default=None, repr=False)
+    # a replicated volume's nodes share its reservations (node/replicas.py ResvSync: refresh(res), then
+    # commit(state) -> False when another node's command came first); None: this namespace's own
+    reservation_sync: Any = field(default=None, repr=False)
+    reservation_lock: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)
 
     # the namespace's identity is its volume's (Identify Namespace NGUID, EUI64, UUID descriptor)
     @property
