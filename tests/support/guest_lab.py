@@ -302,6 +302,15 @@ class GuestLab:
         s.start()
         return s
 
+    def isolate(self, node: str) -> None:
+        """`node`'s only link down (Lab.isolate): it reaches nobody, the guest included."""
+        self.lab.isolate(node)
+
+    def rejoin(self, node: str) -> None:
+        """The link up again, and the route to the guest that link-down took with it."""
+        self.lab.rejoin(node)
+        _sh(["ip", "-n", self.lab.ns(node), "route", "replace", str(GUEST_NET), "via", self.router_addr])
+
     # -- the guest's paths --
 
     def guest_ns(self) -> str:

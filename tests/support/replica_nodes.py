@@ -31,7 +31,10 @@ IQN = "iqn.2026-12.org.openvsan.test:v1"
 NQN = "nqn.2026-12.org.openvsan.test:v1"
 
 
-def vsan(*args: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
+def vsan(*args: str, timeout: float = 30, lab: Any = None, ns: str = "") -> subprocess.CompletedProcess[str]:
+    """`vsan ARGS`; with `lab`, inside its namespace `ns` (an etcd that lives in the Lab is reached from there)."""
+    if lab is not None:
+        return lab.run(ns, [*VSAN, *args], check=False, timeout=timeout)  # type: ignore[no-any-return]
     return subprocess.run([*VSAN, *args], check=False, capture_output=True, text=True, timeout=timeout)
 
 
@@ -124,7 +127,8 @@ class ReplicaCluster:
     def __init__(self, workdir: Path, etcd: Sequence[str], names: Sequence[str], *, size: str = "64MiB",
                  lab: Any = None, **kw: Any) -> None:
         self.etcd = list(etcd)
-        r = vsan("cluster", "init", "--id", CLUSTER_ID, "--etcd", ",".join(self.etcd))
+        self.lab, self._ns = lab, (names[0] if lab is not None else "")
+        r = vsan("cluster", "init", "--id", CLUSTER_ID, "--etcd", ",".join(self.etcd), lab=lab, ns=self._ns)
         assert r.returncode == 0, r.stderr
         self.nodes = {n: ReplicaNode(n, workdir, self.etcd, names, size=size, lab=lab,
                                      host=lab.addr[n] if lab is not None else "127.0.0.1", **kw) for n in names}
@@ -141,7 +145,7 @@ class ReplicaCluster:
             n.stop()
 
     def cluster_status(self) -> dict[str, Any]:
-        r = vsan("cluster", "status", "--etcd", ",".join(self.etcd), "--json")
+        r = vsan("cluster", "status", "--etcd", ",".join(self.etcd), "--json", lab=self.lab, ns=self._ns)
         assert r.returncode == 0, r.stderr
         out: dict[str, Any] = json.loads(r.stdout)
         return out
