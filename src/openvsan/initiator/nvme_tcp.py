@@ -453,6 +453,11 @@ class NvmeTcpInitiator:
             return
         mv = memoryview(data).cast("B")
         a = await self._ensure()
+        if blocks <= self.max_io_blocks:        # one command: no task for it (the replication path's common case)
+            inc = len(mv) <= a.in_capsule
+            await self.io(lambda cid: C.write(cid, self.nsid, lba, blocks, blocks * bs, fua=fua, in_capsule=inc),
+                          data=mv, in_capsule=inc, what="Write")
+            return
 
         async def part(s: int, n: int) -> None:
             chunk = mv[(s - lba) * bs:(s - lba + n) * bs]

@@ -38,6 +38,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("openvsan.node")
 
 ETCD_PREFIX = "/openvsan"
+REPLICATION_IN_CAPSULE = 1 << 20   # = MDTS (protocol/nvme/identify.py): any write the primary sends fits
 CNTLIDS_PER_NODE = 0x0800          # NVMe controller IDs each node hands out (1..0xFFEF in all: 31 nodes)
 
 
@@ -195,6 +196,7 @@ class NodeReplication:
                                                   model="openvsan replica"))
         if not subsystems:
             return
+        # a 1 MiB write in one capsule (no R2T round trip on the replication path; hosts' portals keep 8 KiB)
         self.server = NvmeTcpServer(subsystems)
         for v in self.volumes:
             sub = self.server.subsystem(replica_nqn(v.name))

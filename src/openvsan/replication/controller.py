@@ -207,7 +207,8 @@ class PeerLink(BlockDevice):
         if self.dev is None:
             raise ConnectionError(f"{self.node}'s replica of {self.volume} is not connected")
         try:
-            return await asyncio.wait_for(call(self.dev), self.timeout)
+            # no wait_for of its own: the initiator's command timeout (= self.timeout) ends a command unanswered
+            return await call(self.dev)
         except BaseException:
             await self._drop()
             raise

@@ -146,8 +146,7 @@ class MirrorLayer(Layer):
             if self.activity is not None:
                 await self.activity.enter(regions)    # durable before any replica can have the write
             try:
-                results = await asyncio.gather(op(self.below), *(op(self.peers[n]) for n in targets),
-                                               return_exceptions=True)
+                results = await self._all(op, targets)
             finally:
                 if self.activity is not None:
                     self.activity.leave(regions)
@@ -175,6 +174,29 @@ class MirrorLayer(Layer):
                      self.view.epoch)
         self.stats["writes"] += 1
 
+    async def _all(self, op: Callable[[BlockDevice], Awaitable[None]], targets: list[str]) -> list[Any]:
+        """`op` on the local stack and on each target peer at once: [local's result, then each peer's], an
+        exception in place of a failure. The peers' commands go first (one task each); the local one runs
+        inline meanwhile (no gather: a task less per write, and on RAM it never waits)."""
+        pending = [asyncio.ensure_future(op(self.peers[n])) for n in targets]
+        results: list[Any] = []
+        try:
+            await op(self.below)
+            results.append(None)
+        except Exception as e:  # noqa: BLE001 - reported with the others
+            results.append(e)
+        except BaseException:
+            for t in pending:
+                t.cancel()
+            raise
+        for t in pending:
+            try:
+                await t
+                results.append(None)
+            except Exception as e:  # noqa: BLE001
+                results.append(e)
+        return results
+
     async def flush(self) -> None:
         if self.fenced:
             raise NotPrimary(f"volume {self.view.volume}: {self.me} is no longer its primary")
@@ -183,8 +205,7 @@ class MirrorLayer(Layer):
         for n in targets:
             if n in self._unflushed:
                 self._unflushed[n] = set()
-        results = await asyncio.gather(self.below.flush(), *(self.peers[n].flush() for n in targets),
-                                       return_exceptions=True)
+        results = await self._all(lambda d: d.flush(), targets)
         if isinstance(results[0], BaseException):
             await self._local_failed(results[0])
         failed = [n for n, r in zip(targets, results[1:], strict=True) if isinstance(r, BaseException)]
