@@ -374,3 +374,44 @@ def test_nvme_reservations_move_with_the_primary(tmp_path: Path) -> None:
         finally:
             cluster.stop_all()
             cluster.close()
+
+
+def test_a_ram_replica_that_restarts_is_copied_in_full(tmp_path: Path) -> None:
+    """A RAM replica comes back empty from a restart even though its node's state is intact: it must not count
+    as in sync (else, the primary lost next, an empty replica would be elected)."""
+    with EtcdCluster(tmp_path / "etcd", ["e1"]) as etcd:
+        etcd.start()
+        cluster = ReplicaCluster(tmp_path, etcd.endpoints, ["a", "b"], size="4MiB", ram=True)
+        try:
+            cluster.start_all()
+            p = cluster.wait_primary()
+            s = "b" if p == "a" else "a"
+
+            async def fill(url: str) -> None:
+                dev = await open_url(url)
+                try:
+                    await dev.write(0, block(b"ram", 0))
+                    await dev.flush()
+                finally:
+                    await dev.close()
+
+            asyncio.run(fill(cluster[p].nvme_url))
+            cluster.wait_in_sync()
+            cluster[s].stop()                       # a clean stop: no write missed, but its RAM is gone
+            cluster[s].start()
+            st = cluster.wait_in_sync(timeout=60)
+            assert st["mirror"]["resync_bytes"] == 4 << 20, st["mirror"]
+            cluster[p].kill()                       # now the restarted one serves what was written
+            cluster.wait_primary(not_=p)
+
+            async def read() -> bytes:
+                dev = await open_url(cluster[s].nvme_url)
+                try:
+                    return bytes(await dev.read(0, BLOCKS_PER_WRITE))
+                finally:
+                    await dev.close()
+
+            assert asyncio.run(read()) == block(b"ram", 0)
+        finally:
+            cluster.stop_all()
+            cluster.close()

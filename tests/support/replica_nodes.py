@@ -40,7 +40,8 @@ def vsan(*args: str, timeout: float = 30, lab: Any = None, ns: str = "") -> subp
 
 class ReplicaNode:
     def __init__(self, name: str, workdir: Path, etcd: Sequence[str], nodes: Sequence[str], *, size: str,
-                 host: str = "127.0.0.1", lab: Any = None, lease_ttl: int = 3, suspend: float = 5.0) -> None:
+                 host: str = "127.0.0.1", lab: Any = None, lease_ttl: int = 3, suspend: float = 5.0,
+                 ram: bool = False) -> None:
         self.name, self.host, self.lab = name, host, lab
         self.dir = workdir / name
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -57,7 +58,8 @@ class ReplicaNode:
             "[node]", f'name = "{name}"', f'data_dir = "{self.data_dir}"', "",
             "[cluster]", f'id = "{CLUSTER_ID}"', f"etcd = {json.dumps(list(etcd))}",
             f'replication = "{host}:{self.repl_port}"', f"lease_ttl = {lease_ttl}", f"suspend_seconds = {suspend}", "",
-            "[[devices]]", 'name = "d0"', 'type = "file"', f'path = "{self.image}"', f'size = "{size}"', "",
+            "[[devices]]", 'name = "d0"', *(['type = "ram"'] if ram else ['type = "file"', f'path = "{self.image}"']),
+            f'size = "{size}"', "",
             "[[volumes]]", f'name = "{VOLUME}"', 'device = "d0"', f"replicas = {len(nodes)}",
             f"nodes = {json.dumps(list(nodes))}", "",
             "[iscsi]", f'portals = ["{host}:{self.iscsi_port}"]', "",

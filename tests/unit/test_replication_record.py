@@ -200,3 +200,24 @@ def test_random_histories_keep_every_acknowledged_write(ops: list[tuple[str, ...
         for n in rs.in_sync:
             assert set(acked) <= has[n], f"{n} is in sync but lacks an acknowledged write"
     run(go())
+
+
+def test_a_stale_replica_declares_itself_and_only_force_brings_back_a_set_with_none_in_sync() -> None:
+    async def go() -> None:
+        store = MemoryStateStore(MemoryState(clock=lambda: 0.0))
+        await R.create(store, "v", ["a", "b"])
+        rs = await R.declare_stale(store, "v", "b")
+        assert rs.out_of_sync == {"b": 0} and rs.in_sync == ("a",)
+        assert (await R.declare_stale(store, "v", "b")).revision == rs.revision     # once is enough
+        with pytest.raises(R.ReplicationError, match="a in sync still"):
+            await R.force_in_sync(store, "v", "b")      # forcing b would lose what a has
+        await R.declare_stale(store, "v", "a")
+        assert (await R.load(store, "v")).in_sync == ()
+        lease = await store.grant_lease(5)
+        with pytest.raises(R.NotInSync):
+            await R.claim_primary(store, "v", "a", lease)
+        forced = await R.force_in_sync(store, "v", "a")
+        assert forced.in_sync == ("a",) and forced.out_of_sync == {"b": 0}
+        assert (await R.claim_primary(store, "v", "a", lease)).primary == "a"
+
+    asyncio.run(go())

@@ -251,6 +251,21 @@ def volume_move_primary(name: VolumeArg, as_json: JsonOpt = False, data_dir: Dat
     typer.echo(f"volume {name}: this node stepped down (it is {r['role']} now); an in-sync peer takes over")
 
 
+@volume_app.command("force-in-sync")
+def volume_force_in_sync(name: VolumeArg, yes: Annotated[bool, typer.Option("--yes-lose-writes", help=(
+        "Confirm: writes this replica missed are lost."))] = False, as_json: JsonOpt = False,
+        data_dir: DataDir = None, config: ConfigOpt = None) -> None:
+    """Last resort when NO replica is in sync (every node lost its state, or the in-sync one is gone for good):
+    this node's replica is declared in sync as it is and can be elected; writes it missed are lost."""
+    if not yes:
+        _bad("this can lose acknowledged writes; add --yes-lose-writes if no in-sync replica will come back")
+    r = _call(data_dir, config, "volume.force_in_sync", name=name)
+    if as_json:
+        _print_json(r)
+        return
+    typer.echo(f"volume {name}: this node's replica is in sync by force (epoch {r['epoch']}); it can be elected")
+
+
 # ---- QoS
 
 QOS_KNOBS = [f"{scope}{kind}_{part}" for kind in ("iops", "bps") for scope in ("read_", "write_", "")

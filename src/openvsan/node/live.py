@@ -230,6 +230,18 @@ async def volume_move_primary(node: Node, args: R.VolumeShow) -> Any:
         raise RequestError(str(e)) from None
 
 
+@command("volume.force_in_sync", R.VolumeShow)
+async def volume_force_in_sync(node: Node, args: R.VolumeShow) -> Any:
+    """Last resort when no replica is in sync: this node's replica is declared in sync as it is."""
+    _known_volume(node, args.name)
+    if node.replication is None or node.replication.status(args.name) is None:
+        raise RequestError(f"volume {args.name} is not replicated")
+    try:
+        return await node.replication.force(args.name)
+    except Exception as e:  # noqa: BLE001 - refused (another replica is in sync), or the store: one line
+        raise RequestError(str(e)) from None
+
+
 # ---- exports
 
 def _portals(args: R.ExportAdd, fallback: list[str]) -> list[str]:

@@ -182,7 +182,7 @@ class NodeReplication:
                 paths=Paths(functools.partial(self.turn_paths, v.name)),
                 lease_ttl=self.spec.lease_ttl, suspend=self.spec.suspend_seconds,
                 activity=self._activity_log(v.name, vol),
-                before_primary=functools.partial(self._pr_catch_up, v.name))
+                before_primary=functools.partial(self._pr_catch_up, v.name), persistent=self._persistent(v))
             self.pr[v.name] = SharedState(self.store, v.name, "pr", lambda c=c: c.role)
             self.resv[v.name] = SharedState(self.store, v.name, "resv", lambda c=c: c.role)
             self.nvme_resv[v.name] = Reservations()
@@ -204,6 +204,18 @@ class NodeReplication:
         await self.server.start()
         log.info("replication: %d replicated volume(s), replicas served on %s (node %s, number %d, cluster %s)",
                  len(subsystems), self.spec.replication, self.me, self.number, self.spec.id)
+
+    def _persistent(self, v: VolumeSpec) -> bool:
+        """Whether the volume's data outlives vsan serve: not on a RAM device without a backing file."""
+        cfg = self.node.state.config
+        names = [str(v.device)] if v.device is not None else list(cfg.pool(str(v.pool)).members)
+        return all(not (d.type == "ram" and d.backing is None) for d in (cfg.device(n) for n in names))
+
+    async def force(self, volume: str) -> dict[str, Any]:
+        c = self.controllers.get(volume)
+        if c is None:
+            raise ValueError(f"volume {volume} is not replicated on this node")
+        return await c.force()
 
     def _activity_log(self, name: str, vol: Volume) -> Any:
         try:

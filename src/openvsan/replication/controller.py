@@ -263,6 +263,7 @@ class ReplicaController:
     activity: Any = None                 # activity.py ActivityLog, or None (no hot-set tracking)
     resync_rate: float = RESYNC_RATE
     before_primary: Callable[[], Awaitable[None]] | None = None   # e.g. the shared PR state brought up to date
+    persistent: bool = True             # the replica's data survives a restart (not a RAM device)
     role: str = "starting"
     view: R.ReplicaSet | None = None
     mirror: MirrorLayer | None = None
@@ -301,7 +302,8 @@ class ReplicaController:
         # acknowledged writes, so the replica declares itself stale and gets a full copy
         marker = self.data_dir / f"{self.name}.replica"
         known = marker.read_text().strip() if marker.exists() else None
-        if known != (rs.uuid or "") and rs.written and self.me in rs.in_sync:
+        lost = known != (rs.uuid or "") or not self.persistent     # a RAM replica starts empty every time
+        if lost and rs.written and self.me in rs.in_sync:
             rs = await R.declare_stale(self.store, self.name, self.me)
             log.warning("volume %s: this node's replica is new (or its state was lost): out of sync until the "
                         "primary has copied it in full", self.name)
@@ -517,6 +519,13 @@ class ReplicaController:
                 await self._lease.revoke()
         self._lease = None
         self.keeper = None
+
+    async def force(self) -> dict[str, Any]:
+        """No replica in sync: this node's is declared in sync as it is (record.py force_in_sync), to be elected."""
+        self.view = await R.force_in_sync(self.store, self.name, self.me)
+        log.warning("volume %s: this node's replica was FORCED in sync (epoch %d): writes it missed are lost",
+                    self.name, self.view.epoch)
+        return self.status()
 
     async def move_primary(self) -> None:
         """A planned switchover away from this node: drain, give up the epoch; another in-sync node claims it."""

@@ -197,6 +197,25 @@ async def declare_stale(store: StateStore, volume: str, node: str) -> ReplicaSet
         return replace(new, revision=rev)
 
 
+async def force_in_sync(store: StateStore, volume: str, node: str) -> ReplicaSet:
+    """The administrator's last resort when no replica is in sync (every node lost its state, or the only
+    in-sync one is gone for good): `node` is declared in sync as it is, and may be elected. Writes it missed
+    are lost; the others get copied from it."""
+    while True:
+        rs = await load(store, volume)
+        if node not in rs.nodes:
+            raise NotAMember(f"volume {volume}: {node} holds no replica of it")
+        if rs.in_sync and node not in rs.in_sync:
+            raise ReplicationError(f"volume {volume}: {', '.join(rs.in_sync)} in sync still; elect one of them "
+                                   "(forcing would lose what they have)")
+        new = replace(rs, out_of_sync={n: e for n, e in rs.out_of_sync.items() if n != node})
+        try:
+            rev = await store.put(_key(VOLUMES, volume), new.value(), expect=rs.revision)
+        except Conflict:
+            continue
+        return replace(new, revision=rev)
+
+
 async def step_down(store: StateStore, view: ReplicaSet) -> None:
     """A planned switchover: the primary, drained, gives up its epoch (the next claim makes a new one).
     Fenced when the epoch was over already (its lease expired)."""
