@@ -93,3 +93,16 @@ def test_a_replicated_volume_is_not_added_while_serving() -> None:
     base["iscsi"]["targets"] = []
     with pytest.raises(PlanRefused, match="served at their next restart"):
         plan(parse_config(base), parse_config(doc()))
+
+
+def test_the_readme_cluster_examples_are_valid() -> None:
+    from pathlib import Path
+
+    from openvsan.node.config import load_config
+
+    here = Path(__file__).parents[2] / "examples" / "cluster"
+    a, b = (load_config(here / f"node-{n}.toml") for n in ("a", "b"))
+    assert a.cluster == b.cluster and a.cluster is not None and len(a.cluster.etcd) == 3
+    assert a.volumes[0].nodes == b.volumes[0].nodes == ("a", "b")
+    assert a.targets[0].iqn == b.targets[0].iqn and a.subsystems[0].nqn == b.subsystems[0].nqn
+    assert a.cluster.replication != b.cluster.replication
