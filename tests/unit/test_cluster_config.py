@@ -102,7 +102,8 @@ def test_the_readme_cluster_examples_are_valid() -> None:
 
     here = Path(__file__).parents[2] / "examples" / "cluster"
     a, b = (load_config(here / f"node-{n}.toml") for n in ("a", "b"))
-    assert a.cluster == b.cluster and a.cluster is not None and len(a.cluster.etcd) == 3
+    assert a.cluster is not None and b.cluster is not None and len(a.cluster.etcd) == 3
+    assert (a.cluster.id, a.cluster.etcd) == (b.cluster.id, b.cluster.etcd)
     assert a.volumes[0].nodes == b.volumes[0].nodes == ("a", "b")
     assert a.targets[0].iqn == b.targets[0].iqn and a.subsystems[0].nqn == b.subsystems[0].nqn
     assert a.cluster.replication != b.cluster.replication
