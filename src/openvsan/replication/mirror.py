@@ -34,6 +34,7 @@ from typing import Any, NoReturn
 from openvsan.block.device import BlockDevice, Buffer
 from openvsan.block.errors import Busy
 from openvsan.block.layer import Layer
+from openvsan.netio import start_eagerly
 from openvsan.node.statestore import StateStore, StoreError
 from openvsan.replication import record as R
 from openvsan.replication.dirty import DirtyFile
@@ -176,9 +177,16 @@ class MirrorLayer(Layer):
 
     async def _all(self, op: Callable[[BlockDevice], Awaitable[None]], targets: list[str]) -> list[Any]:
         """`op` on the local stack and on each target peer at once: [local's result, then each peer's], an
-        exception in place of a failure. The peers' commands go first (one task each); the local one runs
-        inline meanwhile (no gather: a task less per write, and on RAM it never waits)."""
-        pending = [asyncio.ensure_future(op(self.peers[n])) for n in targets]
+        exception in place of a failure. The peers' commands go first; the local one runs inline meanwhile
+        (no gather: a task less per write, and on RAM it never waits)."""
+        # each peer's command runs at once up to its send (it leaves in this loop turn's batch); only the wait
+        # for its answer is a task (netio.start_eagerly)
+        pending: list[asyncio.Task[None] | BaseException | None] = []
+        for n in targets:
+            try:
+                pending.append(start_eagerly(op(self.peers[n])))
+            except Exception as e:  # noqa: BLE001 - failed before it was sent (not connected)
+                pending.append(e)
         results: list[Any] = []
         try:
             await op(self.below)
@@ -187,9 +195,13 @@ class MirrorLayer(Layer):
             results.append(e)
         except BaseException:
             for t in pending:
-                t.cancel()
+                if isinstance(t, asyncio.Task):
+                    t.cancel()
             raise
         for t in pending:
+            if not isinstance(t, asyncio.Task):
+                results.append(t)
+                continue
             try:
                 await t
                 results.append(None)
