@@ -218,28 +218,27 @@ async def volume_status(node: Node, args: R.VolumeShow) -> Any:
     return {"volume": args.name, "replicated": status is not None, **(status or {})}
 
 
+async def _replication_call(node: Node, name: str, call: Callable[[Any], Awaitable[Any]]) -> Any:
+    """`call(node.replication)` for a replicated volume; what it refuses is one line for the user."""
+    _known_volume(node, name)
+    if node.replication is None or node.replication.status(name) is None:
+        raise RequestError(f"volume {name} is not replicated")
+    try:
+        return await call(node.replication)
+    except Exception as e:  # noqa: BLE001 - not the primary, another replica in sync, or the store: one line
+        raise RequestError(str(e)) from None
+
+
 @command("volume.move_primary", R.VolumeShow)
 async def volume_move_primary(node: Node, args: R.VolumeShow) -> Any:
     """A planned switchover: this node, the primary, drains and gives up its epoch; an in-sync peer claims it."""
-    _known_volume(node, args.name)
-    if node.replication is None or node.replication.status(args.name) is None:
-        raise RequestError(f"volume {args.name} is not replicated")
-    try:
-        return await node.replication.move_primary(args.name)
-    except Exception as e:  # noqa: BLE001 - not the primary, or the store refused: one line
-        raise RequestError(str(e)) from None
+    return await _replication_call(node, args.name, lambda r: r.move_primary(args.name))
 
 
 @command("volume.force_in_sync", R.VolumeShow)
 async def volume_force_in_sync(node: Node, args: R.VolumeShow) -> Any:
     """Last resort when no replica is in sync: this node's replica is declared in sync as it is."""
-    _known_volume(node, args.name)
-    if node.replication is None or node.replication.status(args.name) is None:
-        raise RequestError(f"volume {args.name} is not replicated")
-    try:
-        return await node.replication.force(args.name)
-    except Exception as e:  # noqa: BLE001 - refused (another replica is in sync), or the store: one line
-        raise RequestError(str(e)) from None
+    return await _replication_call(node, args.name, lambda r: r.force(args.name))
 
 
 # ---- exports

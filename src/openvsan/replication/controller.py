@@ -277,6 +277,7 @@ class ReplicaController:
     _stopping: bool = False
     _hot_keys: list[str] = field(default_factory=list)
     _hot_checked: float = 0.0
+    _hold_until: float = 0.0            # after a move-primary: no claim before this (another node's turn)
     _standby: Standby | None = None
 
     @property
@@ -369,7 +370,7 @@ class ReplicaController:
             self._set_role("secondary", str(held.value.get("node")))
             await asyncio.sleep(POLL)
             return
-        if self.me in rs.out_of_sync:
+        if self.me in rs.out_of_sync or time.monotonic() < self._hold_until:
             self._set_role("secondary", None)
             await asyncio.sleep(POLL)
             return
@@ -531,8 +532,15 @@ class ReplicaController:
         """A planned switchover away from this node: drain, give up the epoch; another in-sync node claims it."""
         if self.role != "primary":
             raise R.ReplicationError(f"volume {self.name}: this node is not its primary")
-        await self._step_down(planned=True)
-        await asyncio.sleep(self.lease_ttl)      # let another node claim before this one looks again
+        self._hold_until = time.monotonic() + 2 * self.lease_ttl   # another node claims; this one stands by
+        if self._task is not None:           # the loop stops first: one place changes the role at a time
+            self._task.cancel()
+            with contextlib.suppress(BaseException):
+                await self._task
+        try:
+            await self._step_down(planned=True)
+        finally:
+            self.run_loop()
 
     # ---- what it reports
 
