@@ -218,7 +218,14 @@ class PeerLink(BlockDevice):
         return result
 
     async def write(self, lba: int, data: Buffer, *, fua: bool = False) -> None:
-        await self._do(lambda d: d.write(lba, data, fua=fua))
+        dev = self.dev            # _do's work, written out: this is every replicated write's path
+        if dev is None:
+            raise ConnectionError(f"{self.node}'s replica of {self.volume} is not connected")
+        try:
+            await dev.write(lba, data, fua=fua)
+        except BaseException:
+            await self._drop()
+            raise
 
     async def flush(self) -> None:
         await self._do(lambda d: d.flush())

@@ -99,7 +99,7 @@ class MirrorLayer(Layer):
         self._marking: dict[str, asyncio.Future[None]] = {}
         self._written_lock = asyncio.Lock()
         self._syncing: set[str] = set()               # out of sync, but getting new writes (a resync runs)
-        self._ops: dict[int, tuple[int, int, asyncio.Event]] = {}   # requests in flight: (lba, blocks, done)
+        self._ops: dict[int, list[Any]] = {}   # requests in flight: [lba, blocks, done Event or None]
         self._tokens = itertools.count()
         self.stats = {"writes": 0, "peer_failures": 0, "resync_regions": 0, "resync_bytes": 0}
 
@@ -110,7 +110,10 @@ class MirrorLayer(Layer):
 
     def _targets(self) -> list[str]:
         """Peers a write goes to: the in-sync ones and those catching up in a resync."""
-        return [n for n in self.view.nodes if n != self.me and (n in self.view.in_sync or n in self._syncing)]
+        view = self.view
+        if not view.out_of_sync:
+            return [n for n in view.nodes if n != self.me]
+        return [n for n in view.nodes if n != self.me and (n not in view.out_of_sync or n in self._syncing)]
 
     def _all_regions(self) -> range:
         return range(-(-self.below.num_blocks // self.region_blocks))
@@ -136,7 +139,10 @@ class MirrorLayer(Layer):
         if self.fenced:
             raise NotPrimary(f"volume {self.view.volume}: {self.me} is no longer its primary")
         regions = self._regions(lba, blocks)
-        token = await self._enter(lba, max(blocks, 1))
+        span = max(blocks, 1)
+        token = self._try_enter(lba, span)
+        if token is None:
+            token = await self._enter(lba, span)
         try:
             grew = []
             for n, d in self.dirty.items():   # out of sync and not getting it: it misses these regions
@@ -154,22 +160,26 @@ class MirrorLayer(Layer):
         finally:
             self._leave(token)
         local = results[0]
-        if isinstance(local, BaseException):
+        if local is not None:
             await self._local_failed(local)   # the primary's own replica failed: not acknowledged
-        failed = [n for n, r in zip(targets, results[1:], strict=True) if isinstance(r, BaseException)]
-        for n, r in zip(targets, results[1:], strict=True):
-            if n in failed:
-                if n in self.view.in_sync and n not in self._marking:
+        failed = [n for n, r in zip(targets, results[1:], strict=True) if r is not None]
+        if not durable:
+            for n in targets:
+                if n in self._unflushed and n not in failed:
+                    self._unflushed[n].update(regions)
+        if failed:
+            for n, r in zip(targets, results[1:], strict=True):
+                if r is not None and n in self.view.in_sync and n not in self._marking:
                     log.warning("volume %s: peer %s failed a write: %s", self.view.volume, n, r)
-            elif not durable and n in self._unflushed:
-                self._unflushed[n].update(regions)
-        for n in failed:
-            self.dirty.setdefault(n, set()).update(regions)
-        await self._mark_all(failed)          # before the acknowledgement (record.py rule 2)
-        await self._save_dirty([*grew, *failed])   # and what they miss is on disk before it too
+            for n in failed:
+                self.dirty.setdefault(n, set()).update(regions)
+            await self._mark_all(failed)      # before the acknowledgement (record.py rule 2)
+        if grew or failed:
+            await self._save_dirty([*grew, *failed])   # and what they miss is on disk before it too
         if not self.view.written:
             await self._mark_written()
-        await self._check_lease()
+        if self.lease is not None and not self.lease.held:
+            await self._check_lease()
         if not self.stats["writes"]:
             log.info("volume %s: %s acknowledged its first write in epoch %d", self.view.volume, self.me,
                      self.view.epoch)
@@ -267,7 +277,10 @@ class MirrorLayer(Layer):
     async def drain(self) -> None:
         """Wait for the requests in flight (after fencing: none of them is acknowledged any more)."""
         while self._ops:
-            await next(iter(self._ops.values()))[2].wait()
+            op = next(iter(self._ops.values()))
+            if op[2] is None:
+                op[2] = asyncio.Event()
+            await op[2].wait()
 
     async def save_all_dirty(self) -> None:
         """Every out-of-sync peer's dirty regions to its file now (after seeding them with a hot set)."""
@@ -353,19 +366,33 @@ class MirrorLayer(Layer):
     # the other on a peer (the replicas would differ), and a copy could read old data here and land it on
     # the peer after a newer write did.
 
+    def _try_enter(self, lba: int, blocks: int) -> int | None:
+        """The token of a request that overlaps none in flight (the common case: no await), else None."""
+        end = lba + blocks
+        for a, n, _ in self._ops.values():
+            if a < end and lba < a + n:
+                return None
+        token = next(self._tokens)
+        self._ops[token] = [lba, blocks, None]
+        return token
+
     async def _enter(self, lba: int, blocks: int) -> int:
         end = lba + blocks
         while True:
-            busy = next((ev for a, n, ev in self._ops.values() if a < end and lba < a + n), None)
+            busy = next((op for op in self._ops.values() if op[0] < end and lba < op[0] + op[1]), None)
             if busy is None:
                 break
-            await busy.wait()
+            if busy[2] is None:
+                busy[2] = asyncio.Event()     # made only when someone waits for it
+            await busy[2].wait()
         token = next(self._tokens)
-        self._ops[token] = (lba, blocks, asyncio.Event())
+        self._ops[token] = [lba, blocks, None]
         return token
 
     def _leave(self, token: int) -> None:
-        self._ops.pop(token)[2].set()
+        done = self._ops.pop(token)[2]
+        if done is not None:
+            done.set()
 
     async def add_hot(self, regions: Iterable[int]) -> None:
         """Regions that may differ between replicas (a crashed or fenced primary's activity log): every peer
