@@ -50,6 +50,7 @@ log = logging.getLogger("openvsan.replication")
 
 HOT = "/replication/hot/"
 POLL = 0.5                     # seconds between a secondary's looks at the primary's key
+CONNECT_WAIT = 0.3             # seconds a new primary waits for its peers' replicas to answer before serving
 RESYNC_RATE = 200 << 20        # bytes/s a resync sends at most (DRBD's c-max-rate is of this order)
 
 
@@ -133,6 +134,7 @@ class PeerLink(BlockDevice):
         self.timeout = timeout
         self.name = f"peer:{node}:{volume}"
         self.dev: Any = None
+        self.pending: asyncio.Future[bool] | None = None
         self.fenced: PeerFenced | None = None
         self.connected = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -190,6 +192,10 @@ class PeerLink(BlockDevice):
         self._task = asyncio.create_task(self._keep_connected())
 
     async def _keep_connected(self) -> None:
+        if self.pending is not None:        # the first attempt, still under way when the primary began to serve
+            with contextlib.suppress(Exception):
+                await self.pending
+            self.pending = None
         while not self.closed and self.fenced is None:
             if self.dev is None and not await self.connect():
                 await asyncio.sleep(1.0)
@@ -238,6 +244,10 @@ class PeerLink(BlockDevice):
 
     async def close(self) -> None:
         self.closed = True
+        if self.pending is not None:
+            self.pending.cancel()
+            with contextlib.suppress(BaseException):
+                await self.pending
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(BaseException):
@@ -381,8 +391,10 @@ class ReplicaController:
             self._set_role("secondary", None)
             await asyncio.sleep(POLL)
             return
-        # no primary: the node that was primary last goes first, the others give it a moment
-        if rs.primary not in (None, self.me) and rs.primary in rs.in_sync:
+        # no primary: the node that was primary last goes first (a restart of it), the others give it a moment,
+        # unless it is down (its node's own lease, /cluster/alive, expired too): then no waiting
+        if (rs.primary not in (None, self.me) and rs.primary in rs.in_sync
+                and await self.store.get(f"/cluster/alive/{rs.primary}") is not None):
             await asyncio.sleep(POLL)
         await self._elect()
 
@@ -418,8 +430,13 @@ class ReplicaController:
                 return (await self.addresses()).get(n)     # a node not joined yet: unreachable, for now
 
             self.links[n] = PeerLink(n, address_of, self.name, self.me, rs.epoch, self.local, timeout=timeout)
-        # the peers that answer at once get the first writes; the others are recorded out of sync by them
-        await asyncio.gather(*(link.connect() for link in self.links.values()))
+        # the peers that answer at once get the first writes; the others are recorded out of sync by them. A
+        # peer cut off does not answer at all: the new primary does not wait for it (it keeps trying)
+        connects = [asyncio.ensure_future(link.connect()) for link in self.links.values()]
+        await asyncio.wait(connects, timeout=CONNECT_WAIT)
+        for link, task in zip(self.links.values(), connects, strict=True):
+            if not task.done():
+                link.pending = task         # its keeper adopts it
         hot_entries = await self.store.list(f"{HOT}{self.name}/")
         hot = {r for e in hot_entries for r in e.value.get("regions", ())}
         local = LocalReplica(self.local, self.fence, host_id(self.me), rs.epoch, self.name)
