@@ -134,14 +134,14 @@ class Lease(ABC):
         """End it now: its keys are deleted at once."""
 
     def keep_alive(self) -> asyncio.Task[None]:
-        """Renew it every ttl/3 until the task is cancelled (or the lease expired: the task then fails)."""
+        """Renew it until the task is cancelled or the lease is gone: every ttl/3, and every ttl/10 while the
+        store does not answer (replication/lease.py LeaseKeeper: one failed renewal does not end it)."""
+        import time
 
-        async def loop() -> None:
-            while True:
-                await asyncio.sleep(max(self.ttl / 3, 0.1))
-                await self.refresh()
+        from openvsan.replication.lease import LeaseKeeper  # it builds on this module: imported late
 
-        return asyncio.get_running_loop().create_task(loop(), name=f"lease {self.id:x} keep-alive")
+        keeper = LeaseKeeper(self, time.monotonic())
+        return asyncio.get_running_loop().create_task(keeper.run(), name=f"lease {self.id:x} keep-alive")
 
 
 class StateStore(ABC):
