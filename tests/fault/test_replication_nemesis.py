@@ -129,12 +129,18 @@ def run_nemesis(tmp_path: Path, cycles: int, seed: int) -> None:
               "0 lost, replicas identical")
 
 
+CYCLES = int(os.environ.get("NEMESIS_CYCLES", "20"))
+SOAK_CYCLES = 1000
+PER_CYCLE = 20          # seconds a cycle may take at most here (they take about 10): the run's time limit
+
+
+@pytest.mark.timeout(180 + PER_CYCLE * CYCLES)
 def test_nemesis(tmp_path: Path) -> None:
-    cycles = int(os.environ.get("NEMESIS_CYCLES", "20"))
     seed = int(os.environ.get("NEMESIS_SEED", str(random.randrange(1 << 30))))
-    run_nemesis(tmp_path, cycles, seed)
+    run_nemesis(tmp_path, CYCLES, seed)
 
 
 @pytest.mark.soak
+@pytest.mark.timeout(180 + PER_CYCLE * SOAK_CYCLES)
 def test_nemesis_soak(tmp_path: Path) -> None:
-    run_nemesis(tmp_path, 1000, int(os.environ.get("NEMESIS_SEED", str(random.randrange(1 << 30)))))
+    run_nemesis(tmp_path, SOAK_CYCLES, int(os.environ.get("NEMESIS_SEED", str(random.randrange(1 << 30)))))
