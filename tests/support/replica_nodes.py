@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from vsan_harness import free_port
+from vsan_harness import free_ports
 
 VSAN = [sys.executable, "-m", "openvsan.cli.main"]
 CLUSTER_ID = "ctest"
@@ -41,7 +41,7 @@ def vsan(*args: str, timeout: float = 30, lab: Any = None, ns: str = "") -> subp
 class ReplicaNode:
     def __init__(self, name: str, workdir: Path, etcd: Sequence[str], nodes: Sequence[str], *, size: str,
                  host: str = "127.0.0.1", lab: Any = None, lease_ttl: int = 3, suspend: float = 5.0,
-                 ram: bool = False) -> None:
+                 ram: bool = False, ports: Sequence[int] = ()) -> None:
         self.name, self.host, self.lab = name, host, lab
         self.dir = workdir / name
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -50,9 +50,8 @@ class ReplicaNode:
         self.config = self.dir / "vsan.toml"
         self.log = self.dir / "vsan.log"
         same = lab is None
-        self.repl_port = free_port() if same else 4430
-        self.iscsi_port = free_port() if same else 3260
-        self.nvme_port = free_port() if same else 4420
+        # on loopback every node needs ports of its own: picked together (free_ports), not one by one
+        self.repl_port, self.iscsi_port, self.nvme_port = (ports or free_ports(3)) if same else (4430, 3260, 4420)
         self.proc: subprocess.Popen[bytes] | None = None
         self.config.write_text("\n".join([
             "[node]", f'name = "{name}"', f'data_dir = "{self.data_dir}"', "",
@@ -132,8 +131,10 @@ class ReplicaCluster:
         self.lab, self._ns = lab, (names[0] if lab is not None else "")
         r = vsan("cluster", "init", "--id", CLUSTER_ID, "--etcd", ",".join(self.etcd), lab=lab, ns=self._ns)
         assert r.returncode == 0, r.stderr
+        ports = free_ports(3 * len(names)) if lab is None else []
         self.nodes = {n: ReplicaNode(n, workdir, self.etcd, names, size=size, lab=lab,
-                                     host=lab.addr[n] if lab is not None else "127.0.0.1", **kw) for n in names}
+                                     host=lab.addr[n] if lab is not None else "127.0.0.1",
+                                     ports=ports[3 * i:3 * i + 3], **kw) for i, n in enumerate(names)}
 
     def __getitem__(self, name: str) -> ReplicaNode:
         return self.nodes[name]
