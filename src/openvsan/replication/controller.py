@@ -539,9 +539,11 @@ class ReplicaController:
         if planned and m is not None and self.view is not None and not m.fenced:
             with contextlib.suppress(Exception):
                 await R.step_down(self.store, m.view)
-        if self._lease is not None and planned:
+        if self._lease is not None:
+            # planned or not, nothing is acknowledged under it any more (the mirror is fenced and drained):
+            # giving the key back lets another node claim now instead of after the TTL (if the store answers)
             with contextlib.suppress(Exception):
-                await self._lease.revoke()
+                await asyncio.wait_for(self._lease.revoke(), self.lease_ttl)
         self._lease = None
         self.keeper = None
 
