@@ -85,21 +85,6 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def free_ports(n: int) -> list[int]:
-    """`n` distinct free ports: each socket stays bound until all are picked (free_port() called n times
-    before anything listens can hand out one port twice)."""
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [int(s.getsockname()[1]) for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
 def run(
     argv: Sequence[str | os.PathLike[str]],
     *,

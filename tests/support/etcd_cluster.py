@@ -37,7 +37,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
 
-from openvsan.cluster.etcd_process import ETCD_PACKAGE, EtcdMissing, _free_ports
+from openvsan.cluster.etcd_process import ETCD_PACKAGE, EtcdMissing, free_ports
 
 CLIENT_PORT, PEER_PORT = 2379, 2380
 HEARTBEAT_MS, ELECTION_MS = 50, 500
@@ -84,7 +84,7 @@ class EtcdCluster:
         self.members: dict[str, EtcdMember] = {}
         for name in names:
             if lab is None:
-                client, peer = _free_ports(2)
+                client, peer = free_ports(2)
                 host = "127.0.0.1"
             else:
                 client, peer, host = CLIENT_PORT, PEER_PORT, lab.addr[name]

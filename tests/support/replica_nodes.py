@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from vsan_harness import free_ports
+from openvsan.cluster.etcd_process import free_ports
 
 VSAN = [sys.executable, "-m", "openvsan.cli.main"]
 CLUSTER_ID = "ctest"

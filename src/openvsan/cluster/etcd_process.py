@@ -23,7 +23,7 @@ class EtcdMissing(RuntimeError):
     """No etcd binary on PATH; str() names the package that ships it."""
 
 
-def _free_ports(n: int) -> list[int]:
+def free_ports(n: int) -> list[int]:
     socks = []
     try:
         for _ in range(n):
@@ -46,7 +46,7 @@ class EtcdProcess:
         self.binary = binary
         self.data_dir = Path(data_dir)
         self.name = name
-        self.client_port, self.peer_port = _free_ports(2)
+        self.client_port, self.peer_port = free_ports(2)
         self.proc: subprocess.Popen[bytes] | None = None
         self.log_path = self.data_dir.parent / f"{self.data_dir.name}.log"
 
