@@ -121,6 +121,26 @@ def test_connection_cut_mid_io_then_reconnect(vsan: Callable[..., VsanServer]) -
     asyncio.run(main())
 
 
+def test_no_reconnect_when_told(vsan: Callable[..., VsanServer]) -> None:
+    """reconnect=False (the replication path's peer links): a cut connection is not connected again; every
+    later command fails, and `lost` says so (the link then takes the replica again itself)."""
+    server = with_nvme(vsan)
+
+    async def main() -> None:
+        dev = await NvmeTcpInitiator.open_url(nvme_url(server), reconnect=False, command_timeout=3.0)
+        try:
+            await dev.write(0, b"\x5a" * 512)
+            assert not dev.lost
+            dev.cut_connections()
+            with pytest.raises(DeviceFailed, match="does not reconnect"):
+                await dev.read(0, 1)
+            assert dev.lost and dev.reconnects == 0
+        finally:
+            await dev.close()
+
+    asyncio.run(main())
+
+
 def test_same_volume_over_iscsi_and_nvme(vsan: Callable[..., VsanServer]) -> None:
     server = with_nvme(vsan)
 

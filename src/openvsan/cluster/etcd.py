@@ -233,7 +233,9 @@ class EtcdStateStore(StateStore):
                 raise
             except (TimeoutError, aetcd.exceptions.ClientError, rpc.AioRpcError) as e:
                 why = _why(e)
-                if not _is_unavailable(e):
+                # a member torn down under the call ends it as INTERNAL ("Internal error from Core") as often
+                # as UNAVAILABLE (the watch's open too): for a call that may be repeated, the member is gone
+                if not (_is_unavailable(e) or (idempotent and _is_stream_lost(e))):
                     raise StoreError(f"etcd at {member.endpoint}: {what}: {why}") from None
                 if idempotent or any(s in why for s in _NOT_APPLIED):
                     failures.append(f"{member.endpoint}: {why}")

@@ -94,6 +94,9 @@ class NvmeOptions:
     command_timeout: float = 30.0
     reconnect_timeout: float = 60.0
     connect_timeout: float = 10.0
+    # False: a lost association is never connected again by this initiator (every later command fails);
+    # the replication path's peer links reconnect themselves, taking the replica for their epoch first
+    reconnect: bool = True
     # ask for I/O queues without SQ flow control (a read is then one C2HData PDU, no CapsuleResp); a
     # controller that refuses gets the queue connected again with it on
     sq_flow_off: bool = True
@@ -365,6 +368,8 @@ class NvmeTcpInitiator:
                 return self.assoc
             if self.closed:
                 raise DeviceFailed(f"{self.url}: closed")
+            if self.associations and not self.opts.reconnect:
+                raise DeviceFailed(f"{self.url}: connection lost (this initiator does not reconnect)")
             deadline = time.monotonic() + self.opts.reconnect_timeout
             delay = 0.1
             while True:
@@ -384,6 +389,12 @@ class NvmeTcpInitiator:
                     raise DeviceFailed(f"{self.url}: cannot reconnect: {err}") from err
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 2.0)
+
+    @property
+    def lost(self) -> bool:
+        """The association dropped and this initiator will not connect it again (`opts.reconnect` off)."""
+        a = self.assoc
+        return not self.opts.reconnect and self.associations > 0 and (a is None or a.dead)
 
     @property
     def reconnects(self) -> int:

@@ -126,9 +126,13 @@ class PeerLink(BlockDevice):
     every command fails at once (the mirror records the peer out of sync) and a task reconnects."""
 
     def __init__(self, node: str, address_of: Callable[[], Awaitable[str | None]], volume: str, me: str, epoch: int,
-                 geometry: BlockDevice, *, timeout: float) -> None:
+                 geometry: BlockDevice, *, timeout: float,
+                 before_use: Callable[[], Awaitable[None]] | None = None) -> None:
         self.node, self.volume, self.me, self.epoch = node, volume, me, epoch
         self.address_of = address_of     # the peer's replication address as the cluster says now (None: no member)
+        # awaited after each (re)connection, before the link is used: the primary reads the record again, so a
+        # peer that restarted and declared its replica stale is never taken for in sync on the new connection
+        self.before_use = before_use
         self.address: str | None = None
         self.geometry = geometry
         self.timeout = timeout
@@ -166,10 +170,12 @@ class PeerLink(BlockDevice):
         if self.address is None:
             return False
         host, _, port = self.address.rpartition(":")
+        # no reconnects inside the initiator: a connection that dropped may come back to a restarted replica,
+        # which must be taken for this epoch again (connect_peer) and whose record may have changed
         opts = NvmeOptions(command_timeout=self.timeout, reconnect_timeout=0.0, connect_timeout=self.timeout,
-                           kato_ms=max(int(self.timeout * 4000), 2000))
+                           kato_ms=max(int(self.timeout * 4000), 2000), reconnect=False)
         try:
-            self.dev = await asyncio.wait_for(
+            dev = await asyncio.wait_for(
                 connect_peer(host.strip("[]"), int(port), self.volume, self.me, self.epoch, opts=opts),
                 self.timeout * 2)
         except PeerFenced as e:
@@ -178,11 +184,21 @@ class PeerLink(BlockDevice):
         except Exception as e:  # noqa: BLE001 - unreachable (refused, timed out, reset): try again later
             log.debug("volume %s: peer %s not reachable: %s", self.volume, self.node, e)
             return False
-        if (self.dev.block_size, self.dev.num_blocks) != (self.block_size, self.num_blocks):
+        if (dev.block_size, dev.num_blocks) != (self.block_size, self.num_blocks):
             log.error("volume %s: %s's replica is %d x %d bytes, this one %d x %d: not used", self.volume, self.node,
-                      self.dev.num_blocks, self.dev.block_size, self.num_blocks, self.block_size)
-            await self._drop()
+                      dev.num_blocks, dev.block_size, self.num_blocks, self.block_size)
+            with contextlib.suppress(Exception):
+                await dev.close()
             return False
+        if self.before_use is not None:
+            try:
+                await self.before_use()
+            except Exception as e:  # noqa: BLE001 - the store did not answer: this connection is not used yet
+                log.debug("volume %s: peer %s connected, record not read: %s", self.volume, self.node, e)
+                with contextlib.suppress(Exception):
+                    await dev.close()
+                return False
+        self.dev = dev
         self.connected.set()
         log.info("volume %s: connected to %s's replica at %s (epoch %d)", self.volume, self.node, self.address,
                  self.epoch)
@@ -197,6 +213,8 @@ class PeerLink(BlockDevice):
                 await self.pending
             self.pending = None
         while not self.closed and self.fenced is None:
+            if self.dev is not None and self.dev.lost:
+                await self._drop()        # the connection dropped (the peer died or restarted): taken again
             if self.dev is None and not await self.connect():
                 await asyncio.sleep(1.0)
                 continue
@@ -429,7 +447,8 @@ class ReplicaController:
             async def address_of(n: str = n) -> str | None:
                 return (await self.addresses()).get(n)     # a node not joined yet: unreachable, for now
 
-            self.links[n] = PeerLink(n, address_of, self.name, self.me, rs.epoch, self.local, timeout=timeout)
+            self.links[n] = PeerLink(n, address_of, self.name, self.me, rs.epoch, self.local, timeout=timeout,
+                                     before_use=self._reread)
         # the peers that answer at once get the first writes; the others are recorded out of sync by them. A
         # peer cut off does not answer at all: the new primary does not wait for it (it keeps trying)
         connects = [asyncio.ensure_future(link.connect()) for link in self.links.values()]
@@ -492,6 +511,17 @@ class ReplicaController:
                     await self.store.delete(k)
             self._hot_keys = []
         await asyncio.sleep(0.2)
+
+    async def _reread(self) -> None:
+        """The record again, adopted by the mirror (a peer link about to be used after a (re)connection)."""
+        m = self.mirror
+        if m is None:                 # still becoming primary: the record was read by the claim just now
+            return
+        rs = await R.load(self.store, self.name)
+        if rs.epoch != m.view.epoch:
+            m.fenced = True           # another node was elected: the loop's next turn steps down
+            raise NotPrimary(f"volume {self.name}: epoch {m.view.epoch} is over (now {rs.epoch})")
+        m.adopt(rs)
 
     async def _new_hot(self) -> set[int]:
         """Regions of hot sets published since this node looked (a node that restarted after a crash as
