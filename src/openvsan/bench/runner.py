@@ -24,6 +24,7 @@ from openvsan.bench.profiles import Job
 from openvsan.bench.target import open_target, redact
 from openvsan.block.device import BlockDevice
 from openvsan.block.errors import BlockError
+from openvsan.malloc import keep_large_buffers
 
 
 class BenchError(RuntimeError):
@@ -125,7 +126,9 @@ async def _serve_worker(plan: Plan, emit: Callable[[str, dict[str, Any]], None],
 
 
 def _loop_runner() -> Any:
-    """uvloop.run where installed (the client must not be the slower side of a benchmark), else asyncio.run."""
+    """uvloop.run where installed (the client must not be the slower side of a benchmark), else asyncio.run;
+    glibc's malloc keeps large buffers (malloc.py): a 1 MiB read's buffer is not faulted in anew each time."""
+    keep_large_buffers()
     try:
         import uvloop
     except ImportError:

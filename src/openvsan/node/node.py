@@ -25,6 +25,7 @@ from typing import Any, Self
 from openvsan.block import BlockDevice, FileDevice, NullDevice, RamDevice
 from openvsan.frontend.busypoll import BusyPoll
 from openvsan.frontend.limits import ConnectionLimits, soft_fd_limit
+from openvsan.malloc import keep_large_buffers
 from openvsan.node.control import ControlServer, RequestError, socket_path
 from openvsan.node.plane import DataPlane
 from openvsan.node.pools import PoolSetupError, ServedPools, flush_and_close, why
@@ -551,6 +552,7 @@ def _settle_gc() -> None:
 
 def run(node: Node) -> None:
     """Run `serve(node)` on uvloop when it is importable (OPENVSAN_LOOP=asyncio to opt out)."""
+    keep_large_buffers()
     if os.environ.get("OPENVSAN_LOOP", "uvloop") != "asyncio":
         try:
             import uvloop
