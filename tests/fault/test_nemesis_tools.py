@@ -224,6 +224,9 @@ def test_etcd_member_loss_and_return(tmp_path: Path) -> None:
         except EtcdMissing:
             pytest.fail(f"missing etcd: apt-get install {ETCD_PACKAGE} (or run `sudo bash .ci/run`)", pytrace=False)
         with cluster:
+            running = {n: m.proc for n, m in cluster.members.items()}
+            cluster.start()   # a second start launches nothing: the live processes stay the ones killed below
+            assert {n: m.proc for n, m in cluster.members.items()} == running
             loss = EtcdMemberLoss(cluster, "e2")
             before = cluster.members["e2"].proc
             assert before is not None

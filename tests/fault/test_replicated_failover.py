@@ -37,7 +37,6 @@ BLOCKS_PER_WRITE = 8
 def two_nodes(tmp_path: Path, **kw: Any) -> Iterator[ReplicaCluster]:
     """Replica nodes a and b (`vsan serve` each) and a one-member etcd, started; stopped after."""
     with EtcdCluster(tmp_path / "etcd", ["e1"]) as etcd:
-        etcd.start()
         cluster = ReplicaCluster(tmp_path, etcd.endpoints, ["a", "b"], **kw)
         try:
             cluster.start_all()

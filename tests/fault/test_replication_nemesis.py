@@ -37,7 +37,6 @@ CLIENT = Path(__file__).parents[1] / "support" / "history_client.py"
 def run_nemesis(tmp_path: Path, cycles: int, seed: int) -> None:
     require_lab_tools()
     with Lab([*NODES, "w", "c"]) as lab, EtcdCluster(tmp_path / "etcd", [*NODES, "w"], lab=lab) as etcd:
-        etcd.start()
         cluster = ReplicaCluster(tmp_path, etcd.endpoints, NODES, size="8MiB", lab=lab, lease_ttl=LEASE_TTL,
                                  suspend=4.0)
         client: subprocess.Popen[str] | None = None

@@ -144,9 +144,13 @@ class EtcdCluster:
                 )
 
     def start(self) -> Self:
+        """Launch the members not running (`with EtcdCluster(...)` starts them; a second start() launches
+        nothing twice: a second etcd on a member's ports and data dir would fail, and its dead process would
+        take the place of the live one, which kill() and close() then never reach)."""
         try:
-            for name in self.members:
-                self._launch(name)
+            for name, m in self.members.items():
+                if m.proc is None or m.proc.poll() is not None:
+                    self._launch(name)
             self.wait_healthy()
         except BaseException:
             self.close()
