@@ -63,6 +63,19 @@ def resume(coro: Coroutine[Any, Any, T], yielded: Any) -> Generator[Any, Any, T]
                 return stop.value  # type: ignore[no-any-return]
 
 
+def start_inline(coro: Coroutine[Any, Any, T]) -> Generator[Any, Any, T] | T:
+    """Run coro now, in the caller's turn, up to its first suspension, like start_eagerly; what is left is not
+    a Task but an awaitable that the caller's own task drives (`await left`). For commands sent now whose
+    answers the caller waits for anyway, one after the other (the mirror's peers): no Task, and no hop from
+    a Task to the caller when the answer comes. Returns the coroutine's result when it never suspended.
+    The caller must await or close() what it gets; an exception before the first suspension propagates."""
+    try:
+        first = coro.send(None)
+    except StopIteration as stop:
+        return stop.value  # type: ignore[no-any-return]
+    return resume(coro, first)
+
+
 def start_eagerly(coro: Coroutine[Any, Any, None]) -> asyncio.Task[None] | None:
     """Run coro now, in the caller's turn of the event loop; only if it suspends does a Task carry on with it.
 

@@ -4,7 +4,7 @@ import asyncio
 
 import pytest
 
-from openvsan.netio import WriteBatcher, start_eagerly
+from openvsan.netio import WriteBatcher, start_eagerly, start_inline
 
 
 def test_a_coroutine_that_does_not_suspend_needs_no_task():
@@ -94,5 +94,63 @@ def test_write_batcher_sends_one_writelines_per_turn():
         b.send([b"d"])
         await asyncio.sleep(0)
         assert len(t.calls) == 1  # nothing goes out once the connection is lost
+
+    asyncio.run(go())
+
+
+def test_start_inline_runs_to_the_first_suspension_and_the_caller_drives_the_rest():
+    async def go():
+        loop = asyncio.get_running_loop()
+        a, b = loop.create_future(), loop.create_future()
+        seen = []
+
+        async def command(tag, fut):
+            seen.append(f"{tag} sent")
+            value = await fut
+            await asyncio.sleep(0)
+            seen.append(f"{tag} {value}")
+            return value
+
+        tasks_before = len(asyncio.all_tasks())
+        left_a, left_b = start_inline(command("a", a)), start_inline(command("b", b))
+        assert seen == ["a sent", "b sent"]          # both sent before anything waits
+        assert len(asyncio.all_tasks()) == tasks_before   # and no Task made for either
+        b.set_result("B")                            # answers in any order
+        a.set_result("A")
+        assert await left_a == "A" and await left_b == "B"
+        assert seen == ["a sent", "b sent", "a A", "b B"]
+
+        async def at_once():
+            return 7
+
+        assert start_inline(at_once()) == 7           # never suspended: its result, nothing to await
+
+        async def fails_later(fut):
+            await fut
+            raise OSError("peer gone")
+
+        f = loop.create_future()
+        left = start_inline(fails_later(f))
+        f.set_result(None)
+        with pytest.raises(OSError, match="peer gone"):
+            await left
+
+    asyncio.run(go())
+
+
+def test_start_inline_left_unawaited_is_closed_with_its_cleanup():
+    async def go():
+        fut = asyncio.get_running_loop().create_future()
+        cleaned = []
+
+        async def holds_a_slot():
+            try:
+                await fut
+            finally:
+                cleaned.append("slot released")
+
+        left = start_inline(holds_a_slot())
+        left.close()                                  # what the mirror does when its own write is cancelled
+        assert cleaned == ["slot released"]
 
     asyncio.run(go())

@@ -208,3 +208,56 @@ def test_a_layer_for_a_node_that_is_not_primary_is_refused() -> None:
         with pytest.raises(ValueError, match="no device for peer"):
             MirrorLayer(RamDevice(BLOCKS, BS), me="a", view=m.view, store=store, peers={"b": peers["b"]})
     asyncio.run(go())
+
+
+class Held(RamDevice):
+    """A peer whose writes wait for the test to let them go (release()), and which notes when a write's
+    coroutine ended (done) or was abandoned (closed)."""
+
+    def __init__(self, *args: Any, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.gate: asyncio.Future[None] | None = None
+        self.ended: list[str] = []
+
+    async def write(self, lba: int, data: Buffer, *, fua: bool = False) -> None:
+        self.gate = asyncio.get_running_loop().create_future()
+        try:
+            await self.gate
+            await super().write(lba, data, fua=fua)
+            self.ended.append("done")
+        except BaseException:
+            self.ended.append("abandoned")
+            raise
+
+
+def test_peers_answering_out_of_order_and_a_write_cancelled_while_they_wait() -> None:
+    """The peers' commands are all sent before the mirror waits for any (netio.start_inline); answers in any
+    order complete the write; a write cancelled meanwhile leaves no peer's command behind."""
+
+    async def go() -> None:
+        store = MemoryStateStore(MemoryState(clock=Clock()))
+        await R.create(store, "v", ("a", "b", "c"))
+        view = await R.claim_primary(store, "v", "a", await store.grant_lease(5))
+        peers = {n: Held(BLOCKS, BS, name=n) for n in ("b", "c")}
+        m = MirrorLayer(RamDevice(BLOCKS, BS, name="a"), me="a", view=view, store=store, peers=peers,
+                        region_size=REGION)
+        w = asyncio.create_task(m.write(0, b"y" * 4096))
+        await asyncio.sleep(0)
+        assert all(p.gate is not None for p in peers.values())      # both sent before any answer
+        peers["c"].gate.set_result(None)                            # type: ignore[union-attr]
+        await asyncio.sleep(0)
+        assert not w.done()                                         # b has not answered
+        peers["b"].gate.set_result(None)                            # type: ignore[union-attr]
+        await w
+        assert all(p.ended == ["done"] for p in peers.values())
+        assert bytes(await peers["b"].read(0, 8)) == b"y" * 4096
+
+        w = asyncio.create_task(m.write(8, b"z" * 4096))
+        await asyncio.sleep(0)
+        w.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await w
+        assert [p.ended[-1] for p in peers.values()] == ["abandoned", "abandoned"]
+        assert not m._ops                                            # the ordering gate let it go
+
+    asyncio.run(go())

@@ -27,14 +27,14 @@ import asyncio
 import itertools
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Generator, Iterable, Mapping
 from pathlib import Path
 from typing import Any, NoReturn
 
 from openvsan.block.device import BlockDevice, Buffer
 from openvsan.block.errors import Busy
 from openvsan.block.layer import Layer
-from openvsan.netio import start_eagerly
+from openvsan.netio import start_inline
 from openvsan.node.statestore import StateStore, StoreError
 from openvsan.replication import record as R
 from openvsan.replication.dirty import DirtyFile
@@ -189,12 +189,13 @@ class MirrorLayer(Layer):
         """`op` on the local stack and on each target peer at once: [local's result, then each peer's], an
         exception in place of a failure. The peers' commands go first; the local one runs inline meanwhile
         (no gather: a task less per write, and on RAM it never waits)."""
-        # each peer's command runs at once up to its send (it leaves in this loop turn's batch); only the wait
-        # for its answer is a task (netio.start_eagerly)
-        pending: list[asyncio.Task[None] | BaseException | None] = []
+        # each peer's command runs at once up to its send (it leaves in this loop turn's batch); the wait for
+        # its answer is driven by this task afterwards, one peer after the other (netio.start_inline: no task
+        # per command; every command is out before the first wait, so the peers still work at once)
+        pending: list[Any] = []
         for n in targets:
             try:
-                pending.append(start_eagerly(op(self.peers[n])))
+                pending.append(start_inline(op(self.peers[n])))
             except Exception as e:  # noqa: BLE001 - failed before it was sent (not connected)
                 pending.append(e)
         results: list[Any] = []
@@ -205,18 +206,23 @@ class MirrorLayer(Layer):
             results.append(e)
         except BaseException:
             for t in pending:
-                if isinstance(t, asyncio.Task):
-                    t.cancel()
+                if isinstance(t, Generator):
+                    t.close()
             raise
-        for t in pending:
-            if not isinstance(t, asyncio.Task):
-                results.append(t)
+        for i, t in enumerate(pending):
+            if not isinstance(t, Generator):
+                results.append(t)           # done at once (None), or failed before it was sent
                 continue
             try:
                 await t
                 results.append(None)
             except Exception as e:  # noqa: BLE001
                 results.append(e)
+            except BaseException:
+                for rest in pending[i + 1:]:
+                    if isinstance(rest, Generator):
+                        rest.close()
+                raise
         return results
 
     async def flush(self) -> None:
