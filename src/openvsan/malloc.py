@@ -6,7 +6,8 @@ moves only as far as the largest block freed so far) and gives the pages back on
 heap's top once more than twice that is free: either way the next buffer faults its 256 pages in again, each
 zeroed by the kernel. Measured on this 2-core machine (our NVMe/TCP initiator and target in one process, 1 MiB
 writes at QD 8 to a RAM device already written once): 1,340-1,510 µs of CPU a write with glibc's defaults,
-610-1,140 µs with the settings below (docs/benchmarks.md, "Replication cost").
+610-1,140 µs with the settings below (docs/benchmarks.md, "Replication cost"; measured with the mmap
+threshold at 4 MiB, which treats a 1 MiB buffer the same way as the 8 MiB it is now).
 
 `keep_large_buffers()` raises the mmap threshold to `MMAP_THRESHOLD` (buffers up to that size come from the
 heap and are used again) and the trim threshold to `TRIM_THRESHOLD` (at most that much free heap is kept

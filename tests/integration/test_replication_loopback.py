@@ -10,6 +10,7 @@ from its floor file still refuses a's epoch."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import uuid
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -135,3 +136,55 @@ def test_failover_fences_the_old_primary_end_to_end(tmp_path: Path) -> None:
             await r.server.stop()
 
     run(body)
+
+
+def test_a_cancelled_peer_connection_leaves_nothing_behind(tmp_path: Path) -> None:
+    """A primary whose epoch ends while it is connecting to a peer cancels the connection attempt. Whatever
+    point the cancel lands on (before the TCP connect, inside Connect, between the reservation commands, as
+    the peer refuses the epoch), the attempt leaves no task running and no exception unretrieved: CI saw a
+    connect_peer task die with PeerFenced that nobody read (Python 3.11's wait_for lets a cancel go by when
+    the awaited future completes in the same turn, and its inner task then finishes unobserved)."""
+    from openvsan.replication.controller import PeerLink
+
+    b = Replica("b", tmp_path)
+
+    async def body() -> None:
+        loop = asyncio.get_running_loop()
+        unobserved: list[dict[str, object]] = []
+        loop.set_exception_handler(lambda _loop, ctx: unobserved.append(ctx))
+        await b.server.start()
+        b.fence.take_local(bytes(16), 50)                       # a newer epoch holds b's replica: ours (7) is refused
+
+        async def address() -> str:
+            return f"127.0.0.1:{b.port}"
+
+        def host_side(t: asyncio.Task[object]) -> bool:      # not b's server, nor asyncio's own accept
+            code = getattr(t.get_coro(), "cr_code", None)
+            where = code.co_filename if code is not None else ""
+            return "/openvsan/" in where and "/openvsan/frontend/" not in where
+
+        outcomes: set[str] = set()
+        before = asyncio.all_tasks()
+        for turns in range(0, 400, 3):
+            link = PeerLink("b", address, "v", "a", 7, b.device, timeout=2.0)
+            task = asyncio.ensure_future(link.connect())
+            for _ in range(turns):
+                await asyncio.sleep(0)
+            task.cancel()
+            try:
+                ok = await task
+                outcomes.add("fenced" if link.fenced else f"returned {ok}")
+            except asyncio.CancelledError:
+                outcomes.add("cancelled")
+            await link.close()
+            left = [t for t in asyncio.all_tasks() - before if host_side(t)]
+            assert not left, f"left running after {turns} turns: {left}"
+            if "fenced" in outcomes and "cancelled" in outcomes and turns > 200:
+                break
+        gc.collect()
+        await asyncio.sleep(0)
+        assert not unobserved, [str(c.get("message")) for c in unobserved]
+        assert outcomes >= {"cancelled", "fenced"}, outcomes   # the sweep covered both ends
+        await b.server.stop()
+
+    run(body, timeout=120)

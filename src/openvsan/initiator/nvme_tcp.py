@@ -146,12 +146,14 @@ class Association:
         loop = asyncio.get_running_loop()
         name = f"{self.host}:{self.port} {self.subnqn} q{qid}"
         timeout = self.opts.command_timeout
-        _, q = await asyncio.wait_for(loop.create_connection(lambda: NvmeQueue(name, qid, timeout), self.host,
-                                                             self.port), self.opts.connect_timeout)
+        # asyncio.timeout rather than wait_for throughout: Python 3.11's wait_for lets a cancel go by when the
+        # awaited thing completes in the same turn, and a cancelled connect must stop
+        async with asyncio.timeout(self.opts.connect_timeout):
+            _, q = await loop.create_connection(lambda: NvmeQueue(name, qid, timeout), self.host, self.port)
         q.on_lost = self._lost
         try:
-            await asyncio.wait_for(q.initialize(hdgst=self.opts.hdgst, ddgst=self.opts.ddgst),
-                                   self.opts.connect_timeout)
+            async with asyncio.timeout(self.opts.connect_timeout):
+                await q.initialize(hdgst=self.opts.hdgst, ddgst=self.opts.ddgst)
             data = C.connect_data(self.hostid, 0xFFFF if qid == 0 else self.cntlid, self.subnqn, self.hostnqn)
             flow_off = qid > 0 and self.opts.sq_flow_off
             r = await self._wait(q.submit(lambda cid: C.connect(cid, qid, sqsize, self.opts.kato_ms,
@@ -214,11 +216,14 @@ class Association:
             raise DeviceFailed(f"{name}: DH-HMAC-CHAP failed: {e}") from None
 
     async def _wait(self, fut: asyncio.Future[Result]) -> Result:
-        return await asyncio.wait_for(fut, self.opts.connect_timeout)
+        async with asyncio.timeout(self.opts.connect_timeout):
+            return await fut
 
     async def admin_cmd(self, build: Any, *, read_len: int = 0, what: str = "admin command") -> Result:
         assert self.admin is not None
-        r = await asyncio.wait_for(self.admin.submit(build, read_len=read_len), self.opts.command_timeout)
+        fut = self.admin.submit(build, read_len=read_len)
+        async with asyncio.timeout(self.opts.command_timeout):
+            r = await fut
         if r.status:
             raise status_error(r.status, what)
         return r
@@ -292,20 +297,22 @@ class Association:
 
     async def shutdown(self) -> None:
         """Base 2.0 §3.6.2: CC.SHN normal shutdown, then close the connections."""
-        if not self.dead and self.admin is not None and self.admin.alive:
-            try:
-                await asyncio.wait_for(self.admin_cmd(
-                    lambda cid: C.property_set(cid, C.PROP_CC, C.CC_EN | C.CC_SHN_NORMAL | C.CC_IO_QUEUE_ENTRY_SIZES),
-                    what="shutdown"), 5)
-            except (ConnectionLost, BlockError, TimeoutError):
-                pass
-        self.dead = True
-        if self._ka is not None:
-            self._ka.cancel()
-        for q in [*self.queues, self.admin]:
-            if q is not None:
-                q.on_lost = None
-                q.close()
+        try:
+            if not self.dead and self.admin is not None and self.admin.alive:
+                try:
+                    async with asyncio.timeout(5):
+                        await self.admin_cmd(lambda cid: C.property_set(
+                            cid, C.PROP_CC, C.CC_EN | C.CC_SHN_NORMAL | C.CC_IO_QUEUE_ENTRY_SIZES), what="shutdown")
+                except (ConnectionLost, BlockError, TimeoutError):
+                    pass
+        finally:        # cancelled while shutting down: the connections and the keep-alive end all the same
+            self.dead = True
+            if self._ka is not None:
+                self._ka.cancel()
+            for q in [*self.queues, self.admin]:
+                if q is not None:
+                    q.on_lost = None
+                    q.close()
 
 
 class NvmeTcpInitiator:

@@ -175,9 +175,10 @@ class PeerLink(BlockDevice):
         opts = NvmeOptions(command_timeout=self.timeout, reconnect_timeout=0.0, connect_timeout=self.timeout,
                            kato_ms=max(int(self.timeout * 4000), 2000), reconnect=False)
         try:
-            dev = await asyncio.wait_for(
-                connect_peer(host.strip("[]"), int(port), self.volume, self.me, self.epoch, opts=opts),
-                self.timeout * 2)
+            # asyncio.timeout, not wait_for: wait_for runs the attempt as a Task of its own, which Python 3.11
+            # lets finish unobserved when a cancel and a completion meet (its PeerFenced never retrieved)
+            async with asyncio.timeout(self.timeout * 2):
+                dev = await connect_peer(host.strip("[]"), int(port), self.volume, self.me, self.epoch, opts=opts)
         except PeerFenced as e:
             self.fenced = e
             return False
@@ -490,11 +491,10 @@ class ReplicaController:
         if now >= self._hot_checked + 1.0:
             self._hot_checked = now
             await m.add_hot(await self._new_hot())
-            rs = await R.load(self.store, self.name)
-            if rs.epoch != m.view.epoch:
-                m.fenced = True           # another node was elected: the next turn steps down
-                return
-            m.adopt(rs)                   # a replica that declared itself stale: copied in full
+            try:
+                await self._reread()      # a replica that declared itself stale: copied in full
+            except NotPrimary:
+                return                    # another node was elected: the next turn steps down
         for n in list(m.dirty):
             link = self.links[n]
             task = self.resyncing.get(n)
@@ -573,7 +573,8 @@ class ReplicaController:
             # planned or not, nothing is acknowledged under it any more (the mirror is fenced and drained):
             # giving the key back lets another node claim now instead of after the TTL (if the store answers)
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(self._lease.revoke(), self.lease_ttl)
+                async with asyncio.timeout(self.lease_ttl):
+                    await self._lease.revoke()
         self._lease = None
         self.keeper = None
 
