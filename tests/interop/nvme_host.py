@@ -147,7 +147,7 @@ class Queue:
     @classmethod
     async def open(cls, port: int, subnqn: str, *, qid: int = 0, cntlid: int = 0xFFFF, hd: bool = False,
                    dd: bool = False, kato: int = 0, sqsize: int = 31, hostnqn: str = HOSTNQN,
-                   host: str = "127.0.0.1", cattr: int = 0) -> Queue:
+                   host: str = "127.0.0.1", cattr: int = 0, hostid: bytes = HOSTID) -> Queue:
         r, w = await asyncio.open_connection(host, port)
         q = cls(r, w, hd, dd)
         w.write(icreq(hd=hd, dd=dd))
@@ -156,7 +156,7 @@ class Queue:
         q.maxh2cdata = int.from_bytes(raw[12:16], "little")
         q.rx.hd, q.rx.dd = hd, dd
         q._pump = asyncio.get_running_loop().create_task(q._run())
-        rsp, _ = await q.command(connect_cmd(0, qid, sqsize, kato, cattr), connect_data(subnqn, hostnqn, cntlid))
+        rsp, _ = await q.command(connect_cmd(0, qid, sqsize, kato, cattr), connect_data(subnqn, hostnqn, cntlid, hostid))
         assert rsp is not None
         if rsp.status:
             raise ConnectionRefusedError(f"Connect status {rsp.status:#x}")

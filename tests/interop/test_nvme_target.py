@@ -96,6 +96,37 @@ def test_io_on_several_queues(caplog: pytest.LogCaptureFixture) -> None:
     run(go, caplog)
 
 
+def test_hosts_that_spdk_perf_and_others_are(caplog: pytest.LogCaptureFixture) -> None:
+    """Two hosts SPDK's target accepts and openvsan refused (issue 13): one that sends an empty Host NQN in
+    Connect (spdk_nvme_perf's default), and one whose I/O queues come with another Host ID than its admin
+    queue (a new Host ID per connection). Both get their I/O through; the private subsystem (a host list)
+    still refuses the empty NQN."""
+    async def go(server: NvmeTcpServer, port: int) -> None:
+        admin, (io,) = await connect_controller(port, NQN, hostnqn="")
+        data = os.urandom(8 * BS)
+        assert await io.write(1, 0, data) == 0
+        assert await io.read(1, 0, 8) == (0, data)
+        await io.close()
+        await admin.close()
+        with pytest.raises(ConnectionRefusedError, match="status 0x4184"):   # Connect Invalid Host, DNR
+            await Queue.open(port, PRIVATE, hostnqn="")
+
+        admin = await Queue.open(port, NQN, hostid=os.urandom(16))
+        await admin.enable()
+        rsp, _ = await admin.command(sqe(0x09, 0, 0, cdw10=0x07, cdw11=1 | (1 << 16)))
+        assert rsp is not None and rsp.status == 0
+        ios = [await Queue.open(port, NQN, qid=i + 1, cntlid=admin.cntlid, hostid=os.urandom(16)) for i in range(2)]
+        for i, q in enumerate(ios):
+            assert await q.write(1, 64 + i, data[:BS]) == 0
+            assert await q.read(1, 64 + i, 1) == (0, data[:BS])
+        for q in (*ios, admin):
+            await q.close()
+
+    run(go, caplog)
+    other = [r.getMessage() for r in caplog.records if "came with Host ID" in r.getMessage()]
+    assert len(other) == 1, other              # logged once for the controller, not once per queue
+
+
 def test_digests_and_success_flag(caplog: pytest.LogCaptureFixture) -> None:
     async def go(server: NvmeTcpServer, port: int) -> None:
         admin, (io,) = await connect_controller(port, NQN, hd=True, dd=True, cattr=0x04)

@@ -86,6 +86,42 @@ def test_connect_admin_and_io_queue() -> None:
     run(go())
 
 
+def test_connect_with_an_empty_host_nqn() -> None:
+    """SPDK's spdk_nvme_perf sends an empty Host NQN by default: a subsystem open to any host admits it (as
+    Linux nvmet and SPDK's target do), one with a host list or DH-HMAC-CHAP hosts does not."""
+    fabric, _, _ = make()
+
+    async def go() -> None:
+        st, ctrl = connect(fabric, hostnqn="")
+        assert st == 0 and ctrl is not None and ctrl.hostnqn == ""
+        await ctrl.admin(Sqe(sqe(0x7F, 2, 0x00, cdw11=0x14, cdw12=1 | (6 << 16) | (4 << 20))), b"")
+        st, joined = connect(fabric, qid=1, cntlid=ctrl.cntlid, hostnqn="")
+        assert st == 0 and joined is ctrl
+        assert connect(fabric, qid=2, cntlid=ctrl.cntlid)[0] == S.CONNECT_INVALID_PARAMETERS  # another host's
+    run(go())
+    listed, _, _ = make(allowed=["nqn.2014-08.org.example:allowed"])
+    assert connect(listed, hostnqn="")[0] == S.CONNECT_INVALID_HOST
+
+
+def test_an_io_queue_may_bring_another_host_id() -> None:
+    """A host that makes a new Host ID per connection: its I/O queue joins the controller of its admin queue
+    (matched by controller ID and Host NQN, as Linux nvmet and SPDK do), reported once per controller, and
+    the controller keeps the admin queue's Host ID (reservations key on it)."""
+    fabric, _, _ = make()
+
+    async def go() -> None:
+        ctrl = await enabled(fabric)
+        res = fabric.connect(Sqe(connect_cmd(1, 1, 63)), connect_data(NQN, HOSTNQN, ctrl.cntlid, bytes(16)))
+        assert res.completion.status == 0 and res.controller is ctrl and ctrl.hostid == HOSTID
+        assert res.other_hostid == bytes(16)
+        res = fabric.connect(Sqe(connect_cmd(1, 2, 63)), connect_data(NQN, HOSTNQN, ctrl.cntlid, b"\x01" * 16))
+        assert res.completion.status == 0 and res.other_hostid is None and ctrl.io_queues == {1, 2}
+        res = fabric.connect(Sqe(connect_cmd(1, 3, 63)),
+                             connect_data(NQN, "nqn.2014-08.org.example:other", ctrl.cntlid))
+        assert res.completion.status == S.CONNECT_INVALID_PARAMETERS and res.completion.dw0 == 16 | (1 << 16)
+    run(go())
+
+
 def test_connect_refusals() -> None:
     fabric, _, _ = make(allowed=["nqn.2014-08.org.example:allowed"])
     assert connect(fabric)[0] == S.CONNECT_INVALID_HOST

@@ -501,11 +501,16 @@ class Connection(BatchedConnection):
         if self.qid == 0:
             ctrl.on_async_event = self._async_event
             ctrl.on_reset = lambda: srv.drop_io_queues(ctrl)
-            log.info("%s: host %s connected to %s (controller %d, KATO %d ms)", self.peer, ctrl.hostnqn,
+            log.info("%s: host %s connected to %s (controller %d, KATO %d ms)", self.peer,
+                     ctrl.hostnqn or "(empty Host NQN)",
                      ctrl.subsystem.nqn, ctrl.cntlid, ctrl.kato_ms)
         else:
             log.debug("%s: I/O queue %d of controller %d, %d entries", self.peer, self.qid, ctrl.cntlid,
                       self.sqsize)
+            if res.other_hostid is not None:
+                log.warning("%s: I/O queue %d of controller %d came with Host ID %s, the admin queue with %s "
+                            "(accepted; reservations see the admin queue's; logged once per controller)",
+                            self.peer, self.qid, ctrl.cntlid, res.other_hostid.hex(), ctrl.hostid.hex())
         return res.completion
 
     def _open_queue(self) -> None:

@@ -73,6 +73,7 @@ class Controller:
         self.cntlid = cntlid
         self.hostnqn = hostnqn
         self.hostid = hostid
+        self.other_hostid_seen = False     # an I/O queue connected with another Host ID (fabrics.py connect)
         self.kato_ms = kato_ms
         self.clock = clock
         self.in_capsule = in_capsule

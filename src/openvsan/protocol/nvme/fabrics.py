@@ -29,6 +29,9 @@ class ConnectResult:
     sqsize: int = 0               # entries (SQSIZE + 1)
     sq_flow_disabled: bool = False
     auth: ControllerAuth | None = None   # the queue must authenticate (DH-HMAC-CHAP) before other commands
+    # an I/O queue that joined its controller with another Host ID than the admin queue's (the first such
+    # queue of a controller only: the transport logs it once); the controller's own Host ID is kept
+    other_hostid: bytes | None = None
 
 
 def _nqn(raw: bytes | bytearray | memoryview) -> str:
@@ -88,8 +91,8 @@ class Fabric:
         sub = self.subsystem(subnqn)
         if sub is None or not reachable(sub):
             return _invalid(256, True)
-        if not hostnqn:
-            return _invalid(512, True)
+        # an empty Host NQN (SPDK's perf tool sends one by default) is a host like any other: admitted where
+        # any host is (Linux nvmet and SPDK's target do the same), refused by a host list or DH-HMAC-CHAP
         if not sub.allows(hostnqn):
             return ConnectResult(Completion(S.CONNECT_INVALID_HOST))
         if sqsize == 0 or sqsize >= self.maxcmd or (qid == 0 and sqsize < ADMIN_MIN_SQSIZE):
@@ -109,15 +112,24 @@ class Fabric:
             return self._admitted(ConnectResult(Completion(S.SUCCESS, new_id), ctrl, 0, sqsize + 1, flow_off))
         if sub.discovery:
             return _invalid(42, False)            # a discovery controller has an admin queue only
+        # an I/O queue joins its controller by controller ID and Host NQN (Linux nvmet_ctrl_find_get, SPDK):
+        # a host that makes a new Host ID per connection still reaches its controller, whose Host ID (the
+        # admin queue's) is the one reservations see
         joined = sub.controllers.get(cntlid)
-        if joined is None or joined.hostnqn != hostnqn or joined.hostid != hostid:
+        if joined is None or joined.hostnqn != hostnqn:
             return _invalid(16, True)
+        other = None
+        if joined.hostid != hostid and not joined.other_hostid_seen:
+            joined.other_hostid_seen = True
+            other = hostid
         if not joined.ready:
             return ConnectResult(Completion(S.COMMAND_SEQUENCE_ERROR))
         if qid > joined.nr_io_queues or qid in joined.io_queues:
             return _invalid(42, False)
         joined.io_queues.add(qid)
-        return self._admitted(ConnectResult(Completion(S.SUCCESS, cntlid), joined, qid, sqsize + 1, flow_off))
+        res = self._admitted(ConnectResult(Completion(S.SUCCESS, cntlid), joined, qid, sqsize + 1, flow_off))
+        res.other_hostid = other
+        return res
 
     def _admitted(self, res: ConnectResult) -> ConnectResult:
         """A host with a DH-HMAC-CHAP secret: the Connect response asks for an authentication transaction
