@@ -340,3 +340,67 @@ def test_members_with_4k_blocks(level: int) -> None:
         await pool.close()
 
     asyncio.run(go())
+
+
+class RamMember(RamDevice):
+    """A RAM member with its fast path (read_now), outliving the pool object like a Disk."""
+
+    async def close(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("level", sorted(LEVELS))
+def test_read_now_returns_what_read_returns(level: int) -> None:
+    """The pool's read fast path is a shortcut of read(): the same bytes for any range, from a healthy pool
+    and from a degraded one (where it may decline, None, but never answers differently); members without a
+    fast path make it decline."""
+    for n in LEVELS[level]:
+        rng = random.Random(level * 10 + n)
+
+        async def go(n: int = n, rng: random.Random = rng) -> None:
+            members = [RamMember((HEADER + ROWS * CHUNK) // BS, BS, name=f"r{i}") for i in range(n)]
+            pool = await Pool.create(members, level, CHUNK, data_offset=HEADER, bitmap_idle_s=0.05)
+            assert pool.capabilities.sync_read
+            await pool.write(0, rng.randbytes(pool.num_blocks * BS))
+
+            def ranges(k: int) -> list[tuple[int, int]]:
+                out = []
+                for _ in range(k):
+                    blocks = rng.choice([1, 3, 8, CHUNK // BS, 3 * CHUNK // BS + 5, 40])
+                    out.append((rng.randrange(pool.num_blocks - blocks + 1), blocks))
+                return out
+
+            for lba, blocks in ranges(150):
+                now = pool.read_now(lba, blocks)
+                assert now is not None, f"a healthy pool of RAM members declined {lba}+{blocks}"
+                assert bytes(now) == bytes(await pool.read(lba, blocks))
+            lost = losable(level, n)[0]
+            for i in lost:
+                await pool.fail_member(i)
+            answered = declined = 0
+            for lba, blocks in ranges(150):
+                now = pool.read_now(lba, blocks)
+                if now is None:
+                    declined += 1
+                    continue
+                answered += 1
+                assert bytes(now) == bytes(await pool.read(lba, blocks))
+            assert answered, "a degraded pool declined every read, also those of in-sync members"
+            if lost and level in (5, 6):
+                assert declined, "reads of a lost member's chunks need the parity: read_now must decline them"
+            await pool.close()
+
+        asyncio.run(go())
+
+
+def test_read_now_declines_without_member_fast_paths() -> None:
+    async def go() -> None:
+        disks = [Disk(f"d{i}") for i in range(3)]          # FaultDevice members: no read_now
+        pool = await Pool.create(disks, 5, CHUNK, data_offset=HEADER, bitmap_idle_s=0.05)
+        await pool.write(0, b"\x11" * CHUNK)
+        assert pool.read_now(0, 1) is None
+        assert bytes(await pool.read(0, 1)) == b"\x11" * BS
+        await pool.close()
+        assert pool.read_now(0, 1) is None                  # closed: read() says why
+
+    asyncio.run(go())

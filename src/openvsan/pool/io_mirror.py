@@ -58,17 +58,45 @@ class MirrorIO:
             out[s.start * bs:s.start * bs + n] = src[pos:pos + n]
             pos += n
 
+    def read_now(self, lba: int, blocks: int) -> Buffer | None:
+        """read() in the caller's turn, from the copy read() would choose, where that copy's member has a fast
+        path; None otherwise."""
+        groups = extents(self.geo.segments(lba, blocks))
+        if len(groups) == 1:
+            (segs,) = groups.values()
+            if len(segs) == 1:
+                return self._read_extent_now(segs)
+        out = bytearray(blocks * self.bs)
+        view = memoryview(out)
+        for segs in groups.values():
+            data = self._read_extent_now(segs)
+            if data is None:
+                return None
+            self._scatter(segs, data, view)
+        return out
+
+    def _copy(self, segs: list[Segment], tried: set[int]) -> int | None:
+        """The member to read an extent from: of its copies in sync for all its rows and not tried yet, one
+        chosen by row, so concurrent requests use every mirror; None when there is none."""
+        first, last = segs[0], segs[-1]
+        copies = [m for m in self.geo.copies(first.row, first.column)
+                  if m not in tried and self.ms.members[m].valid_rows(first.row, last.row + 1)]
+        return copies[first.row % len(copies)] if copies else None
+
+    def _read_extent_now(self, segs: list[Segment]) -> Buffer | None:
+        m = self._copy(segs, set())
+        if m is None:
+            return None
+        return self.ms.read_now(m, segs[0].row, segs[0].offset, sum(s.blocks for s in segs))
+
     async def _read_extent(self, segs: list[Segment]) -> Buffer:
         first, last = segs[0], segs[-1]
         blocks = sum(s.blocks for s in segs)
         tried: set[int] = set()
         while True:
-            copies = [m for m in self.geo.copies(first.row, first.column)
-                      if m not in tried and self.ms.members[m].valid_rows(first.row, last.row + 1)]
-            if not copies:
+            m = self._copy(segs, tried)
+            if m is None:
                 raise DeviceFailed(f"pool: no readable copy of rows {first.row}..{last.row} left")
-            # spread readers over the copies by row, so concurrent requests use every mirror
-            m = copies[first.row % len(copies)]
             try:
                 return await self.ms.read(m, first.row, first.offset, blocks)
             except MemberFaults as e:

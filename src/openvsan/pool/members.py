@@ -90,25 +90,40 @@ class MemberSet:
             raise MemberFaults({m: DeviceFailed(f"member {m} is missing")}, {m: None})
         return dev
 
+    def lba(self, row: int, offset: int) -> int:
+        """The member block of `offset` blocks into chunk row `row`."""
+        return self.data_offset + row * self.chunk_blocks + offset
+
     async def read(self, m: int, row: int, offset: int, blocks: int) -> Buffer:
         """`blocks` blocks from `offset` blocks into chunk row `row` of member m (may run into later rows)."""
         dev = self._dev(m)
         try:
-            return await dev.read(self.data_offset + row * self.chunk_blocks + offset, blocks)
+            return await dev.read(self.lba(row, offset), blocks)
         except MEMBER_FAULTS as e:
             raise MemberFaults({m: e}, {m: dev}) from e
+
+    def read_now(self, m: int, row: int, offset: int, blocks: int) -> Buffer | None:
+        """The same read done in the caller's turn (block/device.py SyncRead), or None: the member is missing,
+        has no fast path, declines, or faults (read() then meets the fault and reports the member)."""
+        dev = self.members[m].dev
+        if dev is None or not dev.capabilities.sync_read:
+            return None
+        try:
+            return dev.read_now(self.lba(row, offset), blocks)  # type: ignore[attr-defined,no-any-return]
+        except MEMBER_FAULTS:
+            return None
 
     async def write(self, m: int, row: int, offset: int, data: Buffer, fua: bool = False) -> None:
         dev = self._dev(m)
         try:
-            await dev.write(self.data_offset + row * self.chunk_blocks + offset, data, fua=fua)
+            await dev.write(self.lba(row, offset), data, fua=fua)
         except MEMBER_FAULTS as e:
             raise MemberFaults({m: e}, {m: dev}) from e
 
     async def write_zeroes(self, m: int, row: int, offset: int, blocks: int) -> None:
         dev = self._dev(m)
         try:
-            await dev.write_zeroes(self.data_offset + row * self.chunk_blocks + offset, blocks)
+            await dev.write_zeroes(self.lba(row, offset), blocks)
         except MEMBER_FAULTS as e:
             raise MemberFaults({m: e}, {m: dev}) from e
 

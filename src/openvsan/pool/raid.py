@@ -87,8 +87,9 @@ class Pool:
         self.block_size = base.block_size
         self.geo = geo
         self.num_blocks = geo.num_blocks
-        # a write without FUA may sit in a member's cache until flush; no fast path, a fixed size
-        self.capabilities = Capabilities(volatile_cache=True)
+        # a write without FUA may sit in a member's cache until flush; a fixed size. Reads have the fast path
+        # (read_now) where the members do; writes do not (a stripe lock, the bitmap, parity)
+        self.capabilities = Capabilities(volatile_cache=True, sync_read=True)
         self.data_offset = base.data_offset
         self.members = members
         self.spares = spares
@@ -421,6 +422,14 @@ class Pool:
         if not blocks:
             return b""
         return await self._retrying(lambda: self.io.read(lba, blocks))  # type: ignore[no-any-return]
+
+    def read_now(self, lba: int, blocks: int) -> Buffer | None:
+        """read() in the caller's turn when the level's I/O can serve it from members with a fast path (RAM)
+        and in sync for it (block/device.py SyncRead; the caller checked the range); None: use read(), which
+        also meets what this declines (a closed or failed pool, a member that faults, a degraded stripe)."""
+        if self._closed or self.failed or not blocks:
+            return None
+        return self.io.read_now(lba, blocks)  # type: ignore[no-any-return]
 
     async def write(self, lba: int, data: Buffer, *, fua: bool = False) -> None:
         bs = self.block_size
