@@ -18,8 +18,10 @@ import asyncio
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -30,6 +32,7 @@ from test_pool_serve import PoolServer
 from vsan_harness import free_port
 
 from openvsan.bench.verify import make_block
+from openvsan.block.file import MEMORY_FS, fs_type
 from openvsan.initiator import open_url
 
 pytestmark = pytest.mark.interop
@@ -169,10 +172,25 @@ def server(tmp_path: Path) -> Any:
         s.cleanup()
 
 
+@pytest.fixture
+def shm_dir() -> Any:
+    """A directory in memory (tmpfs) that outlives the killed process, as a disk would."""
+    d = Path(tempfile.mkdtemp(prefix="ovsan-kill9-", dir="/dev/shm"))
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.mark.parametrize("where", ["disk", "tmpfs"])
 @pytest.mark.parametrize("level", ["raid5", "raid6"])
-def test_kill9_mid_stripe_writes(server: Any, tmp_path: Path, level: str) -> None:
-    rng = random.Random(f"{SEED}-{level}")
-    s: PoolServer = server(level=level, members=5 if level == "raid6" else 4, free=0, chunk="8KiB")
+def test_kill9_mid_stripe_writes(server: Any, tmp_path: Path, shm_dir: Path, level: str, where: str) -> None:
+    """On members on the disk, writes take the pool's normal path; on members in memory (tmpfs) the small
+    ones take its fast path (write_now, a whole stripe update within one turn of the loop)."""
+    rng = random.Random(f"{SEED}-{level}-{where}")
+    s: PoolServer = server(level=level, members=5 if level == "raid6" else 4, free=0, chunk="8KiB",
+                           member_dir=shm_dir if where == "tmpfs" else None)
+    if where == "tmpfs":
+        s.member_path(0).touch()
+        assert fs_type(os.stat(s.member_path(0)).st_dev) in MEMORY_FS, "/dev/shm is not a memory file system"
     model = Model()
     log: list[dict[str, Any]] = []
     record = tmp_path / "kill9-rounds.json"

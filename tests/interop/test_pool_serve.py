@@ -48,9 +48,10 @@ class PoolServer(VsanServer):
     order: list[int] | None = None  # the members' order in the config (default d0, d1, ...)
     chunk: str = "16KiB"
     extra_pool: dict[str, Any] = field(default_factory=dict)
+    member_dir: Path | None = None  # where the member files live (default the work dir; /dev/shm: in memory)
 
     def member_path(self, i: int) -> Path:
-        return self.workdir / f"d{i}.img"
+        return (self.member_dir or self.workdir) / f"d{i}.img"
 
     def write_config(self) -> None:
         lines = ["[node]", 'name = "pool-node"', ""]

@@ -404,3 +404,105 @@ def test_read_now_declines_without_member_fast_paths() -> None:
         assert pool.read_now(0, 1) is None                  # closed: read() says why
 
     asyncio.run(go())
+
+
+class Declining(RamMember):
+    """A RAM member whose fast path can be told to decline writes (a file in memory out of space)."""
+
+    decline = False
+
+    def write_now(self, lba: int, data: bytes) -> bool:
+        return False if self.decline else super().write_now(lba, data)
+
+
+async def ram_pool(level: int, n: int, cls: type[RamMember] = RamMember) -> tuple[Pool, list[RamMember]]:
+    members = [cls((HEADER + ROWS * CHUNK) // BS, BS, name=f"r{i}") for i in range(n)]
+    return await Pool.create(members, level, CHUNK, data_offset=HEADER, bitmap_idle_s=3600), members
+
+
+@pytest.mark.parametrize("level", sorted(LEVELS))
+def test_write_now_leaves_the_members_as_write_does(level: int) -> None:
+    """The write fast path is a shortcut of write(): the same writes, one pool through write_now wherever it
+    takes them and the other through write() alone, leave every member byte for byte the same (data,
+    parity; the bitmaps alike); the fast path takes the small writes of a healthy pool once their region's bit is on
+    disk, and the pools read back the model and scrub clean."""
+    for n in LEVELS[level]:
+        rng = random.Random(level * 100 + n)
+
+        async def go(n: int = n, rng: random.Random = rng) -> None:
+            fast, fast_members = await ram_pool(level, n)
+            slow, slow_members = await ram_pool(level, n)
+            model = bytearray(fast.num_blocks * BS)
+            taken = 0
+            for _ in range(300):
+                blocks = rng.choice([1, 2, 8, CHUNK // BS, CHUNK // BS + 3, 3 * CHUNK // BS])
+                lba = rng.randrange(fast.num_blocks - blocks + 1)
+                data = rng.randbytes(blocks * BS)
+                model[lba * BS:(lba + blocks) * BS] = data
+                if fast.write_now(lba, data):
+                    taken += 1
+                else:
+                    await fast.write(lba, data)
+                await slow.write(lba, data)
+            assert taken > 50, f"the fast path took only {taken} of 300 writes"
+            for a, b in zip(fast_members, slow_members, strict=True):      # the data area (headers hold ids)
+                assert bytes(a._view[HEADER:]) == bytes(b._view[HEADER:]), f"member {a.name} differs"
+            if fast.bitmap is not None and slow.bitmap is not None:
+                assert fast.bitmap.bits == slow.bitmap.bits and fast.bitmap.durable == slow.bitmap.durable
+            assert bytes(await fast.read(0, fast.num_blocks)) == bytes(model)
+            if level != 0:
+                assert (await fast.scrub(repair=False)).mismatches == 0
+            for p in (fast, slow):
+                await p.close()
+
+        asyncio.run(go())
+
+
+def test_write_now_keeps_the_write_intent_rule() -> None:
+    """No member is written before its region's bit is on disk: a region whose bit is not durable (a new
+    region, or one cleared as idle) goes through write(), which sets it first; then the fast path takes it."""
+    async def go() -> None:
+        pool, _ = await ram_pool(5, 4)
+        bm = pool.bitmap
+        assert bm is not None
+        await pool.wait_idle()
+        await bm.clear_idle(pool.flush_members, everything=True)
+        assert not bm.dirty()
+        assert not pool.write_now(0, b"\x01" * BS)           # bit not on disk: declined, nothing counted
+        assert not bm.dirty() and not bm._inflight
+        await pool.write(0, b"\x02" * BS)
+        assert bm.is_set(0)
+        assert pool.write_now(1, b"\x03" * BS)
+        assert not bm._inflight
+        async with pool.locks.hold(0):                      # a request in flight on the row: declined
+            assert not pool.write_now(2, b"\x04" * BS)
+        await pool.fail_member(3)                            # degraded: declined, write() rebuilds around it
+        assert not pool.write_now(2, b"\x04" * BS)
+        await pool.close()
+
+    asyncio.run(go())
+
+
+@pytest.mark.parametrize("level", [5, 6])
+def test_a_fast_write_declined_half_way_is_written_again_whole(level: int) -> None:
+    """A member that declines its part after others took theirs leaves the stripe torn: the row is marked,
+    write() writes it again reconstructing the parity (a read-modify-write would trust the old parity), and
+    the pool scrubs clean and reads back what was written."""
+    async def go() -> None:
+        pool, members = await ram_pool(level, 5, Declining)
+        data = random.Random(level).randbytes(pool.num_blocks * BS)
+        await pool.write(0, data)
+        pq = pool.geo.parity_members(0)
+        members[pq[0]].decline = True                         # a parity member declines: written after the data
+        new = b"\x5a" * BS
+        assert not pool.write_now(3, new)
+        io = pool.io
+        assert 0 in io.torn
+        members[pq[0]].decline = False
+        await pool.write(3, new)
+        assert 0 not in io.torn
+        assert bytes(await pool.read(3, 1)) == new
+        assert (await pool.scrub(repair=False)).mismatches == 0
+        await pool.close()
+
+    asyncio.run(go())

@@ -75,8 +75,18 @@ class WriteIntentBitmap:
 
     # --- the write path ---------------------------------------------------------------------------------------
 
-    async def begin(self, regions: Iterable[int]) -> None:
-        """Before writing to `regions`: count the write in flight, and make sure each bit is durable."""
+    def begin_now(self, regions: range) -> bool:
+        """begin() for a write done within this turn of the loop: only when every bit is durable already (no
+        bitmap write needed); False, and nothing counted, otherwise. `end` follows as for begin()."""
+        durable = self.durable
+        for r in regions:
+            if not durable[r >> 3] & (1 << (r & 7)):
+                return False
+        self._enter(regions)
+        return True
+
+    def _enter(self, regions: Iterable[int]) -> set[int]:
+        """Count a write in flight in `regions` and set their bits; the bitmap blocks not yet durable."""
         blocks: set[int] = set()
         for r in regions:
             self._inflight[r] = self._inflight.get(r, 0) + 1
@@ -84,6 +94,11 @@ class WriteIntentBitmap:
             self.bits[byte] |= mask
             if not self.durable[byte] & mask:
                 blocks.add(byte // self.block_size)
+        return blocks
+
+    async def begin(self, regions: Iterable[int]) -> None:
+        """Before writing to `regions`: count the write in flight, and make sure each bit is durable."""
+        blocks = self._enter(regions)
         if blocks:
             try:
                 await asyncio.gather(*(self._write_block(b, fua=True) for b in blocks))

@@ -116,10 +116,7 @@ class MirrorIO:
             ops = []
             for group in groups.values():
                 first, last = group[0], group[-1]
-                if len(group) == 1:
-                    payload: Buffer = view[first.start * bs:(first.start + first.blocks) * bs]
-                else:
-                    payload = b"".join(view[s.start * bs:(s.start + s.blocks) * bs] for s in group)
+                payload = self._payload(group, view)
                 copies = [m for m in self.geo.copies(first.row, first.column)
                           if self.ms.members[m].valid_rows(first.row, last.row + 1)]
                 # a rebuilding copy in sync for only some of these rows gets its in-sync part
@@ -133,6 +130,41 @@ class MirrorIO:
                     n = sum(s.blocks for s in group if s.row < upto) * bs
                     ops.append(self.ms.write(m, first.row, first.offset, memoryview(payload)[:n], fua))
             await self.ms.write_all(ops)
+
+    def _payload(self, group: list[Segment], view: memoryview) -> Buffer:
+        """An extent's data: one member request per copy and data index."""
+        bs = self.bs
+        first = group[0]
+        if len(group) == 1:
+            return view[first.start * bs:(first.start + first.blocks) * bs]
+        return b"".join(view[s.start * bs:(s.start + s.blocks) * bs] for s in group)
+
+    def write_now(self, lba: int, data: Buffer) -> bool:
+        """write() of a healthy pool whose members have the fast path, done in the caller's turn: every copy
+        of every extent; False, nothing written, where that cannot be (a member out of sync or without the
+        fast path, a mirrored row held by a request or rebuild in flight). A member that declines after others
+        took their part leaves copies that write() then writes again whole, which is all it takes here."""
+        ms = self.ms
+        if not ms.optimal:
+            return False
+        view = memoryview(data).cast("B")
+        segs = self.geo.segments(lba, len(view) // self.bs)
+        if self.geo.level.mirrored:
+            for row in range(segs[0].row, segs[-1].row + 1):
+                if self.locks.busy(row):
+                    return False
+        writes = []
+        for group in extents(segs).values():
+            first = group[0]
+            payload = self._payload(group, view)
+            for m in self.geo.copies(first.row, first.column):
+                if not ms.can_write_now(m):
+                    return False
+                writes.append((m, first.row, first.offset, payload))
+        for m, row, off, payload in writes:
+            if not ms.write_now(m, row, off, payload):
+                return False
+        return True
 
     # --- rebuild, resync, scrub -------------------------------------------------------------------------------
 

@@ -21,6 +21,7 @@ stands: the members that took it hold a consistent stripe.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 from openvsan.block.device import Buffer
 from openvsan.block.errors import DeviceFailed
@@ -30,9 +31,20 @@ from openvsan.pool.members import MemberSet
 from openvsan.pool.parity import backend
 from openvsan.pool.scrub import RowCheck
 
+FULL, RMW, RCW = 0, 1, 2   # how a row's parity is made for a write (ParityIO._how)
+
+
+class _Plan(NamedTuple):
+    new: dict[int, tuple[int, int, memoryview]]   # data index -> (block offset in the chunk, blocks, data)
+    lo: int                                      # the blocks of the chunk the write spans: [lo, hi)
+    hi: int
+    total: int                                   # blocks written
+    full: int                                    # data chunks the write covers over all of [lo, hi)
+
 
 class ParityIO:
     def __init__(self, ms: MemberSet, geo: Geometry, locks: StripeLocks, parity: str | None = None) -> None:
+        self.torn: set[int] = set()   # rows a fast-path write left half written: write() reconstructs them
         self.ms = ms
         self.geo = geo
         self.locks = locks
@@ -139,10 +151,9 @@ class ParityIO:
         else:
             await self.ms.gather([self._write_row(row, segs, view, fua) for row, segs in rows.items()])
 
-    async def _write_row(self, row: int, segs: list[Segment], view: memoryview, fua: bool) -> None:
-        ms, bs, cb, k = self.ms, self.bs, self.cb, self.k
-        dm = self.geo.data_members(row)
-        pm = self.geo.parity_members(row)
+    def _plan(self, segs: list[Segment], view: memoryview) -> _Plan:
+        """What a write changes in one row: each data chunk's new blocks, and the span [lo, hi) they cover."""
+        bs, cb = self.bs, self.cb
         # plain loops, not comprehensions: this runs for every small write
         new: dict[int, tuple[int, int, memoryview]] = {}
         lo, hi, total = cb, 0, 0
@@ -156,38 +167,46 @@ class ParityIO:
         full = 0  # chunks the new data covers over all of [lo, hi)
         for _, n, _ in new.values():
             full += n == width
-        async with self.locks.hold(row):
-            if ms.optimal:
-                data_ok, parity_ok = True, [True] * len(pm)
-            else:
-                data_ok = all(ms.valid(m, row) for m in dm)
-                parity_ok = [ms.valid(m, row) for m in pm]
-            parity: list[Buffer]
-            if data_ok and all(parity_ok):
-                if full == k and width == cb:
-                    parity = self._parity([new[i][2] for i in range(k)])
-                elif total + len(pm) * width < (k - full) * width:  # blocks read: RMW against RCW
-                    parity = await self._read_modify(row, dm, pm, new, lo, hi)
-                else:
-                    parity = self._parity(self._overlay(lo, hi, new, await self._read_rest(row, dm, new, lo, hi)))
-            elif data_ok and not any(parity_ok):
-                parity = []  # nothing to keep in step: write the data alone
-            else:
-                parity = self._parity(self._overlay(lo, hi, new, await self._stripe_data(row, lo, hi)))
-            ops = [ms.write(dm[i], row, off, buf, fua) for i, (off, _, buf) in new.items() if ms.valid(dm[i], row)]
-            ops += [ms.write(pm[j], row, lo, p, fua) for j, p in enumerate(parity) if parity_ok[j]]
-            await ms.write_all(ops)
+        return _Plan(new, lo, hi, total, full)
 
-    async def _read_modify(self, row: int, dm: list[int], pm: tuple[int, ...],
-                           new: dict[int, tuple[int, int, memoryview]], lo: int, hi: int) -> list[Buffer]:
-        ms, bs = self.ms, self.bs
-        order = list(new)
-        ops = [ms.read(dm[i], row, new[i][0], new[i][1]) for i in order]
-        ops += [ms.read(m, row, lo, hi - lo) for m in pm]
-        got = await ms.gather(ops)
-        p = bytearray(got[len(order)])
-        q = bytearray(got[len(order) + 1]) if self.raid6 else None
-        for i, old in zip(order, got, strict=False):
+    def _how(self, row: int, plan: _Plan, nparity: int) -> int:
+        """With every member of the row in sync: parity from the new data alone (a full stripe), or whichever
+        of read-modify-write and reconstruct-write reads fewer blocks. A row a fast-path write left half
+        written is reconstructed (its old parity cannot be trusted for a read-modify-write)."""
+        width = plan.hi - plan.lo
+        if plan.full == self.k and width == self.cb:
+            return FULL
+        if row not in self.torn and plan.total + nparity * width < (self.k - plan.full) * width:
+            return RMW
+        return RCW
+
+    def _rcw_needs(self, plan: _Plan) -> list[int]:
+        """Reconstruct-write's reads: every data chunk over [lo, hi) that the new data does not cover whole."""
+        width = plan.hi - plan.lo
+        return [i for i in range(self.k) if i not in plan.new or plan.new[i][1] < width]
+
+    def _reads(self, how: int, plan: _Plan, dm: list[int], pm: tuple[int, ...]) -> list[tuple[int, int, int]]:
+        """(member, block offset in the row, blocks) to read before the parity can be computed."""
+        if how == FULL:
+            return []
+        if how == RMW:
+            reads = [(dm[i], off, n) for i, (off, n, _) in plan.new.items()]
+            return reads + [(m, plan.lo, plan.hi - plan.lo) for m in pm]
+        return [(dm[i], plan.lo, plan.hi - plan.lo) for i in self._rcw_needs(plan)]
+
+    def _new_parity(self, how: int, plan: _Plan, got: Sequence[Buffer]) -> list[Buffer]:
+        """The row's parity over [lo, hi) after the write, from what `_reads` asked for (in its order)."""
+        new, lo, bs = plan.new, plan.lo, self.bs
+        if how == FULL:
+            return self._parity([new[i][2] for i in range(self.k)])
+        if how == RCW:
+            chunks: list[Buffer | None] = [None] * self.k
+            for i, d in zip(self._rcw_needs(plan), got, strict=True):
+                chunks[i] = d
+            return self._parity(self._overlay(lo, plan.hi, new, chunks))
+        p = bytearray(got[len(new)])
+        q = bytearray(got[len(new) + 1]) if self.raid6 else None
+        for i, old in zip(new, got, strict=False):
             off, n, buf = new[i]
             a, b = (off - lo) * bs, (off - lo + n) * bs
             p2, q2 = self.par.pq_update(i, old, buf, p[a:b], q[a:b] if q is not None else None)
@@ -196,15 +215,71 @@ class ParityIO:
                 q[a:b] = q2
         return [p] if q is None else [p, q]
 
-    async def _read_rest(self, row: int, dm: list[int], new: dict[int, tuple[int, int, memoryview]],
-                         lo: int, hi: int) -> list[Buffer | None]:
-        """Reconstruct-write's reads: every data chunk over [lo, hi) that the new data does not cover whole."""
-        need = [i for i in range(self.k) if i not in new or new[i][1] < hi - lo]
-        got = await self.ms.gather([self.ms.read(dm[i], row, lo, hi - lo) for i in need])
-        out: list[Buffer | None] = [None] * self.k
-        for i, d in zip(need, got, strict=True):
-            out[i] = d
-        return out
+    def _writes(self, row: int, plan: _Plan, dm: list[int], pm: tuple[int, ...], parity: list[Buffer],
+                parity_ok: list[bool]) -> list[tuple[int, int, Buffer]]:
+        """(member, block offset in the row, data): the new data to in-sync members, the parity computed."""
+        ms = self.ms
+        out = [(dm[i], off, buf) for i, (off, _, buf) in plan.new.items() if ms.valid(dm[i], row)]
+        return out + [(pm[j], plan.lo, p) for j, p in enumerate(parity) if parity_ok[j]]
+
+    async def _write_row(self, row: int, segs: list[Segment], view: memoryview, fua: bool) -> None:
+        ms = self.ms
+        dm = self.geo.data_members(row)
+        pm = self.geo.parity_members(row)
+        plan = self._plan(segs, view)
+        async with self.locks.hold(row):
+            if ms.optimal:
+                data_ok, parity_ok = True, [True] * len(pm)
+            else:
+                data_ok = all(ms.valid(m, row) for m in dm)
+                parity_ok = [ms.valid(m, row) for m in pm]
+            parity: list[Buffer]
+            if data_ok and all(parity_ok):
+                how = self._how(row, plan, len(pm))
+                reads = self._reads(how, plan, dm, pm)
+                got = await ms.gather([ms.read(m, row, off, n) for m, off, n in reads]) if reads else []
+                parity = self._new_parity(how, plan, got)
+            elif data_ok and not any(parity_ok):
+                parity = []  # nothing to keep in step: write the data alone
+            else:
+                parity = self._parity(self._overlay(plan.lo, plan.hi, plan.new,
+                                                    await self._stripe_data(row, plan.lo, plan.hi)))
+            writes = self._writes(row, plan, dm, pm, parity, parity_ok)
+            await ms.write_all([ms.write(m, row, off, buf, fua) for m, off, buf in writes])
+            self.torn.discard(row)
+
+    def write_now(self, lba: int, data: Buffer) -> bool:
+        """A write within one row of a healthy pool whose members have the fast path (RAM), done in the
+        caller's turn with the same plan, reads, parity and writes as `_write_row`; False, nothing written,
+        where it cannot be (more than one row, a member out of sync or without the fast path, the row held by
+        a request or rebuild in flight). A member that declines after others took their part (a file in
+        memory out of space) marks the row torn: write() writes it again, reconstructing its parity."""
+        ms = self.ms
+        view = memoryview(data).cast("B")
+        segs = self.geo.segments(lba, len(view) // self.bs)
+        row = segs[0].row
+        if segs[-1].row != row or not ms.optimal or self.locks.busy(row) or row in self.torn:
+            return False
+        dm = self.geo.data_members(row)
+        pm = self.geo.parity_members(row)
+        plan = self._plan(segs, view)
+        how = self._how(row, plan, len(pm))
+        got = []
+        for m, off, n in self._reads(how, plan, dm, pm):
+            d = ms.read_now(m, row, off, n)
+            if d is None:
+                return False
+            got.append(d)
+        writes = self._writes(row, plan, dm, pm, self._new_parity(how, plan, got), [True] * len(pm))
+        for m, _, _ in writes:
+            if not ms.can_write_now(m):
+                return False
+        for i, (m, off, buf) in enumerate(writes):
+            if not ms.write_now(m, row, off, buf):
+                if i:
+                    self.torn.add(row)
+                return False
+        return True
 
     def _overlay(self, lo: int, hi: int, new: dict[int, tuple[int, int, memoryview]],
                  chunks: Sequence[Buffer | None]) -> list[Buffer]:

@@ -54,6 +54,11 @@ class StripeLocks:
             self._locks[row].release()
             self._put(row)
 
+    def busy(self, row: int) -> bool:
+        """Someone holds `row` or waits for it (a request on the fast path, done within one turn of the loop,
+        goes ahead only where nobody does)."""
+        return row in self._locks
+
     def __len__(self) -> int:
         return len(self._locks)
 

@@ -120,6 +120,21 @@ class MemberSet:
         except MEMBER_FAULTS as e:
             raise MemberFaults({m: e}, {m: dev}) from e
 
+    def can_write_now(self, m: int) -> bool:
+        dev = self.members[m].dev
+        return dev is not None and dev.capabilities.sync_write
+
+    def write_now(self, m: int, row: int, offset: int, data: Buffer) -> bool:
+        """write() done in the caller's turn (block/device.py SyncWrite: as durable as FUA), or False: nothing
+        written to this member (no fast path, declined, or a fault, which write() then meets and reports)."""
+        dev = self.members[m].dev
+        if dev is None or not dev.capabilities.sync_write:
+            return False
+        try:
+            return bool(dev.write_now(self.lba(row, offset), data))  # type: ignore[attr-defined]
+        except MEMBER_FAULTS:
+            return False
+
     async def write_zeroes(self, m: int, row: int, offset: int, blocks: int) -> None:
         dev = self._dev(m)
         try:

@@ -87,9 +87,9 @@ class Pool:
         self.block_size = base.block_size
         self.geo = geo
         self.num_blocks = geo.num_blocks
-        # a write without FUA may sit in a member's cache until flush; a fixed size. Reads have the fast path
-        # (read_now) where the members do; writes do not (a stripe lock, the bitmap, parity)
-        self.capabilities = Capabilities(volatile_cache=True, sync_read=True)
+        # a write without FUA may sit in a member's cache until flush; a fixed size. Reads and writes have the
+        # fast path (read_now, write_now) where the members do, and the pool is healthy (they decline otherwise)
+        self.capabilities = Capabilities(volatile_cache=True, sync_read=True, sync_write=True)
         self.data_offset = base.data_offset
         self.members = members
         self.spares = spares
@@ -430,6 +430,29 @@ class Pool:
         if self._closed or self.failed or not blocks:
             return None
         return self.io.read_now(lba, blocks)  # type: ignore[no-any-return]
+
+    def write_now(self, lba: int, data: Buffer) -> bool:
+        """write() in the caller's turn (block/device.py SyncWrite: as durable as FUA, the members' own fast
+        path being so) where the level's I/O can do it at once: a healthy pool, members with the fast path, the
+        rows free, the bitmap's bits for them already on disk (the write-intent rule holds: no member is written
+        before its region's bit is durable) and no superblock update owed. False, nothing written: write()."""
+        n = memoryview(data).nbytes
+        if (self._closed or self.failed or not n or n % self.block_size
+                or self._durable_gen < self._state_gen):
+            return False
+        bitmap = self.bitmap
+        if bitmap is None:
+            return self.io.write_now(lba, data)  # type: ignore[no-any-return]
+        rows = self._rows(lba, n // self.block_size)
+        regions = bitmap.regions_of(rows[0], rows[-1])
+        if not bitmap.begin_now(regions):
+            return False
+        try:
+            return self.io.write_now(lba, data)  # type: ignore[no-any-return]
+        finally:
+            # counted as written even when declined: a decline after part of a stripe was written leaves it
+            # torn until write() writes it again, and its bit must not be cleared as idle meanwhile
+            bitmap.end(regions)
 
     async def write(self, lba: int, data: Buffer, *, fua: bool = False) -> None:
         bs = self.block_size
