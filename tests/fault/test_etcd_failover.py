@@ -22,7 +22,7 @@ from netns import Lab, require_lab_tools
 from openvsan.cluster.etcd_process import ETCD_PACKAGE, EtcdMissing
 
 MEMBERS = ["e1", "e2", "e3"]
-TIMEOUT = 2.0  # the agents' per-request timeout
+TIMEOUT = 5.0  # the agents' per-request timeout: the store's own default, which outlasts an election (2 s did not, once, on a loaded CI machine)
 
 
 @pytest.fixture(scope="module")

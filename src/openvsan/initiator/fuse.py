@@ -166,6 +166,23 @@ async def attach(dev: BlockDevice, path: str, *, read_only: bool = False, allow_
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, fuse.terminate)
+    previous = loop.get_exception_handler()
+
+    def handler(lp: asyncio.AbstractEventLoop, ctx: dict[str, Any]) -> None:
+        # pyfuse3's asyncio shim (pyfuse3/asyncio.py wait_readable) registers `future.set_result` as the FUSE
+        # fd's reader and removes it only in a done-callback, a turn later: a worker's future that ended first
+        # (cancelled as the session closes) then meets its own reader. Nothing is lost; not ours to report
+        handle = ctx.get("handle")
+        if (isinstance(ctx.get("exception"), asyncio.InvalidStateError)
+                and "Future.set_result" in repr(handle)):
+            log.debug("pyfuse3: a reader fired for a finished future (ignored)")
+            return
+        if previous is not None:
+            previous(lp, ctx)
+        else:
+            lp.default_exception_handler(ctx)
+
+    loop.set_exception_handler(handler)
     try:
         if ready is not None:
             ready()
