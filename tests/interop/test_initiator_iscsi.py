@@ -222,7 +222,12 @@ def test_against_tgt(tmp_path: Path) -> None:
         async def main() -> None:
             deadline = time.monotonic() + 20
             while True:  # the LUN is added a moment after the portal listens
-                found = await discover(f"iscsi://127.0.0.1:{port}")
+                try:
+                    found = await discover(f"iscsi://127.0.0.1:{port}")
+                except TimeoutError:
+                    # a tgtd just started that has not answered the discovery login in time (seen once on a
+                    # loaded CI machine): asked again until the deadline
+                    found = []
                 if found:
                     break
                 assert time.monotonic() < deadline, "tgt never listed its target"
