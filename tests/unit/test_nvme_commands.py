@@ -111,6 +111,8 @@ def test_an_io_queue_may_bring_another_host_id() -> None:
 
     async def go() -> None:
         ctrl = await enabled(fabric)
+        refused = fabric.connect(Sqe(connect_cmd(1, 999, 63)), connect_data(NQN, HOSTNQN, ctrl.cntlid, bytes(16)))
+        assert refused.completion.status == S.CONNECT_INVALID_PARAMETERS and refused.other_hostid is None
         res = fabric.connect(Sqe(connect_cmd(1, 1, 63)), connect_data(NQN, HOSTNQN, ctrl.cntlid, bytes(16)))
         assert res.completion.status == 0 and res.controller is ctrl and ctrl.hostid == HOSTID
         assert res.other_hostid == bytes(16)

@@ -93,20 +93,21 @@ class ParityIO:
         """read() in the caller's turn where every chunk it needs is on an in-sync member with a fast path
         (a healthy pool of RAM members: no parity involved); None otherwise (read() rebuilds what it must)."""
         segs = self.geo.segments(lba, blocks)
-        ms, geo, bs = self.ms, self.geo, self.bs
         if len(segs) == 1:
-            s = segs[0]
-            m = geo.data_member(s.row, s.column)
-            return ms.read_now(m, s.row, s.offset, s.blocks) if ms.valid(m, s.row) else None
+            return self._segment_now(segs[0])
+        bs = self.bs
         out = bytearray(blocks * bs)
         view = memoryview(out)
         for s in segs:
-            m = geo.data_member(s.row, s.column)
-            data = ms.read_now(m, s.row, s.offset, s.blocks) if ms.valid(m, s.row) else None
+            data = self._segment_now(s)
             if data is None:
                 return None
             view[s.start * bs:(s.start + s.blocks) * bs] = data
         return out
+
+    def _segment_now(self, s: Segment) -> Buffer | None:
+        m = self.geo.data_member(s.row, s.column)
+        return self.ms.read_now(m, s.row, s.offset, s.blocks) if self.ms.valid(m, s.row) else None
 
     async def _read_degraded(self, row: int, segs: list[Segment]) -> list[Buffer]:
         bs = self.bs

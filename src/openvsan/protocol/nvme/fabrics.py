@@ -118,17 +118,15 @@ class Fabric:
         joined = sub.controllers.get(cntlid)
         if joined is None or joined.hostnqn != hostnqn:
             return _invalid(16, True)
-        other = None
-        if joined.hostid != hostid and not joined.other_hostid_seen:
-            joined.other_hostid_seen = True
-            other = hostid
         if not joined.ready:
             return ConnectResult(Completion(S.COMMAND_SEQUENCE_ERROR))
         if qid > joined.nr_io_queues or qid in joined.io_queues:
             return _invalid(42, False)
         joined.io_queues.add(qid)
         res = self._admitted(ConnectResult(Completion(S.SUCCESS, cntlid), joined, qid, sqsize + 1, flow_off))
-        res.other_hostid = other
+        if joined.hostid != hostid and not joined.other_hostid_seen:   # reported by the first queue admitted
+            joined.other_hostid_seen = True
+            res.other_hostid = hostid
         return res
 
     def _admitted(self, res: ConnectResult) -> ConnectResult:
