@@ -343,3 +343,29 @@ def config_apply(
         if not plan.get("changes"):
             return
     _changes(_call(data_dir, None, "config.apply", path=str(file.absolute()), dry_run=dry_run), as_json, dry_run)
+
+
+# ---- worker processes (vsan serve --workers N)
+
+def workers(data_dir: DataDir = None, config: ConfigOpt = None, as_json: JsonOpt = False) -> None:
+    """The worker processes of a running node: pid, core, what each serves, restarts."""
+    from openvsan.node.control import ControlError, NotRunning, call
+
+    try:
+        rows = call(_data_dir(data_dir, config), "workers.list", timeout=30.0)
+    except NotRunning as e:
+        _fail(str(e), EXIT_FAILED)
+    except ControlError as e:
+        if "unknown command" in str(e):
+            _fail("this node runs in one process (workers = 1): no worker processes to list", EXIT_USAGE)
+        _fail(str(e), EXIT_USAGE)
+    if as_json:
+        _print_json(rows)
+        return
+    t = Table("worker", "pid", "cpu", "state", "restarts", "volumes", "exports")
+    for r in rows:
+        exports = [*r["targets"], *r["subsystems"], *(f"nbd:{x}" for x in r["nbd_exports"])]
+        state = "serving" if r["serving"] else "starting" + (f" (last: {r['last_exit']})" if r["last_exit"] else "")
+        t.add_row(str(r["worker"]), str(r["pid"] or "-"), "-" if r["cpu"] is None else str(r["cpu"]), state,
+                  str(r["restarts"]), ", ".join(r["volumes"]) or "-", ", ".join(exports) or "-")
+    _console().print(t)

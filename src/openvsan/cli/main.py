@@ -21,6 +21,7 @@ from openvsan.cli.bench import bench
 from openvsan.cli.cluster import cluster_app
 from openvsan.cli.initiator import initiator_app
 from openvsan.cli.live import config_apply, export_app, qos_app, volume_app
+from openvsan.cli.live import workers as live_workers
 from openvsan.cli.pool import pool_app
 from openvsan.node.paths import effective_data_dir
 
@@ -41,6 +42,7 @@ app.command("bench")(bench)  # cli/bench.py: IOPS, MB/s, latency of a target (do
 app.add_typer(volume_app, name="volume")  # cli/live.py: a running node's volumes, exports and QoS
 app.add_typer(export_app, name="export")
 app.add_typer(qos_app, name="qos")
+app.command("workers")(live_workers)  # cli/live.py: the worker processes of a node (vsan serve --workers N)
 app.add_typer(cluster_app, name="cluster")  # cli/cluster.py: init, join, leave, status (membership in etcd)
 config_app.command("apply")(config_apply)
 
@@ -90,6 +92,13 @@ def serve(
         "--data-dir", help="Where desired state (state-kv.db) and persistent reservations live. Default: "
                            "[node].data_dir, else $XDG_STATE_HOME/openvsan or ~/.local/state/openvsan.")] = None,
     log_level: Annotated[str, typer.Option("--log-level", help="debug, info, warning or error.")] = "info",
+    workers: Annotated[int | None, typer.Option(
+        "--workers", "-w", min=1, max=256,
+        help="Worker processes, each serving its share of the volumes on its own core. Default: [node] "
+             "workers (1: one process).")] = None,
+    cpus: Annotated[str | None, typer.Option(
+        "--cpus", help="Cores to pin the workers to, e.g. 0-3 or 0,2 (worker i on the i-th, round robin). "
+                       "Default: [node] worker_cpus, else every core this process may use.")] = None,
 ) -> None:
     """Serve what CONFIG declares (or, without --config, what the data dir holds) until SIGTERM or SIGINT, then
     drain, flush and exit 0."""
@@ -124,7 +133,25 @@ def serve(
             log.info("node %s: %s, data dir %s", state.config.node.name,
                      f"config {config}" if config is not None else "the desired state stored there", data)
             raise_fd_limit(state.config.node.max_connections)
-            run(Node(state, data))
+            n = workers if workers is not None else state.config.node.workers
+            if n == 1:
+                run(Node(state, data))
+                return
+            from openvsan.node import workers as wk
+
+            if (why := wk.refusal(state.config, n)) is not None:
+                fail(why, EXIT_USAGE)
+            try:
+                pinned = (wk.parse_cpus(cpus) if cpus is not None
+                          else list(state.config.node.worker_cpus) or wk.usable_cpus())
+            except ValueError as e:
+                fail(f"--cpus: {e}", EXIT_USAGE)
+            if pinned is not None and (bad := sorted(set(pinned) - set(wk.usable_cpus()))):
+                fail(f"--cpus: cpu {bad[0]} is not one this process may run on ({wk.usable_cpus()})", EXIT_USAGE)
+            try:
+                wk.serve_workers(state, data, n, pinned, log_level)
+            except wk.WorkerSetupError as e:
+                fail(str(e))
     except (NodeError, StoreError) as e:
         fail(str(e))
     except OSError as e:

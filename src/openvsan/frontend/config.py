@@ -28,6 +28,7 @@ class IscsiTargetConfig:
     mutual_chap: ChapCredential | None = None     # the target proves this one back (mutual CHAP)
     alias: str | None = None
     portal_group_tag: int = 1
+    elsewhere: int | None = None         # served by that worker process of this node (frontend/handoff.py)
 
 
 @dataclass
@@ -48,13 +49,16 @@ class NvmeSubsystemConfig:
     model: str = "openvsan"
     # host NQN -> its DH-HMAC-CHAP secrets and the hashes / DH groups it may use: it must authenticate
     dhchap_hosts: dict[str, HostPolicy] = field(default_factory=dict)
+    elsewhere: int | None = None         # served by that worker process of this node (frontend/handoff.py)
 
 
 @dataclass
 class NbdExportConfig:
     name: str                            # export name clients ask for (NBD_OPT_GO / INFO)
-    volume: Volume
+    volume: Volume | None                # None where another worker serves it (`elsewhere`)
     portals: list[tuple[str, int]]       # where it is served (default port 10809)
     read_only: bool = False
     description: str = ""
     tls: str = "off"                     # off | optional | require: NBD_OPT_STARTTLS (the server's ssl context)
+    elsewhere: int | None = None         # served by that worker process of this node (frontend/handoff.py)
+    geometry: tuple[int, int] | None = None   # elsewhere: (blocks, block size) once the supervisor told them

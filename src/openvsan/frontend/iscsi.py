@@ -13,6 +13,7 @@ import struct
 from collections.abc import Sequence
 
 from openvsan.frontend.config import IscsiTargetConfig
+from openvsan.frontend.handoff import Elsewhere
 from openvsan.frontend.iscsi_session import Session, Task
 from openvsan.frontend.portals import BatchedConnection, PortalServer
 from openvsan.netio import start_eagerly
@@ -208,6 +209,7 @@ class Connection(BatchedConnection):
         self._timer = loop.call_later(min(self.server.nop_interval, 5.0), self._idle_check)
         self.reader.max_dsl = LOGIN_MAX_DSL   # refused from the header beyond this, before login
         self.reader.max_ahs = 0               # §11.2.1.2: AHS belong to SCSI Commands, none in a login
+        self.replay()
 
     def connection_lost(self, exc: Exception | None) -> None:
         super().connection_lost(exc)  # closed, and its place in the connection limits given back
@@ -321,7 +323,11 @@ class Connection(BatchedConnection):
 
     # --- login ------------------------------------------------------------------------------------
     def _lookup(self, name: str) -> IscsiTargetConfig | None:
-        return self.server.target_on_portal(name, self.portal)
+        t = self.server.target_on_portal(name, self.portal)
+        if t is not None and t.elsewhere is not None:
+            self.elsewhere(t.elsewhere, f"iSCSI target {name}")   # hands the connection over, if it still can
+            return None
+        return t
 
     def _admit(self, st: LoginState) -> int:
         if self.server.closing:
@@ -340,7 +346,11 @@ class Connection(BatchedConnection):
             return
         if not self.login.address:
             self.login.address = self.source
-        result = self.login.receive(pdu)
+        try:
+            result = self.login.receive(pdu)
+        except Elsewhere as e:
+            self.hand_off(e)
+            return
         if result.delay > 0:
             # earlier failed CHAP logins from this initiator and address: the answer waits, the loop does not
             self._held = []
@@ -382,6 +392,7 @@ class Connection(BatchedConnection):
             assert s is not None
             self._lane = not (self.hd or self.dd or s.discovery)
             self.logged_in()
+            self.settle()
             log.info("%s: %s session tsih=%d for %s%s", self.peer, "discovery" if s.discovery else "normal",
                      s.tsih, s.initiator_name, "" if s.discovery else f" on {s.target.iqn}")  # type: ignore[union-attr]
 

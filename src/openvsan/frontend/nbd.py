@@ -28,6 +28,7 @@ from openvsan.block.errors import (
     ReadOnly,
 )
 from openvsan.frontend.config import NbdExportConfig
+from openvsan.frontend.handoff import Elsewhere
 from openvsan.frontend.portals import BatchedConnection, PortalServer
 from openvsan.netio import start_eagerly
 from openvsan.protocol.nbd import (
@@ -57,11 +58,17 @@ MAX_EARLY_TLS_DATA = 256 * 1024
 
 
 def export_info(e: NbdExportConfig) -> ExportInfo:
-    bs = e.volume.block_size
+    if e.volume is None:
+        # another worker of this node serves it: listed and described here, handed over for NBD_OPT_GO (and
+        # for NBD_OPT_INFO while its size is not known here: size -1)
+        blocks, bs = e.geometry if e.geometry is not None else (-1, 512)
+    else:
+        blocks, bs = e.volume.num_blocks, e.volume.block_size
     # proto.md "Size constraints": the device's block is the smallest unit we can write without a
     # read-modify-write, so it is the minimum block size we ask clients to keep to
-    return ExportInfo(e.name, e.volume.num_blocks * bs, min_block=bs, preferred_block=max(4096, bs),
-                      max_payload=DEFAULT_MAX_PAYLOAD, read_only=e.read_only, description=e.description)
+    return ExportInfo(e.name, blocks * bs if blocks >= 0 else -1, min_block=bs, preferred_block=max(4096, bs),
+                      max_payload=DEFAULT_MAX_PAYLOAD, read_only=e.read_only, description=e.description,
+                      elsewhere=e.elsewhere)
 
 
 class TlsCredentialError(ValueError):
@@ -255,6 +262,7 @@ class Connection(BatchedConnection):
             self.conn.start_shutdown()
         self._timer = asyncio.get_running_loop().call_later(self.server.handshake_timeout, self._handshake_expired)
         self.send([self.conn.greeting()])
+        self.replay()
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self._lost:
@@ -280,6 +288,14 @@ class Connection(BatchedConnection):
             return
         for event in self.conn.receive_data(data):
             if self._closed:
+                return
+            if isinstance(event, Elsewhere):
+                # the answers to the options before it have been sent (they are in the record)
+                if self.record is not None:
+                    self.hand_off(event)
+                else:
+                    self.dropped("asked for an export another worker serves, too late to hand it over", str(event))
+                    self.close()
                 return
             if isinstance(event, StartTls):
                 self._start_tls()
@@ -321,6 +337,7 @@ class Connection(BatchedConnection):
     # --- TLS ---------------------------------------------------------------------------------------
     def _start_tls(self) -> None:
         assert self.transport is not None and self.server.ssl_context is not None
+        self.settle()                    # a TLS session cannot be handed to another worker
         self._batch.flush()              # the ACK leaves in clear text, before the first TLS record
         self.transport.pause_reading()   # the client's ClientHello waits in the kernel for the TLS layer
         self._early = []
@@ -387,6 +404,7 @@ class Connection(BatchedConnection):
             self._timer = None
         self.export = self.server.exports[ev.export.name]
         self.logged_in()
+        self.settle()
         log.info("%s: NBD export %s (%d bytes%s%s%s)", self.peer, ev.export.name, ev.export.size,
                  ", read-only" if ev.export.read_only else "", ", structured replies" if ev.structured else "",
                  ", TLS" if ev.tls else "")

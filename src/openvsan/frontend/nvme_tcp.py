@@ -14,6 +14,7 @@ import time
 from collections.abc import Sequence
 
 from openvsan.frontend.config import NvmeSubsystemConfig
+from openvsan.frontend.handoff import Elsewhere
 from openvsan.frontend.portals import BatchedConnection, PortalServer
 from openvsan.netio import start_eagerly
 from openvsan.protocol.auth_throttle import AuthThrottle
@@ -31,7 +32,7 @@ from openvsan.protocol.nvme.auth import (
 )
 from openvsan.protocol.nvme.command import FABRICS_OPCODE, Sqe, data_plan
 from openvsan.protocol.nvme.controller import FCTYPE_CONNECT, FCTYPE_DISCONNECT, Controller
-from openvsan.protocol.nvme.fabrics import Fabric
+from openvsan.protocol.nvme.fabrics import Fabric, connect_subnqn
 from openvsan.protocol.nvme.identify import MAX_TRANSFER
 from openvsan.protocol.nvme.io import OP_READ, OP_WRITE, execute_io, read_now, write_now
 from openvsan.protocol.nvme.status import Completion, cqe
@@ -99,8 +100,10 @@ class NvmeTcpServer(PortalServer):
 
     def _subsystem(self, c: NvmeSubsystemConfig) -> Subsystem:
         nss = [Namespace(n.nsid, n.volume, n.read_only) for n in c.namespaces]
-        return Subsystem(c.nqn, nss, allowed_hosts=c.allowed_hosts, serial=c.serial, model=c.model,
-                         dhchap_hosts=c.dhchap_hosts)
+        sub = Subsystem(c.nqn, nss, allowed_hosts=c.allowed_hosts, serial=c.serial, model=c.model,
+                        dhchap_hosts=c.dhchap_hosts)
+        sub.elsewhere = c.elsewhere
+        return sub
 
     def _place(self, c: NvmeSubsystemConfig) -> list[Port]:
         listen = [(h, int(p)) for h, p in c.portals]
@@ -258,6 +261,7 @@ class Connection(BatchedConnection):
             return  # refused: over a connection limit (frontend/limits.py)
         self.server.connections.add(self)
         self._timer = asyncio.get_running_loop().call_later(IC_TIMEOUT, self._setup_deadline)
+        self.replay()
 
     def connection_lost(self, exc: Exception | None) -> None:
         super().connection_lost(exc)  # closed, and its place in the connection limits given back
@@ -483,6 +487,12 @@ class Connection(BatchedConnection):
         if srv.closing:
             return Completion(S.CONNECT_CONTROLLER_BUSY)
         res = srv.fabric.connect(sqe, data, lambda s: srv.reachable(s, self.portal), portal=self.portal)
+        if res.elsewhere is not None:
+            try:
+                self.elsewhere(res.elsewhere, f"NVMe subsystem {connect_subnqn(data)}")
+            except Elsewhere as e:
+                self.hand_off(e)   # closed here: the completion is not sent
+                return res.completion
         ctrl = res.controller
         if ctrl is None:
             # who was refused: the host and subsystem NQNs the Connect data names (NVMe-oF 1.1 §3.3): unchecked
@@ -492,6 +502,7 @@ class Connection(BatchedConnection):
                      *names)
             return res.completion
         self.ctrl, self.qid, self.sqsize, self.sq_flow_off = ctrl, res.qid, res.sqsize, res.sq_flow_disabled
+        self.settle()
         self.sqhd = 1 % self.sqsize
         srv.bind(self, ctrl)
         self.queue.reader.max_capsule_data = srv.in_capsule if self.qid else ADMIN_IN_CAPSULE

@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from openvsan.frontend.busypoll import BusyPoll
+from openvsan.frontend.handoff import MAX_HOPS, Arrival, Elsewhere, Exchange, Record
 from openvsan.frontend.limits import ConnectionLimits, Ticket, source_address
 from openvsan.frontend.ratelog import connection_log
 from openvsan.netio import Buffer, WriteBatcher
@@ -65,7 +66,13 @@ def _discard(data: bytes) -> None:
 
 class BatchedConnection(asyncio.Protocol):
     """A target connection: TCP_NODELAY, and replies sent through a WriteBatcher. Subclasses implement
-    received(); what it answers at once leaves in one writelines when it returns, in the same loop turn."""
+    received(); what it answers at once leaves in one writelines when it returns, in the same loop turn.
+
+    In a worker of a node with several (frontend/handoff.py), a connection records what it receives and
+    answers until it settles, and hand_off() sends it to the worker that serves what it named; one that
+    arrives that way replays the records (adopted(), then replay() at the end of connection_made)."""
+
+    portal: tuple[str, int]
 
     def __init__(self) -> None:
         self.transport: asyncio.Transport | None = None
@@ -81,6 +88,119 @@ class BatchedConnection(asyncio.Protocol):
         self._running_bytes = 0          # write data held by commands handed to the device, not yet done
         self._budget_paused = False      # reading paused for _running_bytes (not for a full send buffer)
         self._send_paused = False        # reading paused because the send buffer is full
+        self.record: Record | None = None   # what came and went before it settled (a worker's connection)
+        self._expect = b""                  # answers the peer already had from the worker that handed it over
+        self._replay = b""                  # what that worker received, to run through this one's protocol
+
+    # --- workers: hand-off (frontend/handoff.py) ---------------------------------------------------------
+    def route(self, exchange: Exchange) -> None:
+        """Record until settled: this connection may still be handed to another worker."""
+        self.record = Record(exchange, bytearray(), bytearray())
+        self.received = self._recorded  # type: ignore[method-assign]   # instance attributes: the class's
+        self.send_buffers = self._watched  # type: ignore[method-assign]  # methods again once settled
+
+    def adopted(self, received: bytes, answered: bytes, hops: int = 1) -> None:
+        """This connection comes from another worker: it received `received`, the peer has `answered`; it
+        was handed over `hops` times."""
+        self._replay = received
+        self._expect = answered
+        if self.record is not None:
+            self.record.hops = hops
+        self.send_buffers = self._watched  # type: ignore[method-assign]
+
+    def replay(self) -> None:
+        """Subclasses call this last in connection_made: run what the other worker received."""
+        data, self._replay = self._replay, b""
+        if data and not self._closed:
+            self.data_received(data)
+
+    def settle(self) -> None:
+        """It named what this worker serves (or recorded too much to be handed off): stop recording."""
+        if self.record is None:
+            return
+        self.record = None
+        if self.__dict__.get("received") == self._recorded:
+            del self.received
+        if not self._expect and "send_buffers" in self.__dict__:
+            del self.send_buffers
+
+    def elsewhere(self, worker: int, what: str) -> None:
+        """`what` is served by another worker: raise Elsewhere for the protocol to hand_off(), if this
+        connection can still go; otherwise return, and the caller answers as for a name it does not know."""
+        if self.record is not None:
+            raise Elsewhere(worker, what)
+
+    def hand_off(self, e: Elsewhere) -> None:
+        """Send this connection to worker e.worker with its records, and let go of it here."""
+        r, t = self.record, self.transport
+        assert r is not None and t is not None
+        if self._expect or r.hops >= MAX_HOPS:
+            # still replaying what the worker that handed it over answered: that worker could not answer
+            # it either (an NBD_OPT_INFO on an export whose size neither knows yet), and back would be a
+            # loop; or handed over MAX_HOPS times already
+            self.dropped("handed over again for what it asked before", f"{e.what}")
+            self.close()
+            return
+        self._batch.flush()   # answers made before the name came go first: they are in the record
+        sock = t.get_extra_info("socket")
+        try:
+            if sock is None or t.get_write_buffer_size():
+                raise OSError("answers are still queued here")
+            r.exchange.send(e.worker, sock.fileno(), self.kind, self.portal, bytes(r.rx), bytes(r.tx), r.hops + 1)
+        except OSError as err:
+            self.dropped("could not be handed to the worker that serves it", f"{e.what}: {err}")
+            self.close()
+            return
+        log.debug("%s: %s: handed to worker %d", self.peer, e, e.worker)
+        self.record = None
+        self._closed = True
+        t.abort()  # type: ignore[attr-defined]   # our descriptor only: the socket lives on in the other worker
+
+    def _recorded(self, data: bytes) -> None:
+        r = self.record
+        if r is not None:
+            r.rx += data
+            if r.full():
+                self.settle()
+        type(self).received(self, data)
+
+    def _watched(self, parts: Sequence[Buffer]) -> None:
+        if self._closed:
+            return
+        r = self.record
+        if r is not None:
+            for p in parts:
+                r.tx += p
+        if self._expect:
+            parts = self._unanswered(parts)
+            if self._closed:
+                return
+        if parts:
+            self._batch.send(parts)
+
+    def _unanswered(self, parts: Sequence[Buffer]) -> list[Buffer]:
+        """Drop from `parts` what the peer already has from the worker that handed this connection over,
+        checking it is the same: the replay must lead to the state the peer saw."""
+        out: list[Buffer] = []
+        exp = self._expect
+        for i, p in enumerate(parts):
+            if not exp:
+                out.extend(parts[i:])
+                break
+            k = min(len(p), len(exp))
+            if bytes(memoryview(p)[:k]) != exp[:k]:
+                log.error("%s: handed over from another worker, but this one answers differently; closing",
+                          self.peer)
+                self._expect = b""
+                self.close()
+                return []
+            exp = exp[k:]
+            if k < len(p):
+                out.append(memoryview(p)[k:])
+        self._expect = exp
+        if not exp and self.record is None and "send_buffers" in self.__dict__:
+            del self.send_buffers
+        return out
 
     def logged_in(self) -> None:
         """The peer finished its login (iSCSI), Connect and authentication (NVMe/TCP) or negotiation (NBD):
@@ -219,6 +339,10 @@ class PortalServer:
         self._listening: dict[tuple[str, int], asyncio.base_events.Server] = {}
         self.busy_poll: BusyPoll | None = None   # handed to every connection accepted from now on
         self.limits: ConnectionLimits | None = None   # the node's, shared by its servers; None: no caps
+        # a worker of a node with several: portals are shared (SO_REUSEPORT) and connections that name what
+        # another worker serves go there (frontend/handoff.py)
+        self.exchange: Exchange | None = None
+        self._adopting: set[asyncio.Task[None]] = set()
 
     def portals(self) -> list[tuple[str, int]]:
         raise NotImplementedError
@@ -257,7 +381,8 @@ class PortalServer:
                 continue
             try:
                 srv = await loop.create_server(lambda p=(host, port): self._accepted(p),  # type: ignore[misc]
-                                               host, port, reuse_address=True, backlog=BACKLOG)
+                                               host, port, reuse_address=True, backlog=BACKLOG,
+                                               reuse_port=self.exchange is not None)
             except OSError as e:
                 for p in added:
                     await self._unlisten(p)
@@ -282,7 +407,28 @@ class PortalServer:
         c.busy_poll = self.busy_poll
         c.limits = self.limits
         c.kind = self.kind
+        if self.exchange is not None:
+            c.route(self.exchange)
         return c
+
+    def adopt(self, a: Arrival) -> None:
+        """A connection another worker of this node accepted and handed over (frontend/handoff.py)."""
+        if self.closing:
+            a.sock.close()
+            return
+        c = self._accepted(a.portal)
+        c.adopted(a.received, a.answered, a.hops)
+        loop = asyncio.get_running_loop()
+        task = loop.create_task(self._take(c, a))
+        self._adopting.add(task)
+        task.add_done_callback(self._adopting.discard)
+
+    async def _take(self, c: BatchedConnection, a: Arrival) -> None:
+        try:
+            await asyncio.get_running_loop().connect_accepted_socket(lambda: c, a.sock)
+        except OSError as e:
+            a.sock.close()
+            log.info("%s connection handed over from another worker was lost before it started: %s", self.kind, e)
 
     async def serve_forever(self) -> None:
         await asyncio.gather(*(s.serve_forever() for s in self._servers))

@@ -8,8 +8,10 @@ from typing import TextIO
 
 
 class HumanFormatter(logging.Formatter):
-    def __init__(self) -> None:
-        super().__init__("%(asctime)s %(levelname)-5s %(short)s: %(message)s", datefmt="%Y-%m-%d %H:%M:%S")
+    def __init__(self, tag: str = "") -> None:
+        # tag: which worker process of the node wrote the line (`w1`), where there are several
+        super().__init__(f"%(asctime)s %(levelname)-5s {tag + ' ' if tag else ''}%(short)s: %(message)s",
+                         datefmt="%Y-%m-%d %H:%M:%S")
 
     def format(self, record: logging.LogRecord) -> str:
         # openvsan.frontend.iscsi -> target.iscsi: the package name on every line is noise
@@ -17,9 +19,9 @@ class HumanFormatter(logging.Formatter):
         return super().format(record)
 
 
-def setup_logging(level: str | int = "info", stream: TextIO | None = None) -> None:
+def setup_logging(level: str | int = "info", stream: TextIO | None = None, *, tag: str = "") -> None:
     handler = logging.StreamHandler(stream or sys.stderr)
-    handler.setFormatter(HumanFormatter())
+    handler.setFormatter(HumanFormatter(tag))
     root = logging.getLogger()
     for h in list(root.handlers):
         root.removeHandler(h)

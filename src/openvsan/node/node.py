@@ -139,6 +139,7 @@ class Node:
     limits: ConnectionLimits | None = None                   # one for all three servers (frontend/limits.py)
     auth_throttle: AuthThrottle | None = None                # failed logins per (initiator, address)
     replication: Any = None                                  # node/replicas.py NodeReplication with [cluster]
+    worker: Any = None                                       # node/workers.py WorkerRole: one of several processes
 
     def __post_init__(self) -> None:
         self.pools = ServedPools(self.state, self.data_dir, self.devices)
@@ -188,8 +189,10 @@ class Node:
             # one set of caps for every protocol: a flood counts the same whichever portal it comes to
             self.limits = ConnectionLimits(cfg.node.max_connections, cfg.node.max_unauthenticated,
                                            cfg.node.max_unauthenticated_per_source, fd_limit=soft_fd_limit())
+            self.targets.extend(self._shells(TargetSpec))
             self.server = f.server(self.targets)
             self.server.busy_poll = self.busy_poll
+            self.server.exchange = self._exchange()
             # failed CHAP (and DH-HMAC-CHAP) logins: a doubling delay, then a lockout (protocol/auth_throttle.py)
             self.auth_throttle = AuthThrottle(delay_max=cfg.node.auth_delay_max,
                                               lockout_failures=cfg.node.auth_lockout_failures,
@@ -198,11 +201,16 @@ class Node:
             self.server.limits = self.limits
             await self.server.start()
             if cfg.nvme is not None:
-                await self.start_nvme([self.build_subsystem(sub) for sub in cfg.nvme.subsystems], nvme_factory)
-            if cfg.nbd_exports:
-                await self.start_nbd([self.build_nbd_export(e) for e in cfg.nbd_exports])
-            self.control_server = ControlServer(socket_path(self.data_dir), self.control)
-            await self.control_server.start()
+                await self.start_nvme([self.build_subsystem(sub) for sub in cfg.nvme.subsystems]
+                                      + self._shells(SubsystemSpec), nvme_factory)
+            nbd = self._nbd_in_order()
+            if nbd:
+                await self.start_nbd(nbd)
+            if self.worker is None:
+                self.control_server = ControlServer(socket_path(self.data_dir), self.control)
+                await self.control_server.start()
+            else:
+                self.worker.exchange.watch(self._arrived, self._told)
             self.pools.start_meter()
             if self.replication is not None:
                 self.replication.refresh_paths()
@@ -263,6 +271,7 @@ class Node:
         discovery = [(p.host, p.port) for p in cfg.nvme.portals] if cfg.nvme is not None else []
         self.nvme_server = factory(self.subsystems, discovery_portals=discovery or None)
         self.nvme_server.busy_poll = self.busy_poll
+        self.nvme_server.exchange = self._exchange()
         self.nvme_server.limits = self.limits
         self.nvme_server.auth_throttle = self.auth_throttle   # failed DH-HMAC-CHAP, as for CHAP
         await self.nvme_server.start()
@@ -273,8 +282,83 @@ class Node:
         factory = (self.factories.nbd_server if self.factories else None) or _real_nbd_server()
         self.nbd_server = factory(self.nbd_exports, **self._nbd_tls())
         self.nbd_server.busy_poll = self.busy_poll
+        self.nbd_server.exchange = self._exchange()
         self.nbd_server.limits = self.limits
         await self.nbd_server.start()
+
+    # ---- a worker of several (node/workers.py): what the others serve, and connections they hand over
+
+    def _exchange(self) -> Any:
+        return self.worker.exchange if self.worker is not None else None
+
+    def _shells(self, kind: type) -> list[Any]:
+        """The iSCSI targets or NVMe subsystems other workers serve: named in discovery, handed over at login
+        or Connect (frontend/handoff.py); no LUNs or namespaces here."""
+        role = self.worker
+        if role is None:
+            return []
+        out: list[Any] = []
+        if kind is TargetSpec:
+            for t in role.whole.targets:
+                w = role.placement.targets[t.iqn]
+                if w != role.index:
+                    out.append(self.build_target(t, elsewhere=w))
+        else:
+            from openvsan.frontend.config import NvmeSubsystemConfig
+
+            for sub in role.whole.subsystems:
+                w = role.placement.subsystems[sub.nqn]
+                if w != role.index:
+                    out.append(NvmeSubsystemConfig(
+                        sub.nqn, [], [(p.host, p.port) for p in sub.portals],
+                        advertised_portals=[(p.host, p.port) for p in sub.advertised_portals],
+                        allowed_hosts=list(sub.allowed_hosts) if sub.allowed_hosts is not None else None,
+                        serial=sub.serial or subsystem_serial(sub.nqn), model=sub.model,
+                        dhchap_hosts=self._dhchap_hosts(sub), elsewhere=w))
+        return out
+
+    def _nbd_in_order(self) -> list[Any]:
+        """This node's NBD exports in config order (the first is the default export), those of other
+        workers as shells."""
+        role = self.worker
+        if role is None:
+            return [self.build_nbd_export(e) for e in self.state.config.nbd_exports]
+        from openvsan.frontend.config import NbdExportConfig
+
+        out = []
+        for e in role.whole.nbd_exports:
+            w = role.placement.nbd[e.name]
+            if w == role.index:
+                out.append(self.build_nbd_export(e))
+            else:
+                out.append(NbdExportConfig(e.name, None, [(p.host, p.port) for p in e.portals],
+                                           read_only=e.read_only or role.whole.volume(e.volume).read_only,
+                                           description=e.description or f"openvsan volume {e.volume}",
+                                           tls=e.tls, elsewhere=w))
+        return out
+
+    def _arrived(self, a: Any) -> None:
+        """A connection another worker handed over: to this worker's server of its protocol."""
+        server = {s.kind: s for s in self._servers()}.get(a.kind)
+        if server is None:
+            a.sock.close()
+            log.error("a %s connection was handed over, but this worker serves no %s", a.kind, a.kind)
+            return
+        server.adopt(a)
+
+    def _told(self, note: dict[str, Any]) -> None:
+        """A note from the supervisor: {"nbd": {export: [blocks, block size]}} for exports other workers serve,
+        so NBD_OPT_INFO about them is answered here (node/workers.py)."""
+        geometry = note.get("nbd")
+        if isinstance(geometry, dict) and self.nbd_server is not None:
+            for e in self.nbd_server.exports.values():
+                g = geometry.get(e.name)
+                if e.elsewhere is not None and isinstance(g, list) and len(g) == 2:
+                    e.geometry = (int(g[0]), int(g[1]))
+
+    def geometry(self) -> dict[str, list[int]]:
+        """Blocks and block size of each volume this node (worker) serves."""
+        return {name: [v.num_blocks, v.block_size] for name, v in self.volumes.items()}
 
     def _volume_spec(self, name: str) -> VolumeSpec:
         return self.plane.config.volume(name)
@@ -299,9 +383,11 @@ class Node:
             if unlisten is not None:
                 unlisten()
 
-    def build_target(self, t: TargetSpec) -> Any:
+    def build_target(self, t: TargetSpec, *, elsewhere: int | None = None) -> Any:
+        """The target's config for the iSCSI server; `elsewhere`: another worker of this node serves it (a
+        shell without LUNs, for discovery and hand-off)."""
         f = self.factories or Factories.default()
-        luns = {x.lun: self.lun_for(x.volume) for x in t.luns}
+        luns = {x.lun: self.lun_for(x.volume) for x in t.luns} if elsewhere is None else {}
         return f.target_config(
             iqn=t.iqn, scsi=f.scsi_target(t.iqn, luns),
             portals=[(p.host, p.port) for p in t.portals],
@@ -309,7 +395,8 @@ class Node:
             allowed_initiators=list(t.allowed_initiators) if t.allowed_initiators is not None else None,
             chap=f.chap(t.chap.user, t.chap.secret) if t.chap else None,
             mutual_chap=f.chap(t.mutual_chap.user, t.mutual_chap.secret) if t.mutual_chap else None,
-            alias=t.alias, portal_group_tag=t.portal_group_tag)
+            alias=t.alias, portal_group_tag=t.portal_group_tag, **({"elsewhere": elsewhere} if elsewhere is not None
+                                                                    else {}))
 
     def build_subsystem(self, sub: SubsystemSpec) -> Any:
         from openvsan.frontend.config import NvmeNamespaceConfig, NvmeSubsystemConfig
@@ -550,15 +637,22 @@ def _settle_gc() -> None:
     gc.set_threshold(GC_GEN0_THRESHOLD, g1, g2)
 
 
-def run(node: Node) -> None:
-    """Run `serve(node)` on uvloop when it is importable (OPENVSAN_LOOP=asyncio to opt out)."""
+def run(node: Node, started: Callable[[], None] | None = None) -> None:
+    """Run `serve(node)` on uvloop when it is importable (OPENVSAN_LOOP=asyncio to opt out); `started` is
+    called once the node is up."""
     keep_large_buffers()
+
+    def up() -> None:
+        _settle_gc()
+        if started is not None:
+            started()
+
     if os.environ.get("OPENVSAN_LOOP", "uvloop") != "asyncio":
         try:
             import uvloop
         except ImportError:
             pass
         else:
-            uvloop.run(serve(node, started=_settle_gc))
+            uvloop.run(serve(node, started=up))
             return
-    asyncio.run(serve(node, started=_settle_gc))
+    asyncio.run(serve(node, started=up))

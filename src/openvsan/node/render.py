@@ -112,7 +112,9 @@ def config_document(cfg: NodeConfig) -> dict[str, Any]:
                             "max_unauthenticated_per_source": n.max_unauthenticated_per_source,
                             "trust_foreign_files": n.trust_foreign_files, "auth_delay_max": n.auth_delay_max,
                             "auth_lockout_failures": n.auth_lockout_failures,
-                            "auth_lockout_seconds": n.auth_lockout_seconds}
+                            "auth_lockout_seconds": n.auth_lockout_seconds, "workers": n.workers}
+    if n.worker_cpus:
+        node["worker_cpus"] = list(n.worker_cpus)
     if n.data_dir is not None:
         node["data_dir"] = str(n.data_dir)
     doc: dict[str, Any] = {"node": node}

@@ -208,6 +208,7 @@ SPEC = ConfigDict(extra="forbid", arbitrary_types_allowed=True, defer_build=True
 
 
 # [node]'s caps on connections, whole first: (key, default, what it counts)
+MAX_WORKERS = 256
 _CAPS = (("max_connections", DEFAULT_MAX_CONNECTIONS, "connections of all protocols together"),
          ("max_unauthenticated", DEFAULT_MAX_UNAUTHENTICATED, "connections that have not logged in"),
          ("max_unauthenticated_per_source", DEFAULT_MAX_UNAUTHENTICATED_PER_SOURCE,
@@ -262,6 +263,10 @@ class NodeSettings:
     auth_lockout_seconds: Annotated[Int, _in_range(1, 86_400, "use 1 to 86400 seconds (default "
                                                    f"{DEFAULT_AUTH_LOCKOUT_SECONDS}; auth_lockout_failures = 0 turns "
                                                    "lockouts off)")] = DEFAULT_AUTH_LOCKOUT_SECONDS
+    # worker processes, one per core (node/workers.py); 1: the whole node in one process
+    workers: Annotated[Int, _in_range(1, MAX_WORKERS, f"use 1 to {MAX_WORKERS} worker processes")] = 1
+    # the cores they are pinned to, worker i on the i-th (round robin); (): every core the node may use
+    worker_cpus: tuple[Annotated[Int, _in_range(0, 4095, "use a cpu number from 0 to 4095")], ...] = ()
 
     @field_validator("name")
     @classmethod

@@ -46,6 +46,7 @@ from openvsan.protocol.nbd.wire import (
     Cmd,
     Errno,
 )
+from openvsan.protocol.routing import Elsewhere
 
 # Option data we read before deciding the client means harm (proto.md "Termination of the session during
 # option haggling": a server MAY hard-disconnect a client whose behaviour is a denial of service). The
@@ -126,7 +127,14 @@ class NbdServerConnection:
                 chunk = memoryview(bytes(self._acc))
                 self._acc.clear()
             pos += take
-            self._dispatch(chunk, events)
+            try:
+                self._dispatch(chunk, events)
+            except Elsewhere as e:
+                # another worker serves what this option names: the answers before it still go out, then
+                # the frontend hands the connection over (this connection reads nothing more)
+                self.phase = Phase.DONE
+                events.append(e)
+                break
         return events
 
     @staticmethod

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from openvsan.protocol.nbd.wire import CmdFlag, TransmissionFlag
+from openvsan.protocol.routing import Elsewhere
 
 Buffer = bytes | bytearray | memoryview
 
@@ -23,6 +24,7 @@ class ExportInfo:
     read_only: bool = False
     description: str = ""
     multi_conn: bool = True              # no per-connection cache: FLUSH/FUA are seen by every connection
+    elsewhere: int | None = None         # served by that worker process of this node: listed, handed over
 
     def transmission_flags(self, structured: bool) -> int:
         """proto.md "Transmission flags" for this export, as sent in NBD_INFO_EXPORT."""
@@ -100,4 +102,4 @@ class Close:
     reason: str
 
 
-Event = Send | Negotiated | StartTls | Request | Disconnect | Close
+Event = Send | Negotiated | StartTls | Request | Disconnect | Close | Elsewhere   # Elsewhere: protocol/routing.py

@@ -37,6 +37,7 @@ from openvsan.protocol.nbd.wire import (
     Opt,
     Rep,
 )
+from openvsan.protocol.routing import Elsewhere
 
 SERVER_FLAGS = HandshakeFlag.FIXED_NEWSTYLE | HandshakeFlag.NO_ZEROES
 BASE_ALLOCATION_ID = 1  # our id for base:allocation (proto.md: opaque to the client, fixed here)
@@ -137,10 +138,14 @@ class Handshake:
         self.structured = False
         self.meta_export = None
 
-    def lookup(self, name: str) -> ExportInfo | None:
-        if name == "" and self.default is not None:
-            return self.exports.get(self.default)
-        return self.exports.get(name)
+    def lookup(self, name: str, *, serve: bool = False) -> ExportInfo | None:
+        """The export a name means. Elsewhere (protocol/routing.py) when another worker of this node serves
+        it and the client asks to use it (`serve`: NBD_OPT_GO, NBD_OPT_EXPORT_NAME), or asks about it and its
+        size is not known here (size < 0): the connection is handed over before anything is answered."""
+        found = self.exports.get(self.default) if name == "" and self.default is not None else self.exports.get(name)
+        if found is not None and found.elsewhere is not None and (serve or found.size < 0):
+            raise Elsewhere(found.elsewhere, f"NBD export {found.name}")
+        return found
 
     def option(self, opt: int, data: memoryview) -> OptionResult:
         r = OptionResult()
@@ -204,7 +209,7 @@ class Handshake:
         except BadString as e:
             r.close = f"NBD_OPT_EXPORT_NAME: bad export name ({e})"
             return
-        export = self.lookup(name)
+        export = self.lookup(name, serve=True)
         if export is None or self.shutting_down:
             r.close = f"NBD_OPT_EXPORT_NAME: no export named {name!r}" if export is None else "shutting down"
             return
@@ -249,7 +254,7 @@ class Handshake:
             r.out.append(error_reply(opt, Rep.ERR_INVALID, f"bad export name: {e}"))
             return
         wanted = {U16.unpack_from(data, 6 + nlen + 2 * i)[0] for i in range(n)}
-        export = self.lookup(name)
+        export = self.lookup(name, serve=opt == Opt.GO)
         if export is None:
             r.out.append(error_reply(opt, Rep.ERR_UNKNOWN, f"no export named {name!r}"))
             return

@@ -32,11 +32,17 @@ class ConnectResult:
     # an I/O queue that joined its controller with another Host ID than the admin queue's (the first such
     # queue of a controller only: the transport logs it once); the controller's own Host ID is kept
     other_hostid: bytes | None = None
+    elsewhere: int | None = None  # the subsystem is served by that worker process of this node: hand the queue over
 
 
 def _nqn(raw: bytes | bytearray | memoryview) -> str:
     b = bytes(raw)
     return b.split(b"\0", 1)[0].decode("utf-8", "replace").strip()
+
+
+def connect_subnqn(data: bytes | bytearray | memoryview) -> str:
+    """The subsystem NQN a Connect's data names (NVMe-oF 1.1 §3.3 Figure 20: bytes 256-511)."""
+    return _nqn(data[256:512])
 
 
 def _invalid(offset: int, in_data: bool) -> ConnectResult:
@@ -86,11 +92,15 @@ class Fabric:
             return ConnectResult(Completion(S.DATA_SGL_LENGTH_INVALID))
         hostid = bytes(data[0:16])
         cntlid = int.from_bytes(data[16:18], "little")
-        subnqn = _nqn(data[256:512])
+        subnqn = connect_subnqn(data)
         hostnqn = _nqn(data[512:768])
         sub = self.subsystem(subnqn)
         if sub is None or not reachable(sub):
             return _invalid(256, True)
+        if sub.elsewhere is not None:
+            res = _invalid(256, True)     # the answer where the queue cannot be handed over
+            res.elsewhere = sub.elsewhere
+            return res
         # an empty Host NQN (SPDK's perf tool sends one by default) is a host like any other: admitted where
         # any host is (Linux nvmet and SPDK's target do the same), refused by a host list or DH-HMAC-CHAP
         if not sub.allows(hostnqn):

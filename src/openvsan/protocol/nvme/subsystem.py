@@ -85,6 +85,7 @@ class Subsystem:
         self.serial = serial or hashlib.sha256(nqn.encode()).hexdigest()[:20]
         self.model = model
         self.discovery = discovery
+        self.elsewhere: int | None = None   # served by that worker process of this node (its discovery entry)
         self.controllers: dict[int, Controller] = {}
         self.ana = ana_groups if ana_groups is not None else AnaGroups()
         self.cntlids = (1, CNTLID_MAX)

@@ -1,0 +1,401 @@
+"""`vsan serve --workers N`: the node's data plane spread over N worker processes, one per core.
+
+The supervisor (this module's Supervisor, in the `vsan serve` process) keeps the control plane: the data dir
+lock, the state store, the control socket. It places the node's volumes on workers (`place`), starts one
+worker process per place (node/worker.py), each pinned to its core, and restarts a worker that dies.
+
+A worker is a Node built from its part of the desired state (`part`): the volumes placed on it with their
+devices or pools, and the iSCSI targets, NVMe subsystems and NBD exports that export them. It also knows
+every other target, subsystem and export by name and by the worker that serves it (shells): all workers
+listen on every portal (SO_REUSEPORT), answer discovery (SendTargets, the discovery log page, NBD_OPT_LIST)
+for the whole node, and hand a connection that names what another worker serves to that worker
+(frontend/handoff.py). What spans volumes stays in one process: a target's or subsystem's volumes are placed
+together, so its sessions, controller IDs, reservations and ALUA/ANA state live where its LUNs do.
+
+Not yet with more than one worker (refused at start or by the command, with the reason): replicated volumes
+([cluster]), NBD over TLS (a TLS session cannot be handed over), and changes while serving (vsan volume /
+export / qos / config apply / pool). Those need the reconciler to send its changes to the owning worker."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import dataclasses
+import json
+import logging
+import math
+import os
+import pickle
+import signal
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from openvsan.node.specs import NodeConfig
+from openvsan.node.store import StoredState
+
+log = logging.getLogger("openvsan.node.workers")
+
+READY_TIMEOUT = 120.0      # seconds a worker may take to open its devices and listen
+RESTART_DELAYS = (0.5, 1.0, 2.0, 5.0, 10.0, 30.0)   # after a worker that died young; reset once it lived 60 s
+LIVED = 60.0
+
+
+class WorkerSetupError(RuntimeError):
+    """The node cannot run with workers as asked; str() is one line for the user."""
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Which worker serves each volume, iSCSI target, NVMe subsystem and NBD export of a node."""
+
+    workers: int
+    volumes: dict[str, int]
+    targets: dict[str, int]
+    subsystems: dict[str, int]
+    nbd: dict[str, int]
+
+    def of_worker(self, i: int) -> list[str]:
+        return [v for v, w in self.volumes.items() if w == i]
+
+
+def place(cfg: NodeConfig, n: int) -> Placement:
+    """Place the volumes on n workers. Volumes that one target or subsystem exports together go together
+    (a session reaches all of its LUNs or namespaces in one process); groups go, largest first, to the
+    worker with the fewest volumes, the lowest index on a tie. The same config gives the same placement."""
+    if n < 1:
+        raise ValueError(f"{n} workers: at least 1")
+    parent = {v.name: v.name for v in cfg.volumes}
+
+    def find(x: str) -> str:
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    def join(names: list[str]) -> None:
+        for a in names[1:]:
+            ra, rb = find(a), find(names[0])
+            if ra != rb:
+                parent[ra] = rb
+
+    for t in cfg.targets:
+        join([lun.volume for lun in t.luns])
+    for s in cfg.subsystems:
+        join([ns.volume for ns in s.namespaces])
+    groups: dict[str, list[str]] = {}
+    for v in cfg.volumes:
+        groups.setdefault(find(v.name), []).append(v.name)
+    order = sorted(groups.values(), key=lambda g: -len(g))   # stable: config order among equals
+    load = [0] * n
+    volumes: dict[str, int] = {}
+    for g in order:
+        w = min(range(n), key=lambda i: (load[i], i))
+        load[w] += len(g)
+        for v in g:
+            volumes[v] = w
+    return Placement(
+        n, {v.name: volumes[v.name] for v in cfg.volumes},
+        {t.iqn: volumes[t.luns[0].volume] if t.luns else 0 for t in cfg.targets},
+        {s.nqn: volumes[s.namespaces[0].volume] if s.namespaces else 0 for s in cfg.subsystems},
+        {e.name: volumes[e.volume] for e in cfg.nbd_exports})
+
+
+def part(cfg: NodeConfig, where: Placement, i: int) -> NodeConfig:
+    """Worker i's share of the desired state: its volumes, the devices and pools under them (a device no
+    volume or pool uses goes to worker 0), what exports them, and its share of the connection caps."""
+    mine = {v for v, w in where.volumes.items() if w == i}
+    volumes = tuple(v for v in cfg.volumes if v.name in mine)
+    pools = tuple(p for p in cfg.pools if any(v.pool == p.name for v in volumes))
+    used = {v.device for v in volumes} | {d for p in pools for d in (*p.members, *p.spares)}
+    devices = tuple(d for d in cfg.devices if d.name in used or (i == 0 and cfg.device_user(d.name) is None))
+    n = where.workers
+    s = cfg.node
+    total = math.ceil(s.max_connections / n)
+    unauth = min(total, math.ceil(s.max_unauthenticated / n))
+    node = dataclasses.replace(s, max_connections=total, max_unauthenticated=unauth,
+                               max_unauthenticated_per_source=min(unauth, s.max_unauthenticated_per_source))
+    nvme = None
+    if cfg.nvme is not None:
+        nvme = dataclasses.replace(cfg.nvme, subsystems=tuple(x for x in cfg.nvme.subsystems
+                                                              if where.subsystems[x.nqn] == i))
+    return dataclasses.replace(
+        cfg, node=node, devices=devices, volumes=volumes, pools=pools,
+        targets=tuple(t for t in cfg.targets if where.targets[t.iqn] == i), nvme=nvme,
+        nbd_exports=tuple(e for e in cfg.nbd_exports if where.nbd[e.name] == i))
+
+
+def refusal(cfg: NodeConfig, n: int) -> str | None:
+    """Why this config cannot be served by n workers yet, or None."""
+    if n == 1:
+        return None
+    if cfg.cluster is not None:
+        return (f"workers = {n}: a node in a cluster (replicated volumes) runs one worker for now; "
+                "set workers = 1")
+    if cfg.nbd_tls is not None:
+        return f"workers = {n}: NBD over TLS runs in one worker for now (a TLS session cannot be handed over); " \
+               "set workers = 1 or remove [nbd] tls"
+    return None
+
+
+def parse_cpus(text: str) -> list[int]:
+    """"0,2,4-7" -> [0, 2, 4, 5, 6, 7]."""
+    out: list[int] = []
+    for piece in text.replace(" ", "").split(","):
+        if not piece:
+            continue
+        lo, _, hi = piece.partition("-")
+        try:
+            a, b = int(lo), int(hi or lo)
+        except ValueError:
+            raise ValueError(f"cpu list {text!r}: {piece!r} is not a number or a range like 4-7") from None
+        if a < 0 or b < a:
+            raise ValueError(f"cpu list {text!r}: {piece!r} is not a range like 4-7")
+        out.extend(range(a, b + 1))
+    if not out:
+        raise ValueError(f"cpu list {text!r} names no cpu")
+    return list(dict.fromkeys(out))
+
+
+def usable_cpus() -> list[int]:
+    return sorted(os.sched_getaffinity(0))
+
+
+@dataclass
+class WorkerRole:
+    """What a worker's Node needs to know beyond its own part: who it is, the whole desired state and its
+    placement (to build shells of what the others serve), and the inboxes (frontend/handoff.py)."""
+
+    index: int
+    whole: NodeConfig
+    placement: Placement
+    exchange: Any = None      # frontend.handoff.Exchange, made in the worker process
+
+
+@dataclass
+class WorkerProc:
+    index: int
+    cpu: int | None
+    proc: asyncio.subprocess.Process | None = None
+    started: float = 0.0
+    restarts: int = 0
+    deaths_young: int = 0
+    ready: bool = False
+    watcher: asyncio.Task[None] | None = None
+    last_exit: str = ""
+
+
+def _die_with_parent() -> None:
+    """In the worker, before exec: SIGTERM when the supervisor dies (even by SIGKILL), so no worker is left
+    serving a node whose supervisor is gone."""
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGTERM)   # PR_SET_PDEATHSIG
+
+
+def _exit_text(rc: int | None) -> str:
+    if rc is None:
+        return "running"
+    if rc < 0:
+        try:
+            return f"killed by {signal.Signals(-rc).name}"
+        except ValueError:
+            return f"killed by signal {-rc}"
+    return f"exit code {rc}"
+
+
+@dataclass
+class Supervisor:
+    """Runs the workers of one node and answers its control socket."""
+
+    state: StoredState
+    data_dir: Path
+    workers: int
+    cpus: list[int] | None = None            # worker i runs on cpus[i % len(cpus)]; None: not pinned
+    log_level: str = "info"
+    placement: Placement = field(init=False)
+    procs: list[WorkerProc] = field(init=False)
+    stopping: bool = False
+    up: bool = False             # every worker served once: from now on one that dies is restarted
+
+    def __post_init__(self) -> None:
+        self.placement = place(self.state.config, self.workers)
+        self.procs = [WorkerProc(i, self.cpus[i % len(self.cpus)] if self.cpus else None)
+                      for i in range(self.workers)]
+        self._pairs: list[Any] = []
+        self._control: Any = None
+        self.geometry: dict[str, list[int]] = {}   # volume -> [blocks, block size], from the workers
+
+    async def run(self, stop: asyncio.Event, started: Callable[[], None] | None = None) -> None:
+        from openvsan.frontend.handoff import inbox_pairs
+        from openvsan.node.control import ControlServer, socket_path
+
+        self._pairs = inbox_pairs(self.workers)
+        try:
+            for w in self.procs:
+                await self._spawn(w)
+            await self._wait_ready()
+            self.up = True
+            self._tell_geometry(range(self.workers))
+            self._control = ControlServer(socket_path(self.data_dir), self.control)
+            await self._control.start()
+            for w in self.procs:
+                log.info("worker %d (pid %d%s): %s", w.index, w.proc.pid if w.proc else 0,
+                         f", cpu {w.cpu}" if w.cpu is not None else "",
+                         ", ".join(self.placement.of_worker(w.index)) or "no volumes")
+            log.info("serving with %d worker processes", self.workers)
+            if started is not None:
+                started()
+            await stop.wait()
+        finally:
+            await self.stop()
+
+    async def _spawn(self, w: WorkerProc) -> None:
+        recv = [r.fileno() for r, _ in self._pairs]
+        send = [s.fileno() for _, s in self._pairs]
+        args = {"index": w.index, "cpu": w.cpu, "state": self.state, "placement": self.placement,
+                "data_dir": str(self.data_dir), "log_level": self.log_level, "inbox": recv[w.index], "send": send}
+        w.proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "openvsan.node.worker", stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE, pass_fds=[*recv, *send], preexec_fn=_die_with_parent)
+        assert w.proc.stdin is not None
+        w.proc.stdin.write(pickle.dumps(args))
+        w.proc.stdin.close()
+        w.started = time.monotonic()
+        w.ready = False
+        w.watcher = asyncio.get_running_loop().create_task(self._watch(w, w.proc))
+
+    async def _watch(self, w: WorkerProc, proc: asyncio.subprocess.Process) -> None:
+        """Read the worker's "ready" line, then wait for it to exit; restart it unless the node is stopping."""
+        assert proc.stdout is not None
+        line = await proc.stdout.readline()
+        word, _, geometry = line.decode(errors="replace").strip().partition(" ")
+        if word == "ready":
+            with contextlib.suppress(ValueError):
+                self.geometry.update(json.loads(geometry or "{}"))
+            w.ready = True
+            if self.up:
+                self._tell_geometry([w.index])
+            if w.restarts:
+                log.info("worker %d is serving again (pid %d): %s", w.index, proc.pid,
+                         ", ".join(self.placement.of_worker(w.index)) or "no volumes")
+        rc = await proc.wait()
+        w.ready = False
+        w.last_exit = _exit_text(rc)
+        if self.stopping or not self.up:
+            return      # at start, a worker that cannot serve fails the node (_wait_ready says which)
+        lived = time.monotonic() - w.started
+        w.deaths_young = 0 if lived >= LIVED else w.deaths_young + 1
+        delay = RESTART_DELAYS[min(w.deaths_young, len(RESTART_DELAYS)) - 1] if w.deaths_young else 0.0
+        log.error("worker %d (pid %d) %s after %.1f s; restarting it%s (its volumes: %s)", w.index, proc.pid,
+                  w.last_exit, lived, f" in {delay:g} s" if delay else "",
+                  ", ".join(self.placement.of_worker(w.index)) or "none")
+        if delay:
+            await asyncio.sleep(delay)
+        if self.stopping:
+            return
+        w.restarts += 1
+        await self._spawn(w)
+
+    def _tell_geometry(self, to: Any) -> None:
+        """Tell workers the size of every NBD export (each knows only its own): NBD_OPT_INFO is then
+        answered by whichever worker a client reached, and only NBD_OPT_GO is handed over."""
+        from openvsan.frontend.handoff import tell
+
+        nbd = {e.name: self.geometry[e.volume] for e in self.state.config.nbd_exports if e.volume in self.geometry}
+        for i in to:
+            try:
+                tell(self._pairs[i][1], {"nbd": nbd})
+            except OSError as e:
+                log.warning("worker %d: could not tell it the NBD export sizes: %s", i, e)
+
+    async def _wait_ready(self) -> None:
+        deadline = time.monotonic() + READY_TIMEOUT
+        while not all(w.ready for w in self.procs):
+            for w in self.procs:
+                if w.proc is not None and w.proc.returncode is not None:
+                    raise WorkerSetupError(f"worker {w.index} could not start ({_exit_text(w.proc.returncode)}); "
+                                           "its log lines above say why")
+            if time.monotonic() > deadline:
+                raise WorkerSetupError(f"workers not serving after {READY_TIMEOUT:.0f} s")
+            await asyncio.sleep(0.05)
+
+    async def stop(self) -> None:
+        """Every worker drains, flushes and closes (SIGTERM); the supervisor waits for all of them."""
+        self.stopping = True
+        if self._control is not None:
+            await self._control.stop()
+            self._control = None
+        for w in self.procs:
+            if w.proc is not None and w.proc.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    w.proc.send_signal(signal.SIGTERM)
+        for w in self.procs:
+            if w.proc is not None:
+                rc = await w.proc.wait()
+                if rc not in (0, None):
+                    log.error("worker %d: %s", w.index, _exit_text(rc))
+            if w.watcher is not None:
+                w.watcher.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await w.watcher
+        for r, s in self._pairs:
+            r.close()
+            s.close()
+        self._pairs = []
+
+    def interrupt(self) -> None:
+        """A second SIGTERM/SIGINT: the workers stop waiting for commands in flight (they still flush)."""
+        for w in self.procs:
+            if w.proc is not None and w.proc.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    w.proc.send_signal(signal.SIGTERM)
+
+    # ---- control socket
+
+    def report(self) -> list[dict[str, Any]]:
+        return [{"worker": w.index, "pid": w.proc.pid if w.proc else None, "cpu": w.cpu, "serving": w.ready,
+                 "restarts": w.restarts, "last_exit": w.last_exit or None,
+                 "volumes": self.placement.of_worker(w.index),
+                 "targets": [k for k, i in self.placement.targets.items() if i == w.index],
+                 "subsystems": [k for k, i in self.placement.subsystems.items() if i == w.index],
+                 "nbd_exports": [k for k, i in self.placement.nbd.items() if i == w.index]} for w in self.procs]
+
+    async def control(self, cmd: str, args: dict[str, Any]) -> Any:
+        from openvsan.node.control import RequestError
+
+        if cmd == "workers.list":
+            return self.report()
+        raise RequestError(f"{cmd}: not available yet on a node that runs {self.workers} worker processes "
+                           "(changes while serving go through one process for now); run `vsan workers` to see "
+                           "them, or serve with workers = 1")
+
+
+def serve_workers(state: StoredState, data_dir: Path, workers: int, cpus: list[int] | None,
+                  log_level: str) -> None:
+    """`vsan serve` with workers > 1: run the supervisor until SIGTERM/SIGINT."""
+    import uvloop
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        stop = asyncio.Event()
+        sup = Supervisor(state, data_dir, workers, cpus, log_level)
+
+        def on_signal(sig: signal.Signals) -> None:
+            if not stop.is_set():
+                log.info("%s: shutting down the workers", sig.name)
+                stop.set()
+            else:
+                log.warning("%s again: the workers stop waiting for in-flight commands", sig.name)
+                sup.interrupt()
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, on_signal, sig)
+        await sup.run(stop)
+        log.info("stopped")
+
+    uvloop.run(main())

@@ -1,0 +1,118 @@
+"""`vsan serve --workers 2` (node/workers.py): two worker processes share every portal (SO_REUSEPORT), each
+serving one of two volumes; a connection the kernel gives to the worker that does not serve what it names
+is handed to the one that does, with its socket and what it said so far (frontend/handoff.py).
+
+Each test connects many times per protocol (iSCSI, NVMe/TCP, NBD), so both workers accept connections for
+both volumes; the node's debug log must show hand-offs for every protocol, and every connection must
+reach its own volume (what one wrote, another reads back, over another protocol). Discovery answered by
+either worker lists the whole node (libiscsi's iscsi-ls, nbdinfo --list, our NVMe discovery)."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from vsan_harness import require_tools
+from worker_node import BS, WorkerNode, iqn, nqn
+
+from openvsan.initiator import open_url
+from openvsan.initiator.nvme_tcp import discover as nvme_discover
+
+pytestmark = pytest.mark.interop
+
+ROUNDS = 10          # connections per protocol and volume: all on one worker has odds of 2^-20
+PROTOCOLS = ("iscsi", "nvme", "nbd")
+KIND = {"iscsi": "iSCSI target", "nvme": "NVMe subsystem", "nbd": "NBD export"}
+
+
+@pytest.fixture
+def node(tmp_path: Path) -> Iterator[WorkerNode]:
+    n = WorkerNode(tmp_path / "node").start()
+    try:
+        yield n
+    finally:
+        rc = n.stop()
+        assert rc == 0, n.log_text()[-3000:]
+
+
+def block(proto: str, v: str, i: int) -> bytes:
+    return f"{proto}:{v}:{i}:".encode().ljust(BS, b"\xa5")
+
+
+def test_each_connection_reaches_its_volume_whichever_worker_accepts_it(node: WorkerNode) -> None:
+    owners = {v: node.owner(v)["worker"] for v in node.volumes}
+    assert sorted(owners.values()) == [0, 1], owners   # one volume per worker
+
+    async def go() -> None:
+        for i in range(ROUNDS):
+            for proto in PROTOCOLS:
+                for v in node.volumes:
+                    dev = await open_url(node.url(proto, v))
+                    try:
+                        lba = PROTOCOLS.index(proto) * ROUNDS + i
+                        await dev.write(lba, block(proto, v, i), fua=True)
+                        assert bytes(await dev.read(lba, 1)) == block(proto, v, i)
+                    finally:
+                        await dev.close()
+        # every block, read back over another protocol (a new connection, maybe on the other worker)
+        for v in node.volumes:
+            for k, proto in enumerate(PROTOCOLS):
+                other = PROTOCOLS[(k + 1) % len(PROTOCOLS)]
+                dev = await open_url(node.url(other, v))
+                try:
+                    data = bytes(await dev.read(k * ROUNDS, ROUNDS))
+                finally:
+                    await dev.close()
+                for i in range(ROUNDS):
+                    assert data[i * BS:(i + 1) * BS] == block(proto, v, i), (proto, v, i)
+
+    asyncio.run(go())
+    log = node.log_text()
+    for proto in PROTOCOLS:
+        handed = re.findall(rf"w(\d) frontend: [^\n]*: {KIND[proto]} (\S+) is served by worker (\d): handed to", log)
+        assert handed, f"no {proto} connection was handed over in {2 * ROUNDS} connections:\n{log[-3000:]}"
+        for at, name, to in handed:
+            v = name.rsplit(":", 1)[-1]
+            assert int(to) == owners[v] != int(at), (at, name, to)
+    assert "answers differently" not in log and "Traceback" not in log, log[-3000:]
+    # the volumes' files hold what was written: each worker wrote its own volume only
+    for v in node.volumes:
+        image = node.image(v).read_bytes()
+        assert image[:BS] == block("iscsi", v, 0)
+
+
+def test_discovery_lists_the_whole_node_on_every_worker(node: WorkerNode) -> None:
+    require_tools("iscsi-ls", "nbdinfo")
+    port = node.ports
+    for _ in range(8):   # connections spread over both workers: each must list what both serve
+        out = subprocess.run(["iscsi-ls", f"iscsi://127.0.0.1:{port['iscsi']}"], capture_output=True, text=True,
+                             timeout=30, check=True).stdout
+        assert all(f"Target:{iqn(v)} Portal:127.0.0.1:{port['iscsi']},1" in out for v in node.volumes), out
+        out = subprocess.run(["nbdinfo", "--list", f"nbd://127.0.0.1:{port['nbd']}"], capture_output=True,
+                             text=True, timeout=30, check=True).stdout
+        for v in node.volumes:
+            # the size of an export the other worker serves is known here (the supervisor told it)
+            assert re.search(rf'export="{v}":\n(?:\t.*\n)*?\texport-size: {node.size_mib << 20} ', out), out
+        found = asyncio.run(nvme_discover(f"nvme+tcp://127.0.0.1:{port['nvme']}"))
+        assert sorted(name for name, _ in found) == sorted(nqn(v) for v in node.volumes), found
+    assert "Traceback" not in node.log_text()
+
+
+def test_vsan_workers_shows_each_worker_on_its_core(node: WorkerNode) -> None:
+    rows = node.workers_report()
+    assert [r["worker"] for r in rows] == [0, 1]
+    for r in rows:
+        assert r["serving"] is True and r["restarts"] == 0 and isinstance(r["pid"], int)
+        assert r["cpu"] is not None    # pinned by default: worker i on the i-th usable core
+        assert len(r["volumes"]) == 1  # type: ignore[arg-type]
+        v = r["volumes"][0]  # type: ignore[index]
+        assert r["targets"] == [iqn(v)] and r["subsystems"] == [nqn(v)] and r["nbd_exports"] == [v]
+    # what a node with workers cannot do yet is refused with the reason, not half done
+    out = subprocess.run([str(Path(__file__).parents[2] / ".venv" / "bin" / "vsan"), "volume", "list",
+                          "--data-dir", str(node.data_dir)], capture_output=True, text=True, timeout=30,
+                         check=False)
+    assert out.returncode == 2 and "worker processes" in out.stderr, out

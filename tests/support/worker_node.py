@@ -1,0 +1,108 @@
+"""A real `vsan serve --workers N` for tests: N file-backed volumes, each exported as an iSCSI target, an NVMe
+subsystem and an NBD export on shared portals (free ports), so that connections land on any worker and
+the hand-off (frontend/handoff.py) is exercised. Used by tests/interop/test_workers.py and
+tests/fault/test_workers_kill9.py."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from vsan_harness import VSAN, free_port
+
+BS = 512
+
+
+def iqn(v: str) -> str:
+    return f"iqn.2026-12.org.openvsan.test:{v}"
+
+
+def nqn(v: str) -> str:
+    return f"nqn.2026-12.org.openvsan.test:{v}"
+
+
+@dataclass
+class WorkerNode:
+    workdir: Path
+    workers: int = 2
+    volumes: tuple[str, ...] = ("v0", "v1")
+    size_mib: int = 8
+    proc: subprocess.Popen[bytes] | None = None
+    ports: dict[str, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.ports = {"iscsi": free_port(), "nvme": free_port(), "nbd": free_port()}
+        self.config = self.workdir / "vsan.toml"
+        self.data_dir = self.workdir / "data"
+        self.log = self.workdir / "vsan.log"
+        lines = ["[node]", 'name = "workers"', f"workers = {self.workers}", ""]
+        for v in self.volumes:
+            lines += ["[[devices]]", f'name = "d{v}"', 'type = "file"', f'path = "{self.image(v)}"',
+                      f'size = "{self.size_mib}MiB"', "", "[[volumes]]", f'name = "{v}"', f'device = "d{v}"', ""]
+        lines += ["[iscsi]", f'portals = ["127.0.0.1:{self.ports["iscsi"]}"]', ""]
+        for v in self.volumes:
+            lines += ["[[iscsi.targets]]", f'iqn = "{iqn(v)}"', f'luns = [{{ lun = 0, volume = "{v}" }}]', ""]
+        lines += ["[nvme]", f'portals = ["127.0.0.1:{self.ports["nvme"]}"]', ""]
+        for v in self.volumes:
+            lines += ["[[nvme.subsystems]]", f'nqn = "{nqn(v)}"', f'namespaces = [{{ nsid = 1, volume = "{v}" }}]', ""]
+        lines += ["[nbd]", f'portals = ["127.0.0.1:{self.ports["nbd"]}"]', ""]
+        for v in self.volumes:
+            lines += ["[[nbd.exports]]", f'name = "{v}"', f'volume = "{v}"', ""]
+        self.config.write_text("\n".join(lines))
+        self.config.chmod(0o600)
+
+    def image(self, v: str) -> Path:
+        return self.workdir / f"{v}.img"
+
+    def url(self, proto: str, v: str) -> str:
+        if proto == "iscsi":
+            return f"iscsi://127.0.0.1:{self.ports['iscsi']}/{iqn(v)}/0"
+        if proto == "nvme":
+            return f"nvme+tcp://127.0.0.1:{self.ports['nvme']}/{nqn(v)}/1"
+        return f"nbd://127.0.0.1:{self.ports['nbd']}/{v}"
+
+    def start(self, timeout: float = 60.0) -> WorkerNode:
+        with self.log.open("ab") as out:
+            self.proc = subprocess.Popen([str(VSAN), "serve", "--config", str(self.config), "--data-dir",
+                                          str(self.data_dir), "--log-level", "debug"],
+                                         stdout=out, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout
+        while f"serving with {self.workers} worker processes" not in self.log_text():
+            if self.proc.poll() is not None:
+                raise AssertionError(f"vsan serve exited {self.proc.returncode}:\n{self.log_text()[-4000:]}")
+            if time.monotonic() > deadline:
+                raise AssertionError(f"vsan serve not serving after {timeout:g} s:\n{self.log_text()[-4000:]}")
+            time.sleep(0.05)
+        return self
+
+    def log_text(self) -> str:
+        return self.log.read_text(errors="replace") if self.log.exists() else ""
+
+    def workers_report(self) -> list[dict[str, object]]:
+        out = subprocess.run([str(VSAN), "workers", "--data-dir", str(self.data_dir), "--json"],
+                             capture_output=True, text=True, timeout=30, check=True)
+        rows: list[dict[str, object]] = json.loads(out.stdout)
+        return rows
+
+    def owner(self, v: str) -> dict[str, object]:
+        return next(r for r in self.workers_report() if v in r["volumes"])  # type: ignore[operator]
+
+    def stop(self, timeout: float = 60.0) -> int:
+        if self.proc is None:
+            return 0
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+                raise AssertionError(f"vsan serve did not stop within {timeout:g} s:\n{self.log_text()[-4000:]}")
+        rc = self.proc.returncode
+        self.proc = None
+        return rc

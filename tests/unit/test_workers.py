@@ -1,0 +1,86 @@
+"""Placing a node's volumes on worker processes (node/workers.py): what goes together, balance, each worker's
+share of the desired state, and the cpu list syntax."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from openvsan.node.config import parse_config
+from openvsan.node.workers import parse_cpus, part, place, refusal
+
+
+def config(volumes: int = 4, **extra: Any) -> Any:
+    doc: dict[str, Any] = {
+        "node": {"name": "n", "max_connections": 1000, "max_unauthenticated": 101,
+                 "max_unauthenticated_per_source": 50},
+        "devices": [{"name": f"d{i}", "type": "ram", "size": "1MiB"} for i in range(volumes)]
+        + [{"name": "spare", "type": "ram", "size": "1MiB"}],
+        "volumes": [{"name": f"v{i}", "device": f"d{i}"} for i in range(volumes)],
+        "iscsi": {"portals": ["127.0.0.1:3260"], "targets": [
+            # t01 exports v0 and v1 together: they must share a worker
+            {"iqn": "iqn.2026-12.org.x:t01", "luns": [{"lun": 0, "volume": "v0"}, {"lun": 1, "volume": "v1"}]},
+            {"iqn": "iqn.2026-12.org.x:t2", "luns": [{"lun": 0, "volume": "v2"}]}]},
+        "nvme": {"portals": ["127.0.0.1:4420"], "subsystems": [
+            {"nqn": "nqn.2026-12.org.x:s3", "namespaces": [{"nsid": 1, "volume": "v3"}]}]},
+        "nbd": {"portals": ["127.0.0.1:10809"], "exports": [{"name": "e1", "volume": "v1"}]},
+    }
+    doc.update(extra)
+    return parse_config(doc)
+
+
+def test_volumes_a_target_exports_together_share_a_worker_and_groups_are_balanced() -> None:
+    cfg = config()
+    p = place(cfg, 2)
+    assert p.volumes["v0"] == p.volumes["v1"] == p.targets["iqn.2026-12.org.x:t01"] == p.nbd["e1"]
+    # the pair (2 volumes) on one worker, the two single volumes on the other
+    assert p.volumes["v2"] == p.volumes["v3"] != p.volumes["v0"]
+    assert p.targets["iqn.2026-12.org.x:t2"] == p.volumes["v2"] and p.subsystems["nqn.2026-12.org.x:s3"] == p.volumes["v3"]
+    assert place(cfg, 2) == p                     # the same config, the same placement
+    four = place(cfg, 4)
+    assert len({four.volumes[v] for v in ("v0", "v2", "v3")}) == 3 and four.volumes["v1"] == four.volumes["v0"]
+    one = place(cfg, 1)
+    assert set(one.volumes.values()) == {0}
+
+
+def test_each_worker_gets_its_volumes_devices_exports_and_a_share_of_the_caps() -> None:
+    cfg = config()
+    p = place(cfg, 2)
+    parts = [part(cfg, p, i) for i in range(2)]
+    assert sorted(v.name for x in parts for v in x.volumes) == ["v0", "v1", "v2", "v3"]
+    for x in parts:
+        used = {v.device for v in x.volumes}
+        assert {d.name for d in x.devices} - {"spare"} == used
+        assert all(p.targets[t.iqn] == parts.index(x) for t in x.targets)
+        assert x.nvme is not None and x.nvme.portals == cfg.nvme.portals   # every worker answers discovery
+        assert x.node.max_connections == 500 and x.node.max_unauthenticated == 51
+        assert x.node.max_unauthenticated_per_source == 50
+    # a device no volume or pool uses stays with worker 0
+    assert "spare" in {d.name for d in parts[0].devices} and "spare" not in {d.name for d in parts[1].devices}
+    assert sum(len(x.nbd_exports) for x in parts) == 1
+
+
+def test_what_workers_cannot_serve_yet_is_refused_with_the_reason() -> None:
+    assert refusal(config(), 1) is None and refusal(config(), 2) is None
+    cluster = config(cluster={"id": "c1", "etcd": ["127.0.0.1:2379"], "replication": "127.0.0.1:7000"})
+    assert "cluster" in (refusal(cluster, 2) or "") and refusal(cluster, 1) is None
+
+
+def test_cpu_lists() -> None:
+    assert parse_cpus("0") == [0]
+    assert parse_cpus("0,2,4-6") == [0, 2, 4, 5, 6]
+    assert parse_cpus(" 3-3 , 1,1") == [3, 1]
+    for bad in ("", "a", "3-1", "-1", "1-x"):
+        with pytest.raises(ValueError):
+            parse_cpus(bad)
+
+
+def test_workers_in_the_config_are_checked_and_kept() -> None:
+    from openvsan.node.render import config_document
+
+    cfg = config(node={"name": "n", "workers": 4, "worker_cpus": [0, 1]})
+    assert cfg.node.workers == 4 and cfg.node.worker_cpus == (0, 1)
+    assert parse_config(config_document(cfg)).node == cfg.node
+    with pytest.raises(ValueError, match="1 to 256 worker processes"):
+        config(node={"name": "n", "workers": 0})
