@@ -101,3 +101,54 @@ def _name(proto: str, v: str) -> str:
     from worker_node import iqn, nqn
 
     return iqn(v) if proto == "iscsi" else nqn(v)
+
+
+@pytest.mark.timeout(180)
+def test_a_killed_supervisor_takes_its_workers_with_it_and_a_new_one_waits_for_them(tmp_path: Path) -> None:
+    """SIGKILL of `vsan serve` itself: its workers get SIGTERM (PR_SET_PDEATHSIG) and drain; a `vsan serve`
+    started at once on the same data dir waits until they are gone before it opens the devices, then
+    serves what the first one acknowledged."""
+    import asyncio
+
+    from openvsan.initiator import open_url
+
+    node = WorkerNode(tmp_path / "node").start()
+    old = [int(r["pid"]) for r in node.workers_report()]  # type: ignore[call-overload]
+
+    async def write(v: str) -> None:
+        dev = await open_url(node.url("nvme", v))
+        try:
+            await dev.write(7, f"before the kill {v}".encode().ljust(BS, b"."), fua=True)
+        finally:
+            await dev.close()
+
+    async def read(v: str) -> bytes:
+        dev = await open_url(node.url("iscsi", v))
+        try:
+            return bytes(await dev.read(7, 1))
+        finally:
+            await dev.close()
+
+    for v in node.volumes:
+        asyncio.run(write(v))
+    assert node.proc is not None
+    node.proc.kill()
+    node.proc.wait()
+    node.proc = None
+    node.start()      # at once: the old workers may still be draining
+    try:
+        for pid in old:
+            assert not _alive(pid), f"worker {pid} of the killed vsan serve still runs"
+        for v in node.volumes:
+            assert asyncio.run(read(v)) == f"before the kill {v}".encode().ljust(BS, b".")
+    finally:
+        assert node.stop() == 0, node.log_text()[-3000:]
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie, exited but not yet reaped by whoever inherited it, is not)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat[stat.rindex(")") + 2] != "Z"

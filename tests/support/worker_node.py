@@ -67,12 +67,13 @@ class WorkerNode:
         return f"nbd://127.0.0.1:{self.ports['nbd']}/{v}"
 
     def start(self, timeout: float = 60.0) -> WorkerNode:
+        seen = len(self.log_text())   # a restart appends to the log: look at what this start writes
         with self.log.open("ab") as out:
             self.proc = subprocess.Popen([str(VSAN), "serve", "--config", str(self.config), "--data-dir",
                                           str(self.data_dir), "--log-level", "debug"],
                                          stdout=out, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout
-        while f"serving with {self.workers} worker processes" not in self.log_text():
+        while f"serving with {self.workers} worker processes" not in self.log_text()[seen:]:
             if self.proc.poll() is not None:
                 raise AssertionError(f"vsan serve exited {self.proc.returncode}:\n{self.log_text()[-4000:]}")
             if time.monotonic() > deadline:

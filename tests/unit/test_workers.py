@@ -84,3 +84,22 @@ def test_workers_in_the_config_are_checked_and_kept() -> None:
     assert parse_config(config_document(cfg)).node == cfg.node
     with pytest.raises(ValueError, match="1 to 256 worker processes"):
         config(node={"name": "n", "workers": 0})
+
+
+def test_a_new_supervisor_waits_until_the_workers_of_the_old_one_are_gone(tmp_path: Any) -> None:
+    import asyncio
+    import os
+
+    from openvsan.node.workers import hold_workers_lock, wait_for_old_workers
+
+    old = hold_workers_lock(tmp_path)          # a worker of the supervisor that was killed, still draining
+
+    async def go() -> None:
+        waiting = asyncio.ensure_future(wait_for_old_workers(tmp_path))
+        await asyncio.sleep(0.3)
+        assert not waiting.done()
+        os.close(old)                          # it exits: its lock goes
+        await asyncio.wait_for(waiting, 5)
+        hold_workers_lock(tmp_path)            # the new workers take it again, side by side
+
+    asyncio.run(go())

@@ -289,18 +289,10 @@ class Connection(BatchedConnection):
         for event in self.conn.receive_data(data):
             if self._closed:
                 return
-            if isinstance(event, Elsewhere):
-                # the answers to the options before it have been sent (they are in the record)
-                if self.record is not None:
-                    self.hand_off(event)
-                else:
-                    self.dropped("asked for an export another worker serves, too late to hand it over", str(event))
-                    self.close()
-                return
-            if isinstance(event, StartTls):
-                self._start_tls()
-            elif isinstance(event, Request):
+            if isinstance(event, Request):   # first: what comes most
                 self._start(event)
+            elif isinstance(event, StartTls):
+                self._start_tls()
             elif isinstance(event, Send):
                 self.send(event.data)
             elif isinstance(event, Negotiated):
@@ -312,6 +304,13 @@ class Connection(BatchedConnection):
             elif isinstance(event, Close):
                 self.dropped("protocol error", event.reason)
                 self.close()
+            elif isinstance(event, Elsewhere):
+                # the last event: the answers to the options before it have been sent (they are in the record)
+                if self.record is not None:
+                    self.hand_off(event)
+                else:
+                    self.dropped("asked for an export another worker serves, too late to hand it over", str(event))
+                    self.close()
 
     # --- sending ----------------------------------------------------------------------------------
     def send(self, data: list[Buffer]) -> None:

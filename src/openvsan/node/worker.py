@@ -32,8 +32,9 @@ def main() -> None:
             log.warning("worker %d: cannot pin to cpu %d: %s; running unpinned", index, cpu, e)
     from openvsan.frontend.handoff import Exchange
     from openvsan.node.node import Node, NodeError, run
-    from openvsan.node.workers import WorkerRole, part
+    from openvsan.node.workers import WorkerRole, hold_workers_lock, part
 
+    hold_workers_lock(Path(args["data_dir"]))
     state = args["state"]
     placement = args["placement"]
     role = WorkerRole(index, state.config, placement)

@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import ctypes
 import dataclasses
+import fcntl
 import json
 import logging
 import math
@@ -189,6 +190,42 @@ class WorkerProc:
     last_exit: str = ""
 
 
+WORKERS_LOCK = "workers.lock"
+OLD_WORKERS_TIMEOUT = 60.0   # seconds a new supervisor waits for the workers of one that died to finish draining
+
+
+def hold_workers_lock(data_dir: Path) -> int:
+    """In a worker: a shared lock on <data_dir>/workers.lock, held until the process exits (its descriptor
+    is never closed), so a supervisor started after one that died waits for its workers to be gone."""
+    fd = os.open(data_dir / WORKERS_LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_SH)
+    return fd
+
+
+async def wait_for_old_workers(data_dir: Path) -> None:
+    """Before starting workers: the workers of a supervisor that was killed get SIGTERM (PR_SET_PDEATHSIG)
+    and drain for up to 30 s, still holding their devices; wait until none is left (their shared locks on
+    workers.lock are gone), so two processes never serve one device file."""
+    fd = os.open(data_dir / WORKERS_LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        deadline = time.monotonic() + OLD_WORKERS_TIMEOUT
+        said = False
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise WorkerSetupError(f"worker processes of an earlier vsan serve still hold {data_dir} "
+                                           f"after {OLD_WORKERS_TIMEOUT:.0f} s; stop them first") from None
+                if not said:
+                    log.info("waiting for the worker processes of an earlier vsan serve to finish")
+                    said = True
+                await asyncio.sleep(0.1)
+    finally:
+        os.close(fd)   # the lock goes with it
+
+
 def _die_with_parent() -> None:
     """In the worker, before exec: SIGTERM when the supervisor dies (even by SIGKILL), so no worker is left
     serving a node whose supervisor is gone."""
@@ -234,6 +271,7 @@ class Supervisor:
         from openvsan.frontend.handoff import inbox_pairs
         from openvsan.node.control import ControlServer, socket_path
 
+        await wait_for_old_workers(self.data_dir)
         self._pairs = inbox_pairs(self.workers)
         try:
             for w in self.procs:
