@@ -204,7 +204,7 @@ def report(args: argparse.Namespace, results: dict[tuple[str, str, int], dict[st
                       "iops_ratio": iops_ratio, "cpu_per_io_ratio": cpu_ratio})
     print(f"\nmedians of {args.rounds} round(s), {args.seconds} s each, 4K {args.rw} QD32 per client, "
           f"{args.size_mib} MiB volumes on {args.backing}")
-    print_table(["", "1 worker", "2 workers", "IOPS 2/1", "target CPU µs/IO (1 / 2)", "CPU/IO 2/1",
+    print_table(["openvsan: client, case", "1 worker", "2 workers", "IOPS 2/1", "target CPU µs/IO (1 / 2)", "CPU/IO 2/1",
                  "target CPU (1 / 2)"], rows)
     return {
         "schema": "openvsan-bench-compare-workers/1",

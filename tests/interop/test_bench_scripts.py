@@ -112,3 +112,16 @@ def test_compare_qos_smoke(tmp_path: Path) -> None:
     # the limits were far above what was reached: nothing waited, yet every read went through the layer
     stats = doc["qos_stats"]
     assert stats["throttled"] == 0 and stats["read_ops"] > 0, stats
+
+
+def test_compare_workers_smoke(tmp_path: Path) -> None:
+    """Issue 13's scaling benchmark: one worker against two, iscsi-perf and fio nbd (about 40 s)."""
+    require("iscsi-perf", "iscsi-readcapacity16", "taskset", "fio")
+    doc = run_script("compare_workers.py", tmp_path / "workers.json", timeout=150)
+    assert [(c["tool"], c["case"]) for c in doc["cases"]] == [
+        ("iscsi-perf", "cost"), ("iscsi-perf", "aggregate"), ("fio nbd", "cost"), ("fio nbd", "aggregate")]
+    for case in doc["cases"]:
+        assert set(case["workers"]) == {"1", "2"}
+        for n, w in case["workers"].items():
+            assert w["iops"] > 0 and w["cpu_us_per_io"] > 0 and w["target_cpu_pct"] > 0, (case["case"], n, w)
+        assert case["iops_ratio"] > 0 and case["cpu_per_io_ratio"] > 0
