@@ -62,12 +62,14 @@ def encode(stream: list[Req], seed: int) -> list[tuple[int, bytes]]:
     return out
 
 
-async def run(devices: list[Any], stream: list[tuple[int, bytes]], structured: bool) -> list[bytes]:
+async def run(devices: list[Any], stream: list[tuple[int, bytes]], structured: bool, *,
+              lane: bool = True) -> list[bytes]:
     from openvsan.volume import Volume
 
     exports = [NbdExportConfig(name, Volume(dev, name=name, uuid=uuid.UUID(int=i + 1)), [PORTAL], read_only=i == 1)
                for i, (name, dev) in enumerate(zip(NAMES, devices, strict=True))]
     srv = NbdServer(exports)
+    srv.lane = lane
     conns, wires = [], []
     for name in NAMES:
         c = Connection(srv, PORTAL)
@@ -195,3 +197,47 @@ _REQ = st.tuples(st.sampled_from((0, 0, 1)), st.sampled_from(_CMDS),
 def test_any_request_stream_gets_the_same_bytes_on_either_path(stream: list[Req], structured: bool) -> None:
     fast, slow, _ = both(stream, structured)
     assert fast == slow
+
+
+# --- the request lane (frontend/nbd.py received -> protocol/nbd lane()) against the protocol's own path ----
+def recut(stream: list[tuple[int, bytes]], sizes: list[int]) -> list[tuple[int, bytes]]:
+    """Each connection's bytes joined, then cut at other places (several requests in one receive, a header
+    or a payload split across receives)."""
+    out: list[tuple[int, bytes]] = []
+    for which in (0, 1):
+        data = b"".join(chunk for w, chunk in stream if w == which)
+        pos, i = 0, 0
+        while pos < len(data):
+            n = sizes[i % len(sizes)]
+            out.append((which, data[pos:pos + n]))
+            pos, i = pos + n, i + 1
+    return out
+
+
+def lanes(stream: list[Req], structured: bool, sizes: list[int]) -> tuple[list[bytes], list[bytes]]:
+    async def go() -> tuple[list[bytes], list[bytes]]:
+        outs = []
+        for lane in (True, False):
+            devs = [RamDevice(BLOCKS, BS) for _ in NAMES]
+            for d in devs:
+                d.write_now(0, random.Random(7).randbytes(SIZE))
+            outs.append(await run(devs, recut(encode(stream, 5), sizes), structured, lane=lane))
+        return outs[0], outs[1]
+
+    return asyncio.run(go())
+
+
+def test_the_request_lane_sends_what_the_protocol_path_sends() -> None:
+    stream = random_stream(random.Random(11), 400)
+    for structured in (False, True):
+        for sizes in ([1 << 20], [28], [1, 27, 100, 4096], [28 * 3 + 5, 9000]):
+            with_lane, without = lanes(stream, structured, sizes)
+            assert with_lane == without, (structured, sizes)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(_REQ, max_size=30), st.booleans(), st.lists(st.integers(1, 5000), min_size=1, max_size=4))
+def test_any_stream_cut_anywhere_gets_the_same_bytes_with_or_without_the_lane(
+        stream: list[Req], structured: bool, sizes: list[int]) -> None:
+    with_lane, without = lanes(stream, structured, sizes)
+    assert with_lane == without

@@ -161,6 +161,7 @@ class NbdServer(PortalServer):
                 raise ValueError(f"NBD export {e.name}: tls = {e.tls!r} needs the server's TLS credentials")
         self.exports = {e.name: e for e in exports}
         self.handshake_timeout = handshake_timeout
+        self.lane = True   # connections take the request lane once negotiated (False: tests compare the two)
         self.ssl_context = ssl_context
         self.tasks: set[asyncio.Task[None]] = set()
 
@@ -246,6 +247,7 @@ class Connection(BatchedConnection):
         self._starting = False
         self._upgrading: asyncio.Task[None] | None = None   # the TLS handshake after NBD_OPT_STARTTLS
         self._early: list[bytes] | None = None              # decrypted data that came before start_tls returned
+        self._lane = False                                  # negotiated: received() takes the request lane
         self._expired = False
         self._lost = False
 
@@ -286,7 +288,17 @@ class Connection(BatchedConnection):
         if self._early is not None:
             self._early_data(data)
             return
-        for event in self.conn.receive_data(data):
+        rest: Buffer = data
+        if self._lane:
+            # reads and whole writes at the front skip the protocol's event loop (protocol/nbd lane())
+            reqs, rest = self.conn.lane(data)
+            for req in reqs:
+                if self._closed:
+                    return
+                self._start(req)
+            if not len(rest) or self._closed:
+                return
+        for event in self.conn.receive_data(rest):
             if self._closed:
                 return
             if isinstance(event, Request):   # first: what comes most
@@ -404,6 +416,7 @@ class Connection(BatchedConnection):
         self.export = self.server.exports[ev.export.name]
         self.logged_in()
         self.settle()
+        self._lane = self.server.lane
         log.info("%s: NBD export %s (%d bytes%s%s%s)", self.peer, ev.export.name, ev.export.size,
                  ", read-only" if ev.export.read_only else "", ", structured replies" if ev.structured else "",
                  ", TLS" if ev.tls else "")

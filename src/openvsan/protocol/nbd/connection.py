@@ -54,6 +54,10 @@ from openvsan.protocol.routing import Elsewhere
 MAX_OPTION_DATA = 64 * 1024
 
 
+_HEADER = REQUEST.size           # 28 bytes: magic, flags, type, cookie, offset, length
+_WRITE = int(Cmd.WRITE)
+
+
 class Phase(Enum):
     CLIENT_FLAGS = auto()
     OPTION_HEADER = auto()
@@ -136,6 +140,39 @@ class NbdServerConnection:
                 events.append(e)
                 break
         return events
+
+    def lane(self, data: Buffer) -> tuple[list[Request], Buffer]:
+        """The shortcut for what clients send most once negotiated: NBD_CMD_READ and NBD_CMD_WRITE requests
+        at the front of `data`, each whole (a write with its payload, which stays a view of `data`) and
+        admitted by admit(), as receive_data would make them. Returns those requests and what is left for
+        receive_data: from the first request that is anything else, is refused, or is cut by the end of
+        `data`; all of it when a request was left half read before (nothing is taken then)."""
+        out: list[Request] = []
+        if self.phase is not Phase.REQUEST or self._acc:
+            return out, data
+        s = self.session
+        assert s is not None
+        n = len(data)
+        pos = 0
+        unpack = REQUEST.unpack_from
+        view: memoryview | None = None
+        while n - pos >= _HEADER:
+            magic, flags, cmd, cookie, offset, length = unpack(data, pos)
+            if magic != REQUEST_MAGIC or cmd > _WRITE:          # READ is 0, WRITE 1
+                break
+            end = pos + _HEADER + (length if cmd else 0)
+            if end > n or admit(s, cmd, flags, offset, length) is not None:
+                break
+            if cmd:
+                if view is None:
+                    view = memoryview(data).cast("B")
+                out.append(Request(cmd, flags, cookie, offset, length, view[pos + _HEADER:end]))
+            else:
+                out.append(Request(cmd, flags, cookie, offset, length, None))
+            pos = end
+        if not pos:
+            return out, data
+        return out, (view if view is not None else memoryview(data).cast("B"))[pos:]
 
     @staticmethod
     def _unsay_starttls(events: list[Event]) -> None:
