@@ -116,7 +116,7 @@ async def volume_create(node: Node, args: R.VolumeCreate) -> Any:
         volume["device"] = name
     doc.setdefault("volumes", []).append(volume)
     return {"changes": await _apply(node, doc, dry_run=args.dry_run),
-            "volume": _describe(node, name) if not args.dry_run else None}
+            "volume": await _describe(node, name) if not args.dry_run else None}
 
 
 @command("volume.resize", R.VolumeResize)
@@ -131,7 +131,7 @@ async def volume_resize(node: Node, args: R.VolumeResize) -> Any:
     if size % dev["block_size"]:
         raise RequestError(f"size: {size} bytes is not a whole number of {dev['block_size']}-byte blocks")
     dev["size"] = size
-    return {"changes": await _apply(node, doc, dry_run=args.dry_run), "volume": _describe(node, name)}
+    return {"changes": await _apply(node, doc, dry_run=args.dry_run), "volume": await _describe(node, name)}
 
 
 def _exports_of(doc: dict[str, Any], name: str) -> list[str]:
@@ -182,7 +182,7 @@ async def volume_delete(node: Node, args: R.VolumeDelete) -> Any:
     return {"changes": changes}
 
 
-def _describe(node: Node, name: str, doc: dict[str, Any] | None = None) -> dict[str, Any]:
+async def _describe(node: Node, name: str, doc: dict[str, Any] | None = None) -> dict[str, Any]:
     """One volume as `vsan volume show` prints it; `doc` is the node's config document, when the caller
     has it already (volume list: rendered once for every volume)."""
     cfg = node.state.config
@@ -193,20 +193,20 @@ def _describe(node: Node, name: str, doc: dict[str, Any] | None = None) -> dict[
                            "qos": dict(spec.qos)}
     if ident is not None:
         out.update(uuid=str(ident.uuid), serial=ident.serial)
-    out.update(node.plane.stats(name) or {})
+    out.update(await node.volume_stats(name) or {})
     return out
 
 
 @command("volume.list")
 async def volume_list(node: Node, args: R.Plain) -> Any:
     doc = config_document(node.state.config)
-    return [_describe(node, v.name, doc) for v in node.state.config.volumes]
+    return [await _describe(node, v.name, doc) for v in node.state.config.volumes]
 
 
 @command("volume.show", R.VolumeShow)
 async def volume_show(node: Node, args: R.VolumeShow) -> Any:
     _known_volume(node, args.name)
-    return _describe(node, args.name)
+    return await _describe(node, args.name)
 
 
 @command("volume.status", R.VolumeShow)
@@ -359,14 +359,14 @@ async def qos_set(node: Node, args: R.QosSet) -> Any:
         v["qos"] = qos
     else:
         v.pop("qos", None)
-    return {"changes": await _apply(node, doc, dry_run=args.dry_run), "volume": _describe(node, name)}
+    return {"changes": await _apply(node, doc, dry_run=args.dry_run), "volume": await _describe(node, name)}
 
 
 @command("qos.show", R.QosShow)
 async def qos_show(node: Node, args: R.QosShow) -> Any:
     name = args.volume
     _known_volume(node, name)
-    d = _describe(node, name)
+    d = await _describe(node, name)
     return {"volume": name, "qos": d["qos"], "stats": d.get("qos_stats")}
 
 

@@ -17,6 +17,7 @@ import importlib
 import logging
 import os
 import signal
+import uuid as uuidlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -208,9 +209,13 @@ class Node:
                 await self.start_nbd(nbd)
             if self.worker is None:
                 self.control_server = ControlServer(socket_path(self.data_dir), self.control)
-                await self.control_server.start()
             else:
+                from openvsan.node.workers import worker_socket_path
+
+                self.control_server = ControlServer(worker_socket_path(self.data_dir, self.worker.index),
+                                                    self.worker_control)
                 self.worker.exchange.watch(self._arrived, self._told)
+            await self.control_server.start()
             self.pools.start_meter()
             if self.replication is not None:
                 self.replication.refresh_paths()
@@ -336,6 +341,70 @@ class Node:
                                            description=e.description or f"openvsan volume {e.volume}",
                                            tls=e.tls, elsewhere=w))
         return out
+
+    async def worker_control(self, cmd: str, args: dict[str, Any]) -> Any:
+        """A worker's control socket: what its supervisor asks (node/workers.py Supervisor)."""
+        from openvsan.node.workers import placement_from
+
+        if cmd == "worker.stats":
+            return self.plane.stats(str(args["name"]))
+        if cmd == "worker.geometry":
+            return self.geometry()
+        if cmd == "worker.pool":
+            return await self.pools.control(str(args["cmd"]), dict(args["args"]))
+        if cmd != "worker.apply":
+            raise RequestError(f"unknown worker command {cmd!r}")
+        from openvsan.node.config import parse_config
+
+        role = self.worker
+        part = parse_config(args["config"], data_dir=self.data_dir)
+        whole = parse_config(args["whole"], data_dir=self.data_dir)
+        for name, (u, serial) in dict(args.get("identities") or {}).items():
+            self.state.identities[name] = VolumeIdentity(uuidlib.UUID(u), serial)
+        changes = await self.apply(part, forget=tuple(args.get("forget") or ()))
+        old_whole, old_placement = role.whole, role.placement
+        role.whole, role.placement = whole, placement_from(args["placement"])
+        await self.sync_shells(old_whole, old_placement)
+        return [str(c) for c in changes]
+
+    async def sync_shells(self, old_whole: NodeConfig, old_placement: Any) -> None:
+        """After a change: the targets, subsystems and NBD exports other workers serve, as they are now (those
+        that went or changed are taken down, those that came or changed are put up)."""
+        role = self.worker
+        assert role is not None
+
+        def others(cfg: NodeConfig, where: Any) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+            return ({t.iqn: (t, where.targets[t.iqn]) for t in cfg.targets if where.targets[t.iqn] != role.index},
+                    {x.nqn: (x, where.subsystems[x.nqn]) for x in cfg.subsystems
+                     if where.subsystems[x.nqn] != role.index},
+                    {e.name: (e, where.nbd[e.name]) for e in cfg.nbd_exports if where.nbd[e.name] != role.index})
+
+        old = others(old_whole, old_placement)
+        new = others(role.whole, role.placement)
+        gone = [[k for k, v in o.items() if n.get(k) != v] for o, n in zip(old, new, strict=True)]
+        came = [{k for k, v in n.items() if o.get(k) != v} for o, n in zip(old, new, strict=True)]
+        if self.server is not None:
+            for iqn in gone[0]:
+                await self.server.remove_target(iqn)
+            for t in self._shells(TargetSpec):
+                if t.iqn in came[0]:
+                    await self.server.add_target(t)
+        if came[1] and self.nvme_server is None:
+            await self.start_nvme([])
+        if self.nvme_server is not None:
+            for nqn in gone[1]:
+                await self.nvme_server.remove_subsystem(nqn)
+            for c in self._shells(SubsystemSpec):
+                if c.nqn in came[1]:
+                    await self.nvme_server.add_subsystem(c)
+        if came[2] and self.nbd_server is None:
+            await self.start_nbd([])
+        if self.nbd_server is not None:
+            for name in gone[2]:
+                await self.nbd_server.remove_export(name)
+            for e in self._nbd_in_order():
+                if e.name in came[2] and e.elsewhere is not None:
+                    await self.nbd_server.add_export(e)
 
     def _arrived(self, a: Any) -> None:
         """A connection another worker handed over: to this worker's server of its protocol."""
@@ -502,6 +571,10 @@ class Node:
         self.volumes.clear()
         self.luns.clear()
 
+    async def volume_stats(self, name: str) -> dict[str, Any] | None:
+        """What the data plane reports of one volume (DataPlane.stats); a supervisor asks the worker."""
+        return self.plane.stats(name)
+
     async def apply(self, desired: NodeConfig, *, dry_run: bool = False,
                     forget: tuple[str, ...] = ()) -> list[Change]:
         """Make `desired` the node's state while it serves: plan the changes (node/reconcile.py), have the
@@ -521,9 +594,12 @@ class Node:
                 identities = {**self.state.identities, **plane.new_identities}
                 for name in forget:
                     identities.pop(name, None)
-                # off the event loop (a commit waits for fsync); refused if the stored state moved on since
-                revision = await import_desired(self.data_dir, desired, identities=plane.new_identities,
-                                                forget=forget, expect_revision=self.state.revision)
+                if self.worker is None:
+                    # off the event loop (a commit waits for fsync); refused if the stored state moved on since
+                    revision = await import_desired(self.data_dir, desired, identities=plane.new_identities,
+                                                    forget=forget, expect_revision=self.state.revision)
+                else:
+                    revision = self.state.revision   # a worker's part: its supervisor stores the whole
                 runtime = self.state.pool_devices
             except Exception as e:
                 failed = changes[len(done)] if len(done) < len(changes) else None

@@ -12,9 +12,12 @@ for the whole node, and hand a connection that names what another worker serves 
 (frontend/handoff.py). What spans volumes stays in one process: a target's or subsystem's volumes are placed
 together, so its sessions, controller IDs, reservations and ALUA/ANA state live where its LUNs do.
 
+Changes while serving (vsan volume / export / qos / config apply) go through the supervisor: it plans as a
+single-process node does, places what is new, and sends each worker its new part (worker.apply on the
+worker's control socket, <data_dir>/worker-<i>.sock); `vsan pool` commands go to the worker of the pool.
+
 Not yet with more than one worker (refused at start or by the command, with the reason): replicated volumes
-([cluster]), NBD over TLS (a TLS session cannot be handed over), and changes while serving (vsan volume /
-export / qos / config apply / pool). Those need the reconciler to send its changes to the owning worker."""
+([cluster]), NBD over TLS (a TLS session cannot be handed over), and moving a volume to another worker."""
 
 from __future__ import annotations
 
@@ -34,7 +37,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from openvsan.node.specs import NodeConfig
 from openvsan.node.store import StoredState
@@ -70,6 +73,43 @@ def place(cfg: NodeConfig, n: int) -> Placement:
     worker with the fewest volumes, the lowest index on a tie. The same config gives the same placement."""
     if n < 1:
         raise ValueError(f"{n} workers: at least 1")
+    return _placed(cfg, n, {})
+
+
+def _placed(cfg: NodeConfig, n: int, before: dict[str, int]) -> Placement:
+    groups = list({id(g): g for g in _groups(cfg).values()}.values())   # config order
+    load = [0] * n
+    for v, w in before.items():
+        load[w] += 1
+    volumes: dict[str, int] = {}
+    for g in sorted(groups, key=lambda g: -len(g)):                      # stable: config order among equals
+        was = {before[v] for v in g if v in before}
+        if len(was) > 1:
+            raise ValueError(f"volumes {', '.join(sorted(g))} would be exported together but are served by "
+                             f"workers {', '.join(str(w) for w in sorted(was))}; moving a volume to another "
+                             "worker is not supported yet: export them apart, or restart the node")
+        w = was.pop() if was else min(range(n), key=lambda i: (load[i], i))
+        for v in g:
+            if v not in before:
+                load[w] += 1
+            volumes[v] = w
+    return Placement(
+        n, {v.name: volumes[v.name] for v in cfg.volumes},
+        {t.iqn: volumes[t.luns[0].volume] if t.luns else 0 for t in cfg.targets},
+        {s.nqn: volumes[s.namespaces[0].volume] if s.namespaces else 0 for s in cfg.subsystems},
+        {e.name: volumes[e.volume] for e in cfg.nbd_exports})
+
+
+def place_again(cfg: NodeConfig, before: Placement) -> Placement:
+    """The placement of a changed config: volumes stay on the worker they are on; a new group goes, as at
+    start, to the worker with the fewest volumes. A change that would put two volumes on different workers
+    into one target or subsystem is refused (ValueError: moving a volume between workers is not done yet)."""
+    names = {v.name for v in cfg.volumes}
+    return _placed(cfg, before.workers, {v: w for v, w in before.volumes.items() if v in names})
+
+
+def _groups(cfg: NodeConfig) -> dict[str, list[str]]:
+    """Volume -> the list of the volumes that must share its worker (one list object per group)."""
     parent = {v.name: v.name for v in cfg.volumes}
 
     def find(x: str) -> str:
@@ -78,32 +118,57 @@ def place(cfg: NodeConfig, n: int) -> Placement:
             x = parent[x]
         return x
 
-    def join(names: list[str]) -> None:
+    for names in [[lun.volume for lun in t.luns] for t in cfg.targets] + \
+            [[ns.volume for ns in x.namespaces] for x in cfg.subsystems]:
         for a in names[1:]:
             ra, rb = find(a), find(names[0])
             if ra != rb:
                 parent[ra] = rb
-
-    for t in cfg.targets:
-        join([lun.volume for lun in t.luns])
-    for s in cfg.subsystems:
-        join([ns.volume for ns in s.namespaces])
-    groups: dict[str, list[str]] = {}
+    lists: dict[str, list[str]] = {}
     for v in cfg.volumes:
-        groups.setdefault(find(v.name), []).append(v.name)
-    order = sorted(groups.values(), key=lambda g: -len(g))   # stable: config order among equals
-    load = [0] * n
-    volumes: dict[str, int] = {}
-    for g in order:
-        w = min(range(n), key=lambda i: (load[i], i))
-        load[w] += len(g)
-        for v in g:
-            volumes[v] = w
-    return Placement(
-        n, {v.name: volumes[v.name] for v in cfg.volumes},
-        {t.iqn: volumes[t.luns[0].volume] if t.luns else 0 for t in cfg.targets},
-        {s.nqn: volumes[s.namespaces[0].volume] if s.namespaces else 0 for s in cfg.subsystems},
-        {e.name: volumes[e.volume] for e in cfg.nbd_exports})
+        lists.setdefault(find(v.name), []).append(v.name)
+    return {v.name: lists[find(v.name)] for v in cfg.volumes}
+
+
+def placement_dict(p: Placement) -> dict[str, Any]:
+    return dataclasses.asdict(p)
+
+
+def placement_from(d: dict[str, Any]) -> Placement:
+    return Placement(int(d["workers"]), dict(d["volumes"]), dict(d["targets"]), dict(d["subsystems"]),
+                     dict(d["nbd"]))
+
+
+def worker_socket_path(data_dir: Path, index: int) -> Path:
+    """Worker `index`'s control socket: its supervisor's requests (worker.apply, .stats, .geometry, .pool)."""
+    return data_dir / f"worker-{index}.sock"
+
+
+async def worker_call(data_dir: Path, index: int, cmd: str, timeout: float = 120.0, **args: Any) -> Any:
+    """One request to worker `index` (node/control.py's JSON lines); RuntimeError with its line when it
+    refuses or cannot be reached."""
+    from openvsan.node.control import _reachable
+
+    path = worker_socket_path(data_dir, index)
+    try:
+        async with asyncio.timeout(timeout):
+            with _reachable(path) as where:
+                reader, writer = await asyncio.open_unix_connection(where, limit=1 << 24)
+            try:
+                writer.write((json.dumps({"cmd": cmd, "args": args}, default=str) + "\n").encode())
+                await writer.drain()
+                line = await reader.readline()
+            finally:
+                writer.close()
+    except (OSError, TimeoutError) as e:
+        raise RuntimeError(f"worker {index} did not answer ({e.strerror if isinstance(e, OSError) and e.strerror else e}"
+                           "); it may be restarting: try again") from None
+    if not line:
+        raise RuntimeError(f"worker {index} closed its control connection without an answer")
+    reply = json.loads(line)
+    if not reply.get("ok"):
+        raise RuntimeError(f"worker {index}: {reply.get('error')}")
+    return reply.get("result")
 
 
 def part(cfg: NodeConfig, where: Placement, i: int) -> NodeConfig:
@@ -266,6 +331,7 @@ class Supervisor:
         self._pairs: list[Any] = []
         self._control: Any = None
         self.geometry: dict[str, list[int]] = {}   # volume -> [blocks, block size], from the workers
+        self._applying = asyncio.Lock()
 
     async def run(self, stop: asyncio.Event, started: Callable[[], None] | None = None) -> None:
         from openvsan.frontend.handoff import inbox_pairs
@@ -404,13 +470,111 @@ class Supervisor:
                  "nbd_exports": [k for k, i in self.placement.nbd.items() if i == w.index]} for w in self.procs]
 
     async def control(self, cmd: str, args: dict[str, Any]) -> Any:
+        """The node's control socket: `vsan workers`, and the live commands (node/live.py) as a single-process
+        node answers them, with this supervisor in the node's place (state, apply, volume_stats); `vsan pool`
+        commands go to the worker that serves the pool."""
+        from openvsan.node import live
         from openvsan.node.control import RequestError
 
         if cmd == "workers.list":
             return self.report()
-        raise RequestError(f"{cmd}: not available yet on a node that runs {self.workers} worker processes "
-                           "(changes while serving go through one process for now); run `vsan workers` to see "
-                           "them, or serve with workers = 1")
+        if cmd.startswith("pool."):
+            return await self._pool(cmd, args)
+        handler = live.COMMANDS.get(cmd)
+        if handler is None:
+            raise RequestError(f"unknown command {cmd!r}")
+        return await handler(cast(Any, self), args)
+
+    # ---- what node/live.py asks of "the node"
+
+    replication: Any = None      # replicated volumes run in one process for now (refusal())
+
+    async def volume_stats(self, name: str) -> dict[str, Any] | None:
+        w = self.placement.volumes.get(name)
+        if w is None:
+            return None
+        try:
+            stats: dict[str, Any] | None = await worker_call(self.data_dir, w, "worker.stats", name=name)
+        except RuntimeError as e:
+            return {"worker": w, "stats_error": str(e)}
+        return {"worker": w, **(stats or {})}
+
+    async def apply(self, desired: NodeConfig, *, dry_run: bool = False, forget: tuple[str, ...] = ()) -> list[Any]:
+        """Node.apply across the workers: plan as one node would (the same refusals), place what is new, have
+        every worker apply its new part (and its shells of the others'), then store the whole. If a worker
+        or the store fails, the workers done are sent their old part again, and nothing is stored."""
+        import uuid
+
+        from openvsan.node.control import RequestError
+        from openvsan.node.node import NodeError
+        from openvsan.node.reconcile import plan
+        from openvsan.node.render import config_document
+        from openvsan.node.store import VolumeIdentity, import_desired
+
+        async with self._applying:
+            changes = plan(self.state.config, desired)
+            if dry_run or not changes:
+                return changes
+            if (why := refusal(desired, self.workers)) is not None:
+                raise RequestError(why)
+            try:
+                where = place_again(desired, self.placement)
+            except ValueError as e:
+                raise RequestError(str(e)) from None
+            new_ids = {v.name: VolumeIdentity(u, u.hex) for v in desired.volumes
+                       if v.name not in self.state.identities for u in [uuid.uuid4()]}
+            before, before_where = self.state.config, self.placement
+
+            async def send(cfg: NodeConfig, at: Placement, w: int, ids: dict[str, Any], gone: tuple[str, ...]) -> None:
+                await worker_call(self.data_dir, w, "worker.apply", config=config_document(part(cfg, at, w)),
+                                  whole=config_document(cfg), placement=placement_dict(at),
+                                  identities={k: [str(i.uuid), i.serial] for k, i in ids.items()}, forget=list(gone))
+
+            done: list[int] = []
+            try:
+                for w in range(self.workers):
+                    await send(desired, where, w, new_ids, forget)
+                    done.append(w)
+                revision = await import_desired(self.data_dir, desired, identities=new_ids, forget=forget,
+                                                expect_revision=self.state.revision)
+            except Exception as e:
+                for w in reversed(done):
+                    try:
+                        await send(before, before_where, w, {}, ())
+                    except Exception:
+                        log.exception("worker %d: putting back its part failed", w)
+                raise NodeError(f"{e}; nothing was changed") from e
+            identities = {k: v for k, v in {**self.state.identities, **new_ids}.items() if k not in forget}
+            self.state = StoredState(desired, identities, self.state.pool_devices, revision)
+            self.placement = where
+            await self._refresh_geometry()
+            for c in changes:
+                log.info("applied: %s", c)
+            return changes
+
+    async def _refresh_geometry(self) -> None:
+        for w in range(self.workers):
+            try:
+                self.geometry.update(await worker_call(self.data_dir, w, "worker.geometry"))
+            except RuntimeError as e:
+                log.warning("%s", e)
+        self._tell_geometry(range(self.workers))
+
+    async def _pool(self, cmd: str, args: dict[str, Any]) -> Any:
+        """`vsan pool ...`: to the worker that serves the pool named (a pool is one volume's), or to every
+        worker for pool.list."""
+        from openvsan.node.control import RequestError
+
+        if cmd == "pool.list":
+            out: list[Any] = []
+            for w in range(self.workers):
+                out += await worker_call(self.data_dir, w, "worker.pool", cmd=cmd, args=args) or []
+            return out
+        name = args.get("name") or args.get("pool")
+        owner = next((self.placement.volumes[v.name] for v in self.state.config.volumes if v.pool == name), None)
+        if owner is None:
+            raise RequestError(f"no pool named {name!r} is served by a volume of this node")
+        return await worker_call(self.data_dir, owner, "worker.pool", cmd=cmd, args=args)
 
 
 def serve_workers(state: StoredState, data_dir: Path, workers: int, cpus: list[int] | None,
