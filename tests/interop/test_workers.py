@@ -191,3 +191,40 @@ def test_changes_while_serving_reach_every_worker(node: WorkerNode) -> None:
                              text=True, timeout=30, check=True).stdout
         assert 'export="v2"' not in out, out
     assert "Traceback" not in node.log_text()
+
+
+def test_pool_commands_reach_the_worker_of_the_pool(tmp_path: Path) -> None:
+    """`vsan pool list|status|scrub` on a node with workers: answered by the worker that serves the pool."""
+    from vsan_harness import VSAN, free_port
+
+    port = free_port()
+    members = "".join(f'[[devices]]\nname = "m{i}"\ntype = "ram"\nsize = "8MiB"\n' for i in range(3))
+    cfg = tmp_path / "pool.toml"
+    cfg.write_text(f'[node]\nname = "wp"\nworkers = 2\n{members}[[devices]]\nname = "r"\ntype = "ram"\n'
+                   'size = "8MiB"\n[[pools]]\nname = "pool0"\nlevel = "raid5"\nmembers = ["m0", "m1", "m2"]\n'
+                   '[[volumes]]\nname = "plain"\ndevice = "r"\n[[volumes]]\nname = "pv"\npool = "pool0"\n'
+                   f'[nbd]\nportals = ["127.0.0.1:{port}"]\n[[nbd.exports]]\nname = "pv"\nvolume = "pv"\n')
+    data, log = tmp_path / "data", tmp_path / "vsan.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen([str(VSAN), "serve", "--config", str(cfg), "--data-dir", str(data)], stdout=out,
+                                stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while "serving with 2 worker processes" not in log.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.05)
+
+        def run(*args: str) -> str:
+            out = subprocess.run([str(VSAN), *args, "--data-dir", str(data)], capture_output=True, text=True,
+                                 timeout=60, check=False)
+            assert out.returncode == 0, out
+            return out.stdout
+
+        pools = json.loads(run("pool", "list", "--json"))
+        assert [(p["name"], p["state"]) for p in pools] == [("pool0", "optimal")], pools
+        assert "m1" in run("pool", "status", "pool0")
+        assert "0 inconsistent" in run("pool", "scrub", "pool0")
+        assert "Traceback" not in log.read_text()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0, log.read_text()[-3000:]

@@ -351,7 +351,7 @@ class Node:
         if cmd == "worker.geometry":
             return self.geometry()
         if cmd == "worker.pool":
-            return await self.pools.control(str(args["cmd"]), dict(args["args"]))
+            return await self.pools.control(str(args["command"]), dict(args["args"]))
         if cmd != "worker.apply":
             raise RequestError(f"unknown worker command {cmd!r}")
         from openvsan.node.config import parse_config

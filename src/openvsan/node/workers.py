@@ -568,13 +568,13 @@ class Supervisor:
         if cmd == "pool.list":
             out: list[Any] = []
             for w in range(self.workers):
-                out += await worker_call(self.data_dir, w, "worker.pool", cmd=cmd, args=args) or []
+                out += await worker_call(self.data_dir, w, "worker.pool", command=cmd, args=args) or []
             return out
         name = args.get("name") or args.get("pool")
         owner = next((self.placement.volumes[v.name] for v in self.state.config.volumes if v.pool == name), None)
         if owner is None:
             raise RequestError(f"no pool named {name!r} is served by a volume of this node")
-        return await worker_call(self.data_dir, owner, "worker.pool", cmd=cmd, args=args)
+        return await worker_call(self.data_dir, owner, "worker.pool", command=cmd, args=args)
 
 
 def serve_workers(state: StoredState, data_dir: Path, workers: int, cpus: list[int] | None,
