@@ -369,8 +369,10 @@ def test_a_crash_at_any_point_leaves_a_log_that_covers_every_write_in_flight(ops
                 elif op == "clear":
                     tasks.append(asyncio.create_task(clear(al)))
                 elif op == "settle":                       # until every enter is done or waits for a slot
+                    # looked at again every few ms, not only when a task ends: an enter woken for a slot that
+                    # it then finds taken waits again without ending, and only a leave of ours can free it
                     while (busy := [t for t in tasks if not t.done()]) and al.stats()["waiting"] < len(busy):
-                        await asyncio.wait(busy, return_when=asyncio.FIRST_COMPLETED)
+                        await asyncio.wait(busy, timeout=0.005, return_when=asyncio.FIRST_COMPLETED)
                 check(f"after {op}")
             while not all(t.done() for t in tasks):        # drain: leave everything, let the waiters in
                 while in_flight:
