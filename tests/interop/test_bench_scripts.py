@@ -24,6 +24,7 @@ PACKAGES = {
     "tgtadm": "tgt",
     "taskset": "util-linux",
     "fio": "fio",
+    "nbdkit": "nbdkit",
 }
 
 
@@ -125,3 +126,16 @@ def test_compare_workers_smoke(tmp_path: Path) -> None:
         for n, w in case["workers"].items():
             assert w["iops"] > 0 and w["cpu_us_per_io"] > 0 and w["target_cpu_pct"] > 0, (case["case"], n, w)
         assert case["iops_ratio"] > 0 and case["cpu_per_io_ratio"] > 0
+
+
+def test_compare_nbd_smoke(tmp_path: Path) -> None:
+    """Issue 13's NBD benchmark: openvsan against nbdkit's memory plugin with fio's nbd engine (about 30 s)."""
+    require("fio", "nbdkit", "taskset")
+    doc = run_script("compare_nbd.py", tmp_path / "nbd.json", timeout=150)
+    assert [c["case"] for c in doc["cases"]] == ["4k-randread-qd32", "4k-randwrite-qd32", "4k-randrw-70-30-qd32",
+                                                 "1m-seqwrite-qd8", "4k-randwrite-qd1"]
+    for case in doc["cases"]:
+        assert set(case["targets"]) == {"openvsan", "nbdkit"}
+        for name, t in case["targets"].items():
+            assert t[case["metric"]] > 0 and t["iops"] > 0 and t["target_cpu_pct"] > 0, (case["case"], name, t)
+        assert case["ratio"] > 0

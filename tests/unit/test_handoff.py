@@ -110,6 +110,15 @@ def served(make: Any, chunks: list[bytes], handing: Any | None = None, owner: An
     return asyncio.run(go())
 
 
+def one_and_two(connection: Any, server: Any, chunks: list[bytes]) -> tuple[bytes, bytes]:
+    """What the host receives from one process serving both volumes, and from worker 0 handing it to worker 1."""
+    vols = {0: volume(0), 1: volume(1)}
+    one = served(lambda: connection(server({0, 1}, vols), PORTAL), chunks)
+    two = served(None, chunks, handing=lambda inbox: connection(server({0}, vols, inbox), PORTAL),
+                 owner=lambda: connection(server({1}, vols, Inbox()), PORTAL))
+    return one, two
+
+
 def cuts(stream: bytes, sizes: tuple[int, ...]) -> list[bytes]:
     out, pos, i = [], 0, 0
     while pos < len(stream):
@@ -133,14 +142,15 @@ def nbd_stream(name: bytes = b"b") -> bytes:
             + option(Opt.GO, struct.pack(">I", len(name)) + name + struct.pack(">H", 0)) + read)
 
 
-def nbd_server(mine: set[int], vols: dict[int, Volume], inbox: Inbox | None = None) -> nbd.NbdServer:
+def nbd_server(mine: set[int], vols: dict[int, Volume], inbox: Inbox | None = None, *,
+               sizes_known: bool = True) -> nbd.NbdServer:
     exports = []
     for i, name in enumerate("ab"):
         if i in mine:
             exports.append(NbdExportConfig(name, vols[i], [PORTAL], description=f"vol {name}"))
         else:
             exports.append(NbdExportConfig(name, None, [PORTAL], description=f"vol {name}", elsewhere=i,
-                                           geometry=(BLOCKS, BS)))
+                                           geometry=(BLOCKS, BS) if sizes_known else None))
     srv = nbd.NbdServer(exports)
     srv.exchange = inbox  # type: ignore[assignment]
     return srv
@@ -148,12 +158,7 @@ def nbd_server(mine: set[int], vols: dict[int, Volume], inbox: Inbox | None = No
 
 @pytest.mark.parametrize("sizes", [(10_000,), (1,), (4, 13, 7), (16, 40)])
 def test_an_nbd_client_handed_over_at_go_sees_what_one_process_would_send(sizes: tuple[int, ...]) -> None:
-    vols = {0: volume(0), 1: volume(1)}
-    chunks = cuts(nbd_stream(), sizes)
-    one = served(lambda: nbd.Connection(nbd_server({0, 1}, vols), PORTAL), chunks)
-    two = served(None, chunks,
-                 handing=lambda inbox: nbd.Connection(nbd_server({0}, vols, inbox), PORTAL),
-                 owner=lambda: nbd.Connection(nbd_server({1}, vols, Inbox()), PORTAL))
+    one, two = one_and_two(nbd.Connection, nbd_server, cuts(nbd_stream(), sizes))
     assert two == one
     assert bytes([0x31]) * BS in one    # volume b's first block was read
 
@@ -166,10 +171,7 @@ async def _test_nbd_info_about_an_export_whose_size_is_not_known_yet_is_handed_o
     vols = {0: volume(0), 1: volume(1)}
 
     def unknown(mine: set[int], inbox: Inbox) -> nbd.NbdServer:
-        srv = nbd_server(mine, vols, inbox)
-        for e in srv.exports.values():
-            e.geometry = None
-        return srv
+        return nbd_server(mine, vols, inbox, sizes_known=False)
 
     inbox = Inbox()
     c, w = nbd.Connection(unknown({0}, inbox), PORTAL), HandWire()
@@ -217,10 +219,7 @@ async def _test_a_connection_is_not_handed_over_twice_for_what_it_asked_before()
     vols = {0: volume(0), 1: volume(1)}
 
     def unknown(mine: set[int], inbox: Inbox) -> nbd.NbdServer:
-        srv = nbd_server(mine, vols, inbox)
-        for e in srv.exports.values():
-            e.geometry = None
-        return srv
+        return nbd_server(mine, vols, inbox, sizes_known=False)
 
     info = [option(Opt.INFO, struct.pack(">I", 1) + n + struct.pack(">H", 0)) for n in (b"a", b"b")]
     stream = struct.pack(">I", 3) + info[0] + info[1] + info[0]
@@ -267,12 +266,7 @@ def nvme_stream() -> bytes:
 
 @pytest.mark.parametrize("sizes", [(10_000,), (128,), (7, 300, 64), (1024,)])
 def test_an_nvme_queue_handed_over_at_connect_sees_what_one_process_would_send(sizes: tuple[int, ...]) -> None:
-    vols = {0: volume(0), 1: volume(1)}
-    chunks = cuts(nvme_stream(), sizes)
-    one = served(lambda: nvme_tcp.Connection(nvme_server({0, 1}, vols), PORTAL), chunks)
-    two = served(None, chunks,
-                 handing=lambda inbox: nvme_tcp.Connection(nvme_server({0}, vols, inbox), PORTAL),
-                 owner=lambda: nvme_tcp.Connection(nvme_server({1}, vols, Inbox()), PORTAL))
+    one, two = one_and_two(nvme_tcp.Connection, nvme_server, cuts(nvme_stream(), sizes))
     assert two == one
     assert len(one) > 4096    # the Identify data came back
 
