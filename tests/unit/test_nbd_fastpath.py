@@ -63,7 +63,9 @@ def encode(stream: list[Req], seed: int) -> list[tuple[int, bytes]]:
 
 
 async def run(devices: list[Any], stream: list[tuple[int, bytes]], structured: bool, *,
-              lane: bool = True) -> list[bytes]:
+              lane: bool = True, receive: list[int] | None = None) -> list[bytes]:
+    """Each connection's output for `stream`; with `receive` (read sizes, cycled), the bytes go in as a
+    transport with a BufferedProtocol gives them: into get_buffer()'s buffer, then buffer_updated()."""
     from openvsan.volume import Volume
 
     exports = [NbdExportConfig(name, Volume(dev, name=name, uuid=uuid.UUID(int=i + 1)), [PORTAL], read_only=i == 1)
@@ -79,8 +81,19 @@ async def run(devices: list[Any], stream: list[tuple[int, bytes]], structured: b
         assert c.export is not None and c.export.name == name
         conns.append(c)
         wires.append(w)
+    step = 0
     for which, chunk in stream:
-        conns[which].data_received(chunk)
+        if receive is None:
+            conns[which].data_received(chunk)
+        else:
+            pos = 0
+            while pos < len(chunk):
+                buf = conns[which].get_buffer(-1)
+                n = min(len(buf), len(chunk) - pos, receive[step % len(receive)])
+                step += 1
+                buf[:n] = chunk[pos:pos + n]
+                conns[which].buffer_updated(n)
+                pos += n
         for _ in range(4):
             await asyncio.sleep(0)
     for c in conns:
@@ -241,3 +254,37 @@ def test_any_stream_cut_anywhere_gets_the_same_bytes_with_or_without_the_lane(
         stream: list[Req], structured: bool, sizes: list[int]) -> None:
     with_lane, without = lanes(stream, structured, sizes)
     assert with_lane == without
+
+
+# --- large writes received straight into their buffer (get_buffer / buffer_updated) --------------------------
+def test_large_writes_received_into_their_buffer_send_what_the_copy_path_sends(monkeypatch: Any) -> None:
+    from openvsan.protocol.nbd.connection import NbdServerConnection
+
+    direct = []
+    filled = NbdServerConnection.payload_filled
+
+    def counting(self: NbdServerConnection, n: int) -> Any:
+        direct.append(n)
+        return filled(self, n)
+
+    monkeypatch.setattr(NbdServerConnection, "payload_filled", counting)
+    rnd = random.Random(21)
+    stream: list[Req] = []
+    for _ in range(120):
+        length = rnd.choice((BS, 8 * BS, 256 * BS, 512 * BS, 1024 * BS))    # up to 512 KiB: past DIRECT_PAYLOAD
+        offset = rnd.randrange(0, BLOCKS - length // BS + 1) * BS
+        cmd = rnd.choice((Cmd.WRITE, Cmd.WRITE, Cmd.READ))
+        stream.append((rnd.choice((0, 0, 1)), cmd, offset, length, rnd.choice((0, CmdFlag.FUA))))
+    stream.append((0, Cmd.WRITE, SIZE - BS, 1024 * BS, 0))      # refused (beyond the end): its payload is skipped
+    stream.append((0, Cmd.READ, 0, SIZE, 0))
+
+    async def go(receive: list[int] | None, lane: bool) -> tuple[list[bytes], list[bytes]]:
+        devs = [RamDevice(BLOCKS, BS) for _ in NAMES]
+        out = await run(devs, encode(stream, 9), False, lane=lane, receive=receive)
+        return out, [bytes(d.read_now(0, BLOCKS)) for d in devs]
+
+    reference = asyncio.run(go(None, False))
+    for receive in ([1 << 20], [65536 + 28], [1000, 70000, 200000], [4096]):
+        direct.clear()
+        assert asyncio.run(go(receive, True)) == reference, receive
+        assert sum(direct) > 1 << 20, receive      # megabytes of payload went straight into their buffers

@@ -1,8 +1,10 @@
 """The asyncio NBD server: portals, connections, and block I/O for checked requests.
 
-A Connection is an asyncio.Protocol that feeds received bytes to the sans-IO NbdServerConnection
+A Connection is an asyncio BufferedProtocol that feeds received bytes to the sans-IO NbdServerConnection
 (protocol/nbd) and runs the requests it yields on the export's BlockDevice, each in its own task, so
-replies go out in completion order (proto.md "Transmission": replies need not be in request order).
+replies go out in completion order (proto.md "Transmission": replies need not be in request order). The
+payload of a large write is received straight into its own buffer (get_buffer: NbdServerConnection's
+payload_window); everything else lands in one receive buffer and is copied out at once.
 
 TLS (proto.md "TLS support"): with an ssl context the server offers NBD_OPT_STARTTLS on every portal that
 serves an export with tls = "optional" or "require"; the protocol layer answers the option, and the
@@ -43,7 +45,7 @@ from openvsan.protocol.nbd import (
     Send,
     StartTls,
 )
-from openvsan.protocol.nbd.events import DEFAULT_MAX_PAYLOAD, Buffer
+from openvsan.protocol.nbd.events import DEFAULT_MAX_PAYLOAD, Buffer, Event
 
 log = logging.getLogger("openvsan.nbd")
 
@@ -225,7 +227,14 @@ class NbdServer(PortalServer):
         return offered, frozenset(e.name for e in here if e.tls == "require")
 
 
-class Connection(BatchedConnection):
+# received bytes land here first (one buffer for every NBD connection of the process: buffer_updated copies
+# them out at once), except the payload of a large write, received straight into its own buffer
+RECEIVE_SIZE = 256 * 1024
+_RECEIVE_VIEW = memoryview(bytearray(RECEIVE_SIZE))
+DIRECT_PAYLOAD = 64 * 1024   # payload still to come from which a write's buffer is received into directly
+
+
+class Connection(BatchedConnection, asyncio.BufferedProtocol):
     """One TCP connection: the handshake, then the transmission phase on one export."""
 
     def __init__(self, server: NbdServer, portal: tuple[str, int]) -> None:
@@ -248,6 +257,7 @@ class Connection(BatchedConnection):
         self._upgrading: asyncio.Task[None] | None = None   # the TLS handshake after NBD_OPT_STARTTLS
         self._early: list[bytes] | None = None              # decrypted data that came before start_tls returned
         self._lane = False                                  # negotiated: received() takes the request lane
+        self._into_payload = False                          # get_buffer gave the transport a payload's buffer
         self._expired = False
         self._lost = False
 
@@ -298,7 +308,33 @@ class Connection(BatchedConnection):
                 self._start(req)
             if not len(rest) or self._closed:
                 return
-        for event in self.conn.receive_data(rest):
+        self._events(self.conn.receive_data(rest))
+
+    # --- receiving a large write's payload straight into its buffer (asyncio.BufferedProtocol) -------------
+    def get_buffer(self, sizehint: int) -> memoryview:
+        """Where the transport receives next: the rest of a large write's payload when one is being read (no
+        copy of it here), else the receive buffer every NBD connection of this process shares (received
+        bytes are copied out of it in buffer_updated, before any other connection can receive)."""
+        if self._lane and not self.conn.tls:
+            window = self.conn.payload_window(DIRECT_PAYLOAD)
+            if window is not None:
+                self._into_payload = True
+                return window
+        self._into_payload = False
+        return _RECEIVE_VIEW
+
+    def buffer_updated(self, nbytes: int) -> None:
+        if self._into_payload:
+            self._into_payload = False
+            self.answer_at_once(self._payload_arrived, nbytes)
+        else:
+            self.data_received(bytes(_RECEIVE_VIEW[:nbytes]))   # bytes: requests keep views of what came
+
+    def _payload_arrived(self, nbytes: int) -> None:
+        self._events(self.conn.payload_filled(nbytes))
+
+    def _events(self, events: list[Event]) -> None:
+        for event in events:
             if self._closed:
                 return
             if isinstance(event, Request):   # first: what comes most

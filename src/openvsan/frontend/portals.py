@@ -64,7 +64,7 @@ def _discard(data: bytes) -> None:
     """What a lingering connection does with what it still receives."""
 
 
-class BatchedConnection(asyncio.Protocol):
+class BatchedConnection(asyncio.BaseProtocol):
     """A target connection: TCP_NODELAY, and replies sent through a WriteBatcher. Subclasses implement
     received(); what it answers at once leaves in one writelines when it returns, in the same loop turn.
 
@@ -311,6 +311,12 @@ class BatchedConnection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self.answer_at_once(self.received, data)
+
+    def eof_received(self) -> bool | None:
+        """The peer half-closed: the transport closes (as asyncio.Protocol's default). A BaseProtocol, not an
+        asyncio.Protocol: uvloop gives a protocol that is one data_received() even where it is also a
+        BufferedProtocol, as the NBD connection is (frontend/nbd.py get_buffer)."""
+        return None
 
     def received(self, data: bytes) -> None:
         raise NotImplementedError

@@ -264,12 +264,33 @@ class NbdServerConnection:
             return
         events.append(Request(cmd, flags, cookie, offset, length, memoryview(b"") if cmd == Cmd.WRITE else None))
 
+    def payload_window(self, least: int) -> memoryview | None:
+        """Where the rest of a write's payload goes, when at least `least` bytes of it are still to come: the
+        driver may receive into it directly (then payload_filled), sparing a copy of what it read. None when
+        no payload is being read, it is being discarded (a refused write), or little of it is left."""
+        if self.phase is not Phase.PAYLOAD or self._payload is None or self._want - self._fill < least:
+            return None
+        return memoryview(self._payload)[self._fill:self._want]
+
+    def payload_filled(self, n: int) -> list[Event]:
+        """`n` more bytes of the payload were received into payload_window()'s buffer."""
+        events: list[Event] = []
+        if self.phase is not Phase.PAYLOAD or not 0 < n <= self._want - self._fill:
+            raise RuntimeError(f"payload_filled({n}) with {self._want - self._fill} bytes of payload to come")
+        self._fill += n
+        self._payload_done(events)
+        return events
+
     def _payload_bytes(self, view: memoryview, pos: int, events: list[Event]) -> int:
         take = min(self._want - self._fill, len(view) - pos)
         if self._payload is not None:
             self._payload[self._fill:self._fill + take] = view[pos:pos + take]
         self._fill += take
         pos += take
+        self._payload_done(events)
+        return pos
+
+    def _payload_done(self, events: list[Event]) -> None:
         if self._fill == self._want:
             cmd, flags, cookie, offset = self._write
             payload, self._payload = self._payload, None
@@ -280,7 +301,6 @@ class NbdServerConnection:
             else:
                 events.append(Request(cmd, flags, cookie, offset, self._want, memoryview(payload)))
             self._expect(Phase.REQUEST, REQUEST.size)
-        return pos
 
     # --- output ----------------------------------------------------------------------------------
     def reply(self, req: Request, data: Buffer | None = None) -> list[Buffer]:
