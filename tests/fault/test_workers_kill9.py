@@ -152,3 +152,43 @@ def _alive(pid: int) -> bool:
     except FileNotFoundError:
         return False
     return stat[stat.rindex(")") + 2] != "Z"
+
+
+@pytest.mark.timeout(180)
+def test_a_ram_volume_keeps_its_blocks_when_its_worker_is_killed(tmp_path: Path) -> None:
+    """A RAM device's memory is made and kept by the supervisor (node/workers.py memfds): a worker killed
+    with SIGKILL and started again serves what was written before, as a file device would."""
+    import asyncio
+
+    from openvsan.initiator import open_url
+
+    node = WorkerNode(tmp_path / "node", backing="ram").start()
+    blocks = {v: f"in the memory of {v}".encode().ljust(BS, b".") for v in node.volumes}
+
+    async def write(v: str) -> None:
+        dev = await open_url(node.url("nvme", v))
+        try:
+            await dev.write(11, blocks[v], fua=True)
+        finally:
+            await dev.close()
+
+    async def read(v: str) -> bytes:
+        dev = await open_url(node.url("nbd", v))
+        try:
+            return bytes(await dev.read(11, 1))
+        finally:
+            await dev.close()
+
+    try:
+        for v in node.volumes:
+            asyncio.run(write(v))
+        victim = node.owner("v1")
+        os.kill(int(victim["pid"]), signal.SIGKILL)  # type: ignore[call-overload]
+        deadline = time.monotonic() + 60
+        while not (node.owner("v1")["serving"] and node.owner("v1")["restarts"] == 1):
+            assert time.monotonic() < deadline, node.log_text()[-3000:]
+            time.sleep(0.2)
+        for v in node.volumes:
+            assert asyncio.run(read(v)) == blocks[v], v
+    finally:
+        assert node.stop() == 0, node.log_text()[-3000:]

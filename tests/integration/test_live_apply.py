@@ -238,8 +238,8 @@ def slow_devices(monkeypatch: pytest.MonkeyPatch) -> dict[str, FaultDevice]:
     real = node_module.open_device
     made: dict[str, FaultDevice] = {}
 
-    def open_device(spec: DeviceSpec, *, trust_foreign: bool = False) -> BlockDevice:
-        dev = real(spec, trust_foreign=trust_foreign)
+    def open_device(spec: DeviceSpec, *, trust_foreign: bool = False, memfd: int | None = None) -> BlockDevice:
+        dev = real(spec, trust_foreign=trust_foreign, memfd=memfd)
         if spec.name.startswith("slow"):
             dev = made[spec.name] = FaultDevice(dev, name=spec.name)   # type: ignore[assignment]
         return dev

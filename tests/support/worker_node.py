@@ -31,6 +31,7 @@ class WorkerNode:
     workers: int = 2
     volumes: tuple[str, ...] = ("v0", "v1")
     size_mib: int = 8
+    backing: str = "file"          # or "ram": memory the supervisor keeps across a worker's restart
     proc: subprocess.Popen[bytes] | None = None
     ports: dict[str, int] = field(default_factory=dict)
 
@@ -42,7 +43,8 @@ class WorkerNode:
         self.log = self.workdir / "vsan.log"
         lines = ["[node]", 'name = "workers"', f"workers = {self.workers}", ""]
         for v in self.volumes:
-            lines += ["[[devices]]", f'name = "d{v}"', 'type = "file"', f'path = "{self.image(v)}"',
+            where = [f'path = "{self.image(v)}"'] if self.backing == "file" else []
+            lines += ["[[devices]]", f'name = "d{v}"', f'type = "{self.backing}"', *where,
                       f'size = "{self.size_mib}MiB"', "", "[[volumes]]", f'name = "{v}"', f'device = "d{v}"', ""]
         lines += ["[iscsi]", f'portals = ["127.0.0.1:{self.ports["iscsi"]}"]', ""]
         for v in self.volumes:

@@ -24,7 +24,9 @@ def _zeros(n: int) -> memoryview:
 
 class RamDevice:
     def __init__(self, num_blocks: int, block_size: int = 512, *, backing: str | None = None,
-                 name: str = "ram", trust_foreign: bool = False) -> None:
+                 name: str = "ram", trust_foreign: bool = False, memfd: int | None = None) -> None:
+        """`memfd`: a memory file made by someone else (a worker's supervisor, node/workers.py), used through
+        a duplicate of the descriptor, so the blocks outlive this process while its maker keeps it."""
         if block_size not in (512, 4096):
             raise ValueError(f"block_size must be 512 or 4096, not {block_size}")
         self.name = name
@@ -42,6 +44,10 @@ class RamDevice:
             except BaseException:
                 os.close(self._fd)
                 raise
+        elif memfd is not None:
+            self._fd = os.dup(memfd)
+            if os.fstat(self._fd).st_size != size:
+                os.ftruncate(self._fd, size)
         else:
             # a sparse memory file: blocks cost nothing until written, and read back as zeros
             self._fd = os.memfd_create(f"openvsan-{name}", os.MFD_CLOEXEC)

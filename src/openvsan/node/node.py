@@ -45,14 +45,15 @@ class NodeError(RuntimeError):
     """The node cannot be assembled or served; str() is one line for the user."""
 
 
-def open_device(spec: DeviceSpec, *, trust_foreign: bool = False) -> BlockDevice:
+def open_device(spec: DeviceSpec, *, trust_foreign: bool = False, memfd: int | None = None) -> BlockDevice:
     """Open a config device. Its file (or RAM backing) must not be a symlink, another user's, or writable by
-    others, unless `trust_foreign` ([node] trust_foreign_files): block/file.py open_backing."""
+    others, unless `trust_foreign` ([node] trust_foreign_files): block/file.py open_backing. `memfd`: a RAM
+    device's memory, kept by a worker's supervisor (node/workers.py) so it outlives the worker."""
     if spec.type == "ram":
         assert spec.size is not None
         return RamDevice(spec.size // spec.block_size, spec.block_size,
                          backing=str(spec.backing) if spec.backing else None, name=spec.name,
-                         trust_foreign=trust_foreign)
+                         trust_foreign=trust_foreign, memfd=None if spec.backing else memfd)
     if spec.type == "file":
         assert spec.path is not None
         return FileDevice(spec.path, size=spec.size, block_size=spec.block_size, direct=spec.direct, name=spec.name,
@@ -155,7 +156,8 @@ class Node:
             nvme_factory = (f.nvme_server or _real_nvme_server()) if cfg.nvme is not None else None
             for spec in cfg.devices:
                 try:
-                    self.devices[spec.name] = open_device(spec, trust_foreign=cfg.node.trust_foreign_files)
+                    self.devices[spec.name] = open_device(spec, trust_foreign=cfg.node.trust_foreign_files,
+                                                          memfd=self.memfd(spec.name))
                 except (OSError, ValueError) as e:
                     user = cfg.device_user(spec.name)
                     if user is None or not user.startswith("pool "):
@@ -292,6 +294,10 @@ class Node:
         await self.nbd_server.start()
 
     # ---- a worker of several (node/workers.py): what the others serve, and connections they hand over
+
+    def memfd(self, device: str) -> int | None:
+        """A worker's RAM device's memory, made and kept by the supervisor (None: make one here)."""
+        return self.worker.memfds.get(device) if self.worker is not None else None
 
     def _exchange(self) -> Any:
         return self.worker.exchange if self.worker is not None else None

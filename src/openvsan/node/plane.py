@@ -95,7 +95,8 @@ class DataPlane:
 
         if spec.path is not None:
             spec.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        self.node.devices[spec.name] = open_device(spec, trust_foreign=self.node.state.config.node.trust_foreign_files)
+        self.node.devices[spec.name] = open_device(spec, trust_foreign=self.node.state.config.node.trust_foreign_files,
+                                                   memfd=self.node.memfd(spec.name))
 
     async def _remove_device(self, c: Change) -> None:
         self._set_aside[("device", c.key)] = self.node.devices.pop(c.key)

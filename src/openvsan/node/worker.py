@@ -39,6 +39,7 @@ def main() -> None:
     placement = args["placement"]
     role = WorkerRole(index, state.config, placement)
     role.exchange = Exchange(index, list(args["send"]), args["inbox"])
+    role.memfds = dict(args.get("memfds") or {})
     mine = dataclasses.replace(state, config=part(state.config, placement, index))
 
     node = Node(mine, Path(args["data_dir"]), worker=role)

@@ -240,6 +240,7 @@ class WorkerRole:
     whole: NodeConfig
     placement: Placement
     exchange: Any = None      # frontend.handoff.Exchange, made in the worker process
+    memfds: dict[str, int] = field(default_factory=dict)   # RAM device -> its memory, kept by the supervisor
 
 
 @dataclass
@@ -330,6 +331,10 @@ class Supervisor:
                       for i in range(self.workers)]
         self._pairs: list[Any] = []
         self._control: Any = None
+        # RAM devices' memory (no backing file): made here and handed to the worker that serves them, so a
+        # worker that dies and is started again finds the blocks its writes left (node/node.py memfd)
+        self.memfds: dict[str, int] = {}
+        self._keep_memfds(self.state.config)
         self.geometry: dict[str, list[int]] = {}   # volume -> [blocks, block size], from the workers
         self._applying = asyncio.Lock()
 
@@ -358,14 +363,25 @@ class Supervisor:
         finally:
             await self.stop()
 
+    def _keep_memfds(self, cfg: NodeConfig) -> None:
+        """A memory file for each RAM device of `cfg` without a backing file; those of devices gone closed."""
+        want = {d.name for d in cfg.devices if d.type == "ram" and d.backing is None}
+        for name in [n for n in self.memfds if n not in want]:
+            os.close(self.memfds.pop(name))
+        for name in want - set(self.memfds):
+            self.memfds[name] = os.memfd_create(f"openvsan-{name}", os.MFD_CLOEXEC)
+
     async def _spawn(self, w: WorkerProc) -> None:
         recv = [r.fileno() for r, _ in self._pairs]
         send = [s.fileno() for _, s in self._pairs]
+        mine = {d.name for d in part(self.state.config, self.placement, w.index).devices}
+        memfds = {name: fd for name, fd in self.memfds.items() if name in mine}
         args = {"index": w.index, "cpu": w.cpu, "state": self.state, "placement": self.placement,
-                "data_dir": str(self.data_dir), "log_level": self.log_level, "inbox": recv[w.index], "send": send}
+                "data_dir": str(self.data_dir), "log_level": self.log_level, "inbox": recv[w.index], "send": send,
+                "memfds": memfds}
         w.proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "openvsan.node.worker", stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE, pass_fds=[*recv, *send], preexec_fn=_die_with_parent)
+            stdout=asyncio.subprocess.PIPE, pass_fds=[*recv, *send, *memfds.values()], preexec_fn=_die_with_parent)
         assert w.proc.stdin is not None
         w.proc.stdin.write(pickle.dumps(args))
         w.proc.stdin.close()
@@ -547,6 +563,8 @@ class Supervisor:
             identities = {k: v for k, v in {**self.state.identities, **new_ids}.items() if k not in forget}
             self.state = StoredState(desired, identities, self.state.pool_devices, revision)
             self.placement = where
+            for name in [n for n in self.memfds if n not in {d.name for d in desired.devices}]:
+                os.close(self.memfds.pop(name))
             await self._refresh_geometry()
             for c in changes:
                 log.info("applied: %s", c)
