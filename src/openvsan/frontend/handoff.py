@@ -72,12 +72,6 @@ class Exchange:
             s.setblocking(False)
         self._inbox = socket.socket(fileno=inbox_fd)
         self._inbox.setblocking(False)
-        self.handed = 0          # connections sent to other workers
-        self.arrived = 0         # connections received from them
-
-    @property
-    def workers(self) -> int:
-        return len(self._send)
 
     def send(self, worker: int, fd: int, kind: str, portal: tuple[str, int], received: bytes,
              answered: bytes, hops: int = 1) -> None:
@@ -87,7 +81,6 @@ class Exchange:
                            "tx": len(answered), "hops": hops}).encode()
         msg = b"".join((_LEN.pack(len(head)), head, received, answered))
         socket.send_fds(self._send[worker], [msg], [fd])
-        self.handed += 1
 
     def watch(self, on_arrival: Callable[[Arrival], None], on_message: Callable[[dict[str, Any]], None]) -> None:
         """Call on_arrival for each connection that comes to this worker's inbox, on_message for each note
@@ -121,7 +114,6 @@ class Exchange:
                 os.close(fds[0])
                 log.error("worker %d: a malformed hand-off message was dropped: %s", self.index, e)
                 continue
-            self.arrived += 1
             on_arrival(arrival)
 
     def close(self) -> None:

@@ -543,6 +543,8 @@ class Node:
         if self.replication is not None:
             await self.replication.stop()    # a primary steps down (drained), so a peer takes over at once
             self.replication = None
+        if self.worker is not None:
+            self.worker.exchange.close()   # no more connections from the other workers
         if self._servers():
             log.info("stopping: draining in-flight commands")
             await self._stop_servers()

@@ -450,10 +450,7 @@ class Supervisor:
         if self._control is not None:
             await self._control.stop()
             self._control = None
-        for w in self.procs:
-            if w.proc is not None and w.proc.returncode is None:
-                with contextlib.suppress(ProcessLookupError):
-                    w.proc.send_signal(signal.SIGTERM)
+        self.interrupt()
         for w in self.procs:
             if w.proc is not None:
                 rc = await w.proc.wait()
@@ -469,7 +466,8 @@ class Supervisor:
         self._pairs = []
 
     def interrupt(self) -> None:
-        """A second SIGTERM/SIGINT: the workers stop waiting for commands in flight (they still flush)."""
+        """SIGTERM to every worker: the first drains and stops it; a second (SIGTERM/SIGINT to vsan serve
+        again) makes it stop waiting for commands in flight (it still flushes)."""
         for w in self.procs:
             if w.proc is not None and w.proc.returncode is None:
                 with contextlib.suppress(ProcessLookupError):
