@@ -226,6 +226,25 @@ def vsan_bench_iops(out: str) -> dict[str, float]:
             "p99_us": total["latency_us"]["p99"]}
 
 
+def fio_nbd_job(work: Path, name: str, uri: str, options: Sequence[str]) -> Path:
+    """A job file for fio's nbd engine (on the command line fio splits --uri at its ':', as it does file
+    names): work/fio-NAME.fio with `options` (rw=..., bs=..., ...)."""
+    job = work / f"fio-{name}.fio"
+    job.write_text("\n".join(["[job]", "ioengine=nbd", f"uri={uri}", *options, ""]))
+    return job
+
+
+def fio_job(out: str, what: str) -> dict[str, Any]:
+    """The first job of `fio --output-format=json`'s document (the nbd engine prints "fio: connected to NBD
+    server" on stdout before it); BenchError when there is none or the job failed."""
+    if "{" not in out:
+        raise BenchError(f"no JSON from fio on {what}:\n{out[-1000:]}")
+    job: dict[str, Any] = json.loads(out[out.index("{"):])["jobs"][0]
+    if job.get("error"):
+        raise BenchError(f"fio on {what}: error {job['error']}")
+    return job
+
+
 def make_workdir(prefix: str) -> Path:
     return Path(tempfile.mkdtemp(prefix=prefix))
 

@@ -21,9 +21,10 @@ from typing import Any
 
 from _common import (
     VSAN,
-    BenchError,
     MemoryPeaks,
     Target,
+    fio_job,
+    fio_nbd_job,
     fmt,
     free_port,
     group_cpu_seconds,
@@ -74,20 +75,10 @@ CASES: list[tuple[str, str, int, int, int, str]] = [
 
 def fio(client: list[str], work: Path, uri: str, rw: str, mix: int, bs: int, qd: int, seconds: float,
         name: str) -> dict[str, float]:
-    # a job file: on the command line fio splits --uri at its ':' (as it does file names)
-    job = work / f"fio-{name}.fio"
-    lines = ["[job]", "ioengine=nbd", f"uri={uri}", f"rw={rw}", f"bs={bs}", f"iodepth={qd}", "time_based",
-             f"runtime={seconds:g}", f"ramp_time={min(1.0, seconds / 4):g}", "randrepeat=0"]
-    if rw == "randrw":
-        lines.append(f"rwmixread={mix}")
-    job.write_text("\n".join(lines) + "\n")
-    out = run_tool([*client, "fio", "--output-format=json", str(job)], timeout=seconds + 60)
-    # the nbd engine prints "fio: connected to NBD server" on stdout before the JSON document
-    if "{" not in out:
-        raise BenchError(f"no JSON from fio on {uri}:\n{out[-1000:]}")
-    j = json.loads(out[out.index("{"):])["jobs"][0]
-    if j.get("error"):
-        raise BenchError(f"fio on {uri}: error {j['error']}")
+    opts = [f"rw={rw}", f"bs={bs}", f"iodepth={qd}", "time_based", f"runtime={seconds:g}",
+            f"ramp_time={min(1.0, seconds / 4):g}", "randrepeat=0"] + ([f"rwmixread={mix}"] if rw == "randrw" else [])
+    job = fio_nbd_job(work, name, uri, opts)
+    j = fio_job(run_tool([*client, "fio", "--output-format=json", str(job)], timeout=seconds + 60), uri)
     r, w = j["read"], j["write"]
     ios = r["total_ios"] + w["total_ios"]
     lat = (r["lat_ns"]["mean"] * r["total_ios"] + w["lat_ns"]["mean"] * w["total_ios"]) / ios if ios else 0.0
@@ -95,9 +86,7 @@ def fio(client: list[str], work: Path, uri: str, rw: str, mix: int, bs: int, qd:
 
 
 def fill(client: list[str], work: Path, uri: str, size_mib: int) -> None:
-    job = work / "fio-fill.fio"
-    job.write_text("\n".join(["[fill]", "ioengine=nbd", f"uri={uri}", "rw=write", "bs=1M", "iodepth=8",
-                              f"size={size_mib}M", ""]))
+    job = fio_nbd_job(work, "fill", uri, ["rw=write", "bs=1M", "iodepth=8", f"size={size_mib}M"])
     run_tool([*client, "fio", "--output-format=json", str(job)], timeout=300)
 
 

@@ -32,6 +32,8 @@ from _common import (
     VSAN,
     BenchError,
     Target,
+    fio_job,
+    fio_nbd_job,
     fmt,
     free_port,
     group_cpu_seconds,
@@ -82,10 +84,8 @@ def client(tool: str, pin: list[str], work: Path, url: str, seconds: int, rw: st
         argv = [*pin, "iscsi-perf", "-i", CLIENT_IQN, "-m", "32", "-b", str(4096 // SECTOR), "-t", str(seconds),
                 "-r", url]
     else:
-        # a job file: on the command line fio splits --uri at its ':' (as it does file names)
-        job = work / f"fio-{abs(hash(url))}.fio"
-        job.write_text("\n".join(["[w]", "ioengine=nbd", f"uri={url}", f"rw={rw}", "bs=4096", "iodepth=32",
-                                  "time_based", f"runtime={seconds}", "randrepeat=0", ""]))
+        job = fio_nbd_job(work, str(abs(hash(url))), url, [f"rw={rw}", "bs=4096", "iodepth=32", "time_based",
+                                                            f"runtime={seconds}", "randrepeat=0"])
         argv = [*pin, "fio", "--output-format=json", str(job)]
     return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
@@ -98,12 +98,9 @@ def iops_of(tool: str, p: subprocess.Popen[bytes], seconds: int) -> float:
             raise BenchError(f"iscsi-perf failed ({p.returncode}):\n{out[-1000:].decode(errors='replace')}")
         return float(found[-1][0])
     text = out.decode(errors="replace")
-    if p.returncode != 0 or "{" not in text:
+    if p.returncode != 0:
         raise BenchError(f"fio failed ({p.returncode}):\n{text[-1000:]}")
-    # the nbd engine prints "fio: connected to NBD server" on stdout before the JSON document
-    j = json.loads(text[text.index("{"):])["jobs"][0]
-    if j.get("error"):
-        raise BenchError(f"fio: error {j['error']}")
+    j = fio_job(text, "the NBD export")
     return float(j["read"]["iops"] + j["write"]["iops"])
 
 
