@@ -407,12 +407,22 @@ def test_read_now_declines_without_member_fast_paths() -> None:
 
 
 class Declining(RamMember):
-    """A RAM member whose fast path can be told to decline writes (a file in memory out of space)."""
+    """A RAM member whose fast path can be told to decline writes (a file in memory out of space), all of them
+    or those from member block `decline_from` on."""
 
     decline = False
+    decline_from: int | None = None
 
     def write_now(self, lba: int, data: bytes) -> bool:
-        return False if self.decline else super().write_now(lba, data)
+        if self.decline or (self.decline_from is not None and lba >= self.decline_from):
+            return False
+        return super().write_now(lba, data)
+
+
+class NoFastWrites(Declining):
+    """A RAM member that declines every fast write: a pool of these takes the normal write path only."""
+
+    decline = True
 
 
 async def ram_pool(level: int, n: int, cls: type[RamMember] = RamMember) -> tuple[Pool, list[RamMember]]:
@@ -431,20 +441,23 @@ def test_write_now_leaves_the_members_as_write_does(level: int) -> None:
 
         async def go(n: int = n, rng: random.Random = rng) -> None:
             fast, fast_members = await ram_pool(level, n)
-            slow, slow_members = await ram_pool(level, n)
+            slow, slow_members = await ram_pool(level, n, NoFastWrites)  # write() takes no shortcut there
             model = bytearray(fast.num_blocks * BS)
-            taken = 0
+            row = fast.geo.chunk_blocks * fast.geo.data_chunks
+            taken = taken_rows = 0
             for _ in range(300):
-                blocks = rng.choice([1, 2, 8, CHUNK // BS, CHUNK // BS + 3, 3 * CHUNK // BS])
+                blocks = rng.choice([1, 2, 8, CHUNK // BS, CHUNK // BS + 3, 3 * CHUNK // BS, row, 2 * row + 5])
                 lba = rng.randrange(fast.num_blocks - blocks + 1)
                 data = rng.randbytes(blocks * BS)
                 model[lba * BS:(lba + blocks) * BS] = data
                 if fast.write_now(lba, data):
                     taken += 1
+                    taken_rows += lba // row != (lba + blocks - 1) // row
                 else:
                     await fast.write(lba, data)
                 await slow.write(lba, data)
             assert taken > 50, f"the fast path took only {taken} of 300 writes"
+            assert taken_rows > 10, f"the fast path took only {taken_rows} writes spanning rows"
             for a, b in zip(fast_members, slow_members, strict=True):      # the data area (headers hold ids)
                 assert bytes(a._view[HEADER:]) == bytes(b._view[HEADER:]), f"member {a.name} differs"
             if fast.bitmap is not None and slow.bitmap is not None:
@@ -504,5 +517,63 @@ def test_a_fast_write_declined_half_way_is_written_again_whole(level: int) -> No
         assert bytes(await pool.read(3, 1)) == new
         assert (await pool.scrub(repair=False)).mismatches == 0
         await pool.close()
+
+    asyncio.run(go())
+
+
+@pytest.mark.parametrize("level", [5, 6])
+def test_a_fast_write_spanning_rows_declined_in_a_later_row(level: int) -> None:
+    """A write over rows 0 to 2 whose parity members of row 1 decline from row 1 on (after that row's data
+    was written): row 0 is written by the fast path, row 1 is left torn, and write() (which a declined write_now hands the request to) writes the whole request
+    again; the pool then reads back the new data and scrubs clean."""
+    async def go() -> None:
+        pool, members = await ram_pool(level, 5, Declining)
+        data = random.Random(level).randbytes(pool.num_blocks * BS)
+        await pool.write(0, data)
+        geo = pool.geo
+        row = geo.chunk_blocks * geo.data_chunks
+        for m in geo.parity_members(1):
+            members[m].decline_from = HEADER // BS + geo.chunk_blocks   # member blocks of row 1 and later
+        new = random.Random(level + 1).randbytes((2 * row + 7) * BS)
+        assert not pool.write_now(5, new)
+        assert 1 in pool.io.torn
+        got = bytes(await pool.read(5, row - 5))
+        assert got == new[:(row - 5) * BS], "row 0 was written by the fast path before row 1 declined"
+        for m in members:
+            m.decline_from = None
+        await pool.write(5, new)
+        assert not pool.io.torn
+        assert bytes(await pool.read(5, 2 * row + 7)) == new
+        assert (await pool.scrub(repair=False)).mismatches == 0
+        await pool.close()
+
+    asyncio.run(go())
+
+
+@pytest.mark.parametrize("level", sorted(LEVELS))
+def test_write_takes_the_fast_path_where_it_can(level: int) -> None:
+    """write() of a healthy pool of RAM members is done by write_now, rows and all: the per-row path (a stripe
+    lock and a plan per row) is not entered for a write spanning rows, and its data reads back; a pool whose
+    members decline fast writes takes the per-row path for the same write."""
+    async def go() -> None:
+        for cls, fast in ((RamMember, True), (NoFastWrites, False)):
+            pool, _ = await ram_pool(level, max(LEVELS[level]), cls)
+            await pool.write(0, bytes(BS))                       # the first region's bit goes to disk once
+            per_row: list[int] = []
+            normal = pool.io.write
+
+            async def spy(lba: int, data: bytes, fua: bool, normal: object = normal,
+                          per_row: list[int] = per_row) -> None:
+                per_row.append(lba)
+                await normal(lba, data, fua)  # type: ignore[operator]
+
+            pool.io.write = spy  # type: ignore[method-assign]
+            geo = pool.geo
+            span = min(2 * geo.chunk_blocks * geo.data_chunks + 3, pool.num_blocks - 1)
+            data = random.Random(level).randbytes(span * BS)
+            await pool.write(1, data)
+            assert per_row == ([] if fast else [1])
+            assert bytes(await pool.read(1, span)) == data
+            await pool.close()
 
     asyncio.run(go())

@@ -92,6 +92,10 @@ class ParityIO:
     def read_now(self, lba: int, blocks: int) -> Buffer | None:
         """read() in the caller's turn where every chunk it needs is on an in-sync member with a fast path
         (a healthy pool of RAM members: no parity involved); None otherwise (read() rebuilds what it must)."""
+        row, column, off = self.geo.locate(lba)
+        if off + blocks <= self.cb:  # inside one chunk, as most small reads are: no segment list
+            m = self.geo.data_member(row, column)
+            return self.ms.read_now(m, row, off, blocks) if self.ms.valid(m, row) else None
         segs = self.geo.segments(lba, blocks)
         if len(segs) == 1:
             return self._segment_now(segs[0])
@@ -250,16 +254,36 @@ class ParityIO:
             self.torn.discard(row)
 
     def write_now(self, lba: int, data: Buffer) -> bool:
-        """A write within one row of a healthy pool whose members have the fast path (RAM), done in the
-        caller's turn with the same plan, reads, parity and writes as `_write_row`; False, nothing written,
-        where it cannot be (more than one row, a member out of sync or without the fast path, the row held by
-        a request or rebuild in flight). A member that declines after others took their part (a file in
-        memory out of space) marks the row torn: write() writes it again, reconstructing its parity."""
+        """A write of a healthy pool whose members have the fast path (RAM), done in the caller's turn, row by
+        row with the same plan, reads, parity and writes as `_write_row` (a row the request covers whole is a
+        full stripe: parity from the new data, nothing read); False where it cannot be (a member out of sync
+        or without the fast path, a row held by a request or rebuild in flight, or a row a fast-path write left
+        torn): then write() writes the whole request, the rows this wrote before declining included, which is
+        harmless (the same data again). A member that declines after others took their part of a row (a file
+        in memory out of space) marks that row torn: write() reconstructs its parity."""
         ms = self.ms
+        if not ms.optimal:
+            return False
         view = memoryview(data).cast("B")
         segs = self.geo.segments(lba, len(view) // self.bs)
-        row = segs[0].row
-        if segs[-1].row != row or not ms.optimal or self.locks.busy(row) or row in self.torn:
+        first, last = segs[0].row, segs[-1].row
+        if first == last:
+            return self._row_now(first, segs, view)
+        locks, torn = self.locks, self.torn
+        for row in range(first, last + 1):
+            if locks.busy(row) or row in torn:
+                return False
+        start = 0
+        for i in range(1, len(segs) + 1):
+            if i == len(segs) or segs[i].row != segs[start].row:
+                if not self._row_now(segs[start].row, segs[start:i], view):
+                    return False
+                start = i
+        return True
+
+    def _row_now(self, row: int, segs: list[Segment], view: memoryview) -> bool:
+        ms = self.ms
+        if self.locks.busy(row) or row in self.torn:
             return False
         dm = self.geo.data_members(row)
         pm = self.geo.parity_members(row)

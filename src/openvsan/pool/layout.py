@@ -131,9 +131,14 @@ class Geometry:
             case Level.RAID10:
                 return (2 * index, 2 * index + 1)
             case _:
-                return ((self._p_member(row) + self.level.parity + index) % n,)
+                return (self.data_member(row, index),)
 
     def data_member(self, row: int, index: int) -> int:
+        """The member holding data chunk `index` of `row` (the first copy of a mirrored level)."""
+        npar = self._nparity
+        if npar:
+            n = self.members
+            return (n - 1 - row % n + npar + index) % n
         return self.copies(row, index)[0]
 
     def data_members(self, row: int) -> list[int]:
@@ -154,6 +159,13 @@ class Geometry:
             case _:
                 i = (member - self._p_member(row) - self.level.parity) % self.members
                 return i if i < self.data_chunks else None
+
+    def locate(self, lba: int) -> tuple[int, int, int]:
+        """(row, data index, block offset in the chunk) of a logical block: the first segment of a request that
+        starts there, without the list (a small read's shortcut)."""
+        chunk, off = divmod(lba, self.chunk_blocks)
+        row, index = divmod(chunk, self.data_chunks)
+        return row, index, off
 
     def segments(self, lba: int, blocks: int) -> list[Segment]:
         """Split a logical range into per-chunk segments, in logical order."""

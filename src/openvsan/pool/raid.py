@@ -465,6 +465,8 @@ class Pool:
             if fua:
                 await self.flush()
             return
+        if self.write_now(lba, data):
+            return  # the members answered at once (RAM): no task per row, no lock to wait for; durable as FUA
         await self._modify(lba, n // bs, lambda: self.io.write(lba, data, fua))
 
     async def _modify(self, lba: int, blocks: int, op: Any) -> None:

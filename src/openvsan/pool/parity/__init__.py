@@ -37,7 +37,7 @@ __all__ = [
 class Parity(Protocol):
     name: str
 
-    def xor(self, data: Sequence[Buffer]) -> bytes:
+    def xor(self, data: Sequence[Buffer]) -> Buffer:
         """RAID 5 P = D0 ^ D1 ^ ... (all chunks of equal length)."""
         ...
 
@@ -53,7 +53,7 @@ class Parity(Protocol):
 
     def pq_update(
         self, index: int, old: Buffer, new: Buffer, p: Buffer, q: Buffer | None
-    ) -> tuple[bytes, bytes | None]:
+    ) -> tuple[Buffer, Buffer | None]:
         """Read-modify-write of data chunk `index`: P' = P ^ old ^ new, Q' = Q ^ g^index * (old ^ new); Q None
         gives None (RAID 5)."""
         ...

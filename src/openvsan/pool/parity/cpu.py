@@ -20,7 +20,7 @@ from functools import cache, lru_cache
 import numpy as np
 import numpy.typing as npt
 
-from openvsan.pool.parity.base import Array, ArrayParity, Buffer
+from openvsan.pool.parity.base import Array, ArrayParity, Buffer, check_data, check_update, xor_host
 from openvsan.pool.parity.gf import LOG, mul_table
 
 U8 = npt.NDArray[np.uint8]
@@ -136,6 +136,16 @@ class NumpyParity(ArrayParity):
 
     def _load(self, buf: Buffer) -> Array:
         return np.frombuffer(buf, dtype=np.uint8)
+
+    def xor(self, data: Sequence[Buffer]) -> bytearray:
+        return xor_host(data, check_data(data, pq=False))
+
+    def pq_update(
+        self, index: int, old: Buffer, new: Buffer, p: Buffer, q: Buffer | None
+    ) -> tuple[Buffer, Buffer | None]:
+        if q is None:
+            return xor_host([p, old, new], check_update(index, old, new, p, q)), None
+        return super().pq_update(index, old, new, p, q)
 
     def _store(self, arr: Array) -> bytes:
         return bytes(arr.tobytes())
