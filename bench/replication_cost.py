@@ -36,6 +36,8 @@ from _common import (
     VSAN,
     BenchError,
     Target,
+    fio_job,
+    fio_nbd_job,
     fmt,
     free_port,
     group_cpu_seconds,
@@ -215,20 +217,10 @@ def precondition(client: list[str], url: str) -> None:
 
 
 def fio_nbd(client: list[str], work: Path, uri: str, rw: str, bs: int, qd: int, seconds: float) -> dict[str, float]:
-    # a job file: on the command line fio splits --uri at its ':' (as it does file names)
-    job = work / f"fio-{rw}-{bs}-qd{qd}.fio"
-    job.write_text("\n".join(["[repl]", "ioengine=nbd", f"uri={uri}", f"rw={rw}", f"bs={bs}", f"iodepth={qd}",
-                              "time_based", f"runtime={seconds:g}", f"ramp_time={min(1.0, seconds / 4):g}",
-                              "randrepeat=0", ""]))
-    argv = [*client, "fio", "--output-format=json", str(job)]
-    out = run_tool(argv, timeout=seconds + 60)
-    # the nbd engine prints "fio: connected to NBD server" on stdout before the JSON document
-    doc = json.loads(out[out.index("{"):]) if "{" in out else None
-    if doc is None:
-        raise BenchError(f"no JSON from {' '.join(argv)}:\n{out[-1000:]}")
-    j = doc["jobs"][0]
-    if j.get("error"):
-        raise BenchError(f"fio on {uri}: error {j['error']}")
+    job = fio_nbd_job(work, f"{rw}-{bs}-qd{qd}", uri,
+                      [f"rw={rw}", f"bs={bs}", f"iodepth={qd}", "time_based", f"runtime={seconds:g}",
+                       f"ramp_time={min(1.0, seconds / 4):g}", "randrepeat=0"])
+    j = fio_job(run_tool([*client, "fio", "--output-format=json", str(job)], timeout=seconds + 60), uri)
     w = j["write"]
     return {"iops": w["iops"], "mbps": w["bw_bytes"] / 1e6, "lat_mean_us": w["lat_ns"]["mean"] / 1000,
             "p99_us": w["clat_ns"]["percentile"]["99.000000"] / 1000}
