@@ -226,6 +226,23 @@ def vsan_bench_iops(out: str) -> dict[str, float]:
             "p99_us": total["latency_us"]["p99"]}
 
 
+def precondition(client: Sequence[str], url: str, timeout: float = 900) -> None:
+    """Every block of the target written once (vsan bench --precondition: 1 MiB sequential writes, QD 8), so no
+    measured run is the first to touch a page or block: a RAM device's first write to a page costs a page
+    fault and a zeroed page (about 14 % of a replicated primary's CPU at 4K QD32 on a fresh 1 GiB RAM volume,
+    py-spy), and a read of a never-written range reads a hole (SNIA's PTS preconditions a device before
+    measuring it for the same reason)."""
+    run_tool([*client, str(VSAN), "bench", url, "--rw", "write", "--bs", "1m", "--qd", "8", "-d", "0.2",
+              "--warmup", "0", "--precondition", "--json"], timeout=timeout)
+
+
+def record(results: dict[Any, dict[str, list[float]]], key: Any, figures: dict[str, float]) -> None:
+    """Add one run's figures to the lists kept for `key` (a case and a target), for the medians."""
+    slot = results.setdefault(key, {})
+    for k, v in figures.items():
+        slot.setdefault(k, []).append(v)
+
+
 def fio_nbd_job(work: Path, name: str, uri: str, options: Sequence[str]) -> Path:
     """A job file for fio's nbd engine (on the command line fio splits --uri at its ':', as it does file
     names): work/fio-NAME.fio with `options` (rw=..., bs=..., ...)."""
@@ -330,6 +347,11 @@ class MemoryPeaks:
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join()
+
+    def doc(self) -> dict[str, dict[str, int]]:
+        """The peaks for a result document: each group's resident memory beyond shared memory, and its shared."""
+        return {name: {"rss_beyond_shm_bytes": self.peak[name], "shm_bytes": self.peak_shm[name]}
+                for name in self.pgids}
 
     def _run(self) -> None:
         while True:

@@ -32,6 +32,7 @@ from _common import (
     median,
     pinning,
     print_table,
+    record,
     run_script,
     run_tool,
     stop_all,
@@ -174,9 +175,7 @@ def measure(args: argparse.Namespace) -> int:
                     if name in REMOTE:
                         r["target_cpu_pct"] = 100 * (group_cpu_seconds(serve.pgid) - cpu0) / (time.monotonic() - t0)
                     serve.check_alive()
-                    slot = results.setdefault((profile, name), {})
-                    for k, v in r.items():
-                        slot.setdefault(k, []).append(v)
+                    record(results, (profile, name), r)
                     print(f"round {rnd + 1}/{args.rounds} {profile} {name}: {r['iops']:.0f} IOPS "
                           f"{r['mbps']:.0f} MB/s p99 {r['p99_us']:.0f} µs", file=sys.stderr)
         ok = True

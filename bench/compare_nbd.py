@@ -33,6 +33,7 @@ from _common import (
     median,
     pinning,
     print_table,
+    record,
     run_script,
     run_tool,
     stop_all,
@@ -142,9 +143,7 @@ def measure(args: argparse.Namespace) -> int:
                     r = fio(client_pin, work, uris[name], rw, mix, bs, qd, args.seconds, f"{case}-{name}")
                     r["target_cpu_pct"] = 100 * (group_cpu_seconds(t.pgid) - cpu0) / (time.monotonic() - t0)
                     t.check_alive()
-                    slot = results.setdefault((case, name), {})
-                    for k, v in r.items():
-                        slot.setdefault(k, []).append(v)
+                    record(results, (case, name), r)
                     print(f"round {rnd + 1}/{args.rounds} {case} {name}: {r['iops']:.0f} IOPS {r['mbps']:.0f} MB/s "
                           f"{r['lat_mean_us']:.0f} µs, server CPU {r['target_cpu_pct']:.0f} %", file=sys.stderr)
         ok = True
@@ -176,8 +175,7 @@ def report(args: argparse.Namespace, cases: list[tuple[str, str, int, int, int, 
     print(f"\nmedians of {args.rounds} round(s), {args.seconds:g} s each, {args.size_mib} MiB RAM disks, servers on "
           f"core 0 and fio on core 1: {pinned}; ratio: openvsan's speed / nbdkit's (latency: nbdkit's / openvsan's)")
     print_table(["", "openvsan", "nbdkit memory", "openvsan / nbdkit", "server CPU (openvsan / nbdkit)"], rows)
-    peaks = {name: {"rss_beyond_shm_bytes": memory.peak[name], "shm_bytes": memory.peak_shm[name]}
-             for name in targets} if memory is not None else {}
+    peaks = memory.doc() if memory is not None else {}
     return {
         "schema": "openvsan-bench-compare-nbd/1",
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),

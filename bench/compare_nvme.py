@@ -47,7 +47,9 @@ from _common import (
     make_workdir,
     median,
     pinning,
+    precondition,
     print_table,
+    record,
     run_script,
     run_tool,
     stop_all,
@@ -174,12 +176,6 @@ def hold(targets: dict[str, Target], running: str | None) -> None:
         pass
 
 
-def precondition(client: list[str], url: str) -> None:
-    """Write the whole disk once with our host, so reads read written blocks on both targets."""
-    run_tool([*client, str(VSAN), "bench", url, "-p", "1m-seqwrite", "--qd", "8", "-d", "0.1", "--warmup", "0",
-              "--precondition", "--json"], timeout=600)
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--spdk", type=Path, default=os.environ.get("SPDK_DIR"),
@@ -244,9 +240,7 @@ def measure(args: argparse.Namespace) -> int:
                                        t.pgid if name == "openvsan" else None)
                     r["target_cpu_pct"] = 100 * (group_cpu_seconds(t.pgid) - cpu0) / (time.monotonic() - t0)
                     t.check_alive()
-                    slot = results.setdefault((case, name), {})
-                    for k, v in r.items():
-                        slot.setdefault(k, []).append(v)
+                    record(results, (case, name), r)
                     print(f"round {rnd + 1}/{args.rounds} {case} {name}: {r['iops']:.0f} IOPS {r['mbps']:.0f} MB/s "
                           f"{r['lat_mean_us']:.1f} µs, target CPU {r['target_cpu_pct']:.0f} %"
                           + (f", vsan bench {r['client_cpu_pct']:.0f} %" if "client_cpu_pct" in r else ""),
@@ -299,8 +293,7 @@ def report(args: argparse.Namespace, cases: list[tuple[str, str, str, int, int, 
           "lower is better)")
     print_table(["client, job", "openvsan", "SPDK nvmf_tgt", "openvsan / SPDK", "openvsan CPU", "vsan bench CPU"],
                 rows)
-    peaks = {"openvsan": {"rss_beyond_shm_bytes": memory.peak["openvsan"], "shm_bytes": memory.peak_shm["openvsan"]}
-             } if memory is not None else {}
+    peaks = memory.doc() if memory is not None else {}
     return {
         "schema": "openvsan-bench-compare-nvme/1",
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),

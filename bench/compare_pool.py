@@ -36,7 +36,9 @@ from _common import (
     make_workdir,
     median,
     pinning,
+    precondition,
     print_table,
+    record,
     run_script,
     run_tool,
     stop_all,
@@ -131,12 +133,6 @@ def qemu_bench(client: list[str], url: str, profile: str, qd: int, seconds: floa
     return {"iops": iops, "mbps": iops * size / 1e6, "client_cpu_pct": 100 * cpu / wall, "seconds": elapsed}
 
 
-def precondition(client: list[str], url: str) -> None:
-    """Write the whole volume once (1 MiB sequential writes): the RAM members' pages exist before any job."""
-    run_tool([*client, str(VSAN), "bench", url, "-p", "1m-seqwrite", "--qd", "8", "-d", "0.1", "--warmup", "0",
-              "--precondition", "--json"], timeout=600)
-
-
 def sched_seconds(pid: int) -> tuple[float, float] | None:
     """(seconds on a CPU, seconds runnable but waiting for one) of every thread of a process, from
     /proc/PID/task/TID/schedstat (kernel scheduler statistics); None where the kernel does not keep them."""
@@ -222,9 +218,7 @@ def measure(args: argparse.Namespace) -> int:
                         r["target_cpu_wait_pct"] = 100 * waited / (ran + waited) if ran + waited else 0.0
                     peaks[name] = max(peaks[name], memory.peak[name])
                     serve.check_alive()
-                    slot = results.setdefault((case, name), {})
-                    for k, v in r.items():
-                        slot.setdefault(k, []).append(v)
+                    record(results, (case, name), r)
                     print(f"round {rnd + 1}/{args.rounds} {case} {name}: {r['iops']:.0f} IOPS {r['mbps']:.0f} MB/s, "
                           f"CPU: target {r['target_cpu_measured_pct']:.0f} % ({r['target_cpu_pct']:.0f} % over the "
                           f"whole run; waiting for a CPU {r.get('target_cpu_wait_pct', -1):.0f} %), {client} "

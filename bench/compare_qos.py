@@ -38,6 +38,7 @@ from _common import (
     median,
     pinning,
     print_table,
+    record,
     run_script,
     run_tool,
     stop_all,
@@ -184,9 +185,7 @@ def measure(args: argparse.Namespace) -> int:
                     # what limits the rate on a shared machine
                     r["target_cpu_us_per_io"] = 1e6 * cpu / (r["iops"] * args.seconds) if r["iops"] else 0.0
                     node.check_alive()
-                    slot = results.setdefault((tool, v), {})
-                    for k, x in r.items():
-                        slot.setdefault(k, []).append(x)
+                    record(results, (tool, v), r)
                     pair[v], pair_cpu[v] = r["iops"], r["target_cpu_us_per_io"]
                     print(f"round {rnd + 1}/{args.rounds} {tool} {case} {v}: {r['iops']:.0f} IOPS, node CPU "
                           f"{r['target_cpu_pct']:.0f} %, {r['target_cpu_us_per_io']:.1f} µs/IO", file=sys.stderr)

@@ -34,6 +34,7 @@ from _common import (
     median,
     pinning,
     print_table,
+    record,
     run_script,
     run_tool,
     stop_all,
@@ -164,9 +165,7 @@ def measure(args: argparse.Namespace) -> int:
                         r = vsan_bench(client_pin, urls[name], qd, args.seconds)
                     r["target_cpu_pct"] = 100 * (group_cpu_seconds(t.pgid) - cpu0) / (time.monotonic() - t0)
                     t.check_alive()
-                    slot = results.setdefault((f"{tool}:{case}", name), {})
-                    for k, v in r.items():
-                        slot.setdefault(k, []).append(v)
+                    record(results, (f"{tool}:{case}", name), r)
                     print(f"round {rnd + 1}/{args.rounds} {tool} {case} {name}: {r['iops']:.0f} IOPS "
                           f"{r['mbps']:.0f} MB/s, target CPU {r['target_cpu_pct']:.0f} %", file=sys.stderr)
         ok = True
@@ -209,8 +208,7 @@ def report(args: argparse.Namespace, urls: dict[str, str], targets: dict[str, Ta
     print(f"\nmedians of {args.rounds} round(s), {args.seconds} s each, {args.size_mib} MiB RAM LUNs, "
           f"targets on core 0 and clients on core 1: {pinned}; openvsan poll_us "
           f"{'default' if args.poll_us is None else args.poll_us}")
-    peaks = {name: {"rss_beyond_shm_bytes": memory.peak[name], "shm_bytes": memory.peak_shm[name]}
-             for name in targets} if memory is not None else {}
+    peaks = memory.doc() if memory is not None else {}
     if peaks:
         # issue 4: resident memory under these loads, beyond the RAM disks themselves
         rows.append(["peak resident memory beyond the RAM disks",

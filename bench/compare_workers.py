@@ -41,6 +41,7 @@ from _common import (
     make_workdir,
     median,
     print_table,
+    record,
     run_script,
     stop_all,
     wait_iscsi_ready,
@@ -168,9 +169,7 @@ def measure(args: argparse.Namespace) -> int:
                     total = sum(iops)
                     r = {"iops": total, "target_cpu_pct": 100 * cpu / wall,
                          "cpu_us_per_io": 1e6 * cpu / (total * args.seconds) if total else 0.0}
-                    slot = results.setdefault((tool, case, n), {})
-                    for k, x in r.items():
-                        slot.setdefault(k, []).append(x)
+                    record(results, (tool, case, n), r)
                     print(f"round {rnd + 1}/{args.rounds} {tool} {case} {n} worker(s): {total:.0f} IOPS "
                           f"({' + '.join(f'{i:.0f}' for i in iops)}), target CPU {r['target_cpu_pct']:.0f} %, "
                           f"{r['cpu_us_per_io']:.1f} µs/IO", file=sys.stderr)

@@ -45,7 +45,9 @@ from _common import (
     host_info,
     make_workdir,
     median,
+    precondition,
     print_table,
+    record,
     run_script,
     run_tool,
     stop_all,
@@ -205,17 +207,6 @@ def vsan_bench(client: list[str], url: str, rw: str, bs: int, qd: int, seconds: 
             "p99_us": t["latency_us"]["p99"]}
 
 
-def precondition(client: list[str], url: str) -> None:
-    """Every block of the volume written once (vsan bench --precondition: 1 MiB sequential writes), so no
-    measured write is the first to touch its page or block: a RAM device's first write to a page costs a
-    page fault and a zeroed page (about 14 % of a replicated primary's CPU at 4K QD32 on a fresh 1 GiB RAM
-    volume, py-spy), paid once by the unreplicated node and twice by a replicated pair (SNIA's PTS
-    preconditions a device before measuring it for the same reason)."""
-    argv = [*client, str(VSAN), "bench", url, "--rw", "write", "--bs", "1m", "--qd", "8", "-d", "0.2",
-            "--warmup", "0", "--precondition", "--json"]
-    run_tool(argv, timeout=900)
-
-
 def fio_nbd(client: list[str], work: Path, uri: str, rw: str, bs: int, qd: int, seconds: float) -> dict[str, float]:
     job = fio_nbd_job(work, f"{rw}-{bs}-qd{qd}", uri,
                       [f"rw={rw}", f"bs={bs}", f"iodepth={qd}", "time_based", f"runtime={seconds:g}",
@@ -335,9 +326,7 @@ def measure_backing(args: argparse.Namespace, backing: str, cases: list[tuple[st
                         {k: 100 * (group_cpu_seconds(g) - cpu0[k]) / dt for k, g in groups[setup].items()})
                     for t in targets:
                         t.check_alive()
-                    slot = results.setdefault((f"{tool}:{case}", setup), {})
-                    for k, v in r.items():
-                        slot.setdefault(k, []).append(v)
+                    record(results, (f"{tool}:{case}", setup), r)
                     print(f"{backing} round {rnd + 1}/{args.rounds} {tool} {case} {setup}: {r['iops']:.0f} IOPS "
                           f"{r['mbps']:.0f} MB/s mean {r['lat_mean_us']:.0f} µs p99 {r['p99_us']:.0f} µs",
                           file=sys.stderr)
