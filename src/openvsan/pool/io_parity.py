@@ -145,11 +145,16 @@ class ParityIO:
 
     # --- write ------------------------------------------------------------------------------------------------
 
+    def _by_row(self, segs: list[Segment]) -> dict[int, list[Segment]]:
+        """A request's segments grouped by row, rows in ascending order."""
+        rows: dict[int, list[Segment]] = {}
+        for s in segs:
+            rows.setdefault(s.row, []).append(s)
+        return rows
+
     async def write(self, lba: int, data: Buffer, fua: bool) -> None:
         view = memoryview(data).cast("B")
-        rows: dict[int, list[Segment]] = {}
-        for s in self.geo.segments(lba, len(view) // self.bs):
-            rows.setdefault(s.row, []).append(s)
+        rows = self._by_row(self.geo.segments(lba, len(view) // self.bs))
         if len(rows) == 1:
             ((row, segs),) = rows.items()
             await self._write_row(row, segs, view, fua)
@@ -270,15 +275,12 @@ class ParityIO:
         if first == last:
             return self._row_now(first, segs, view)
         locks, torn = self.locks, self.torn
-        for row in range(first, last + 1):
+        for row in range(first, last + 1):   # every row free before the first is written (_row_now asks too)
             if locks.busy(row) or row in torn:
                 return False
-        start = 0
-        for i in range(1, len(segs) + 1):
-            if i == len(segs) or segs[i].row != segs[start].row:
-                if not self._row_now(segs[start].row, segs[start:i], view):
-                    return False
-                start = i
+        for row, rsegs in self._by_row(segs).items():
+            if not self._row_now(row, rsegs, view):
+                return False
         return True
 
     def _row_now(self, row: int, segs: list[Segment], view: memoryview) -> bool:

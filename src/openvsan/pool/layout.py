@@ -137,8 +137,7 @@ class Geometry:
         """The member holding data chunk `index` of `row` (the first copy of a mirrored level)."""
         npar = self._nparity
         if npar:
-            n = self.members
-            return (n - 1 - row % n + npar + index) % n
+            return (self._p_member(row) + npar + index) % self.members
         return self.copies(row, index)[0]
 
     def data_members(self, row: int) -> list[int]:
