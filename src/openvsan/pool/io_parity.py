@@ -290,6 +290,11 @@ class ParityIO:
         dm = self.geo.data_members(row)
         pm = self.geo.parity_members(row)
         plan = self._plan(segs, view)
+        # the members _writes will write (every one in sync: ms.optimal), asked before any read or parity, so a
+        # pool of members without the fast path (files on disk) declines at once: write() tries this first
+        for m in (*(dm[i] for i in plan.new), *pm):
+            if not ms.can_write_now(m):
+                return False
         how = self._how(row, plan, len(pm))
         got = []
         for m, off, n in self._reads(how, plan, dm, pm):
@@ -298,9 +303,6 @@ class ParityIO:
                 return False
             got.append(d)
         writes = self._writes(row, plan, dm, pm, self._new_parity(how, plan, got), [True] * len(pm))
-        for m, _, _ in writes:
-            if not ms.can_write_now(m):
-                return False
         for i, (m, off, buf) in enumerate(writes):
             if not ms.write_now(m, row, off, buf):
                 if i:
