@@ -98,3 +98,77 @@ def test_a_new_backing_is_made_0600(tmp_path):
         os.umask(old)
     asyncio.run(d.close())
     assert p.stat().st_mode & 0o7777 == 0o600
+
+
+# --- reads: pages that hold memory are copied from the mapping, the others read with pread ----------------
+
+class _Preads:
+    """Counts the device's pread calls (a read of a page that holds no memory) and passes them on."""
+
+    def __init__(self, monkeypatch):
+        from openvsan.block import ram
+        self.calls = 0
+        real = ram.os.pread
+
+        def counted(fd, n, off):
+            self.calls += 1
+            return real(fd, n, off)
+        monkeypatch.setattr(ram.os, "pread", counted)
+
+
+def _allocated(d: RamDevice) -> int:
+    import os
+    return os.fstat(d._fd).st_blocks
+
+
+def test_reads_of_written_pages_copy_from_memory_and_others_use_pread(backing, monkeypatch):
+    async def go():
+        d = RamDevice(1 << 12, 4096, backing=backing)      # 16 MiB of 4 KiB blocks
+        preads = _Preads(monkeypatch)
+        await d.write(10, b"\x5a" * 4096 * 3)
+        assert d.read_now(10, 3) == b"\x5a" * 4096 * 3 and preads.calls == 0
+        assert await d.read(11, 1) == b"\x5a" * 4096 and preads.calls == 0
+        assert d.read_now(12, 2) == b"\x5a" * 4096 + bytes(4096) and preads.calls == 1   # 13 never written
+        # never written: zeros, by pread, and no memory taken for them
+        before = _allocated(d)
+        for lba in range(100, 1100, 4):
+            assert d.read_now(lba, 3) == bytes(3 * 4096)
+            assert await d.read(lba + 3, 1) == bytes(4096)
+        assert _allocated(d) == before
+        # pages given back by write_zeroes read as zeros again, by pread, and stay given back
+        await d.write(2000, b"\x77" * 4096 * 64)
+        await d.write_zeroes(2000, 64)
+        calls = preads.calls
+        assert d.read_now(2000, 8) == bytes(8 * 4096) and preads.calls == calls + 1
+        assert _allocated(d) == before                # only blocks 10-12 hold memory, as before
+        # grown: the new pages hold nothing yet; shrunk and grown back: nor do those cut off
+        await d.resize(1 << 13)
+        assert d.read_now((1 << 13) - 1, 1) == bytes(4096)
+        await d.resize(11)
+        await d.resize(1 << 12)
+        calls = preads.calls
+        assert d.read_now(10, 1) == b"\x5a" * 4096 and preads.calls == calls
+        assert d.read_now(11, 1) == bytes(4096) and preads.calls == calls + 1
+        await d.close()
+    asyncio.run(go())
+
+
+def test_a_reopened_backing_knows_its_written_pages(tmp_path, monkeypatch):
+    path = f"/dev/shm/openvsan-test-{tmp_path.name}-held"
+    async def go():
+        d = RamDevice(256, 4096, backing=path)
+        await d.write(3, b"\x01" * 4096)
+        await d.write(200, b"\x02" * 4096 * 2)
+        await d.close()
+        preads = _Preads(monkeypatch)
+        d = RamDevice(256, 4096, backing=path)
+        assert d.read_now(3, 1) == b"\x01" * 4096
+        assert d.read_now(200, 2) == b"\x02" * 8192
+        assert preads.calls == 0
+        assert d.read_now(4, 1) == bytes(4096) and preads.calls == 1
+        await d.close()
+    try:
+        asyncio.run(go())
+    finally:
+        import os
+        os.unlink(path)

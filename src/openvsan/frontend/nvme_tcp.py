@@ -390,10 +390,16 @@ class Connection(BatchedConnection):
             lent = not isinstance(buf, bytes)
             q = self.queue
             if self._plain_c2h and length <= C2H_CHUNK:
-                # §3.6.2.9: one C2HData, LAST and SUCCESS (SQ flow control is off: no CapsuleResp follows)
+                # what _complete sends for it, without its Completion and its general C2HData encoder: §3.6.2.9
+                # one C2HData, LAST; with SQ flow control off it carries SUCCESS and no CapsuleResp follows
                 self._answered_in_read += 1
-                self.send_buffers((DATA_HDR.pack(_C2H_DATA, _LAST_SUCCESS, 24, 24, 24 + length, sqe.cid, 0, 0,
-                                                 length), buf))
+                cid = sqe.cid
+                if self.sq_flow_off:
+                    self.send_buffers((DATA_HDR.pack(_C2H_DATA, _LAST_SUCCESS, 24, 24, 24 + length, cid, 0, 0,
+                                                     length), buf))
+                else:
+                    self.send_buffers((DATA_HDR.pack(_C2H_DATA, F_LAST_PDU, 24, 24, 24 + length, cid, 0, 0, length),
+                                       buf, q.respond(cqe(cid, 0, 0, 0, self.sqhd, self.qid))))
             else:
                 if lent and q.ddgst:
                     buf = bytes(buf)  # a view of the device: the digest must cover exactly what is sent
@@ -532,8 +538,9 @@ class Connection(BatchedConnection):
             self._timer = None
         self.logged_in()
         self._lane = bool(self.qid) and not (self.queue.hdgst or self.queue.ddgst)
-        # a read's data can leave as one bare C2HData: no digests, no alignment padding, no CapsuleResp
-        self._plain_c2h = self._lane and self.sq_flow_off and self.queue.hpda == 0
+        # a read's data can leave as one bare C2HData (and a CapsuleResp while SQ flow control is on): no
+        # digests, no alignment padding
+        self._plain_c2h = self._lane and self.queue.hpda == 0
 
     async def _authenticate(self, auth: ControllerAuth, sqe: Sqe, data: bytes | bytearray | memoryview) -> Completion:
         """AUTH_Send / AUTH_Receive (TP 8006) on this queue. The Reply that carries the host's response is
