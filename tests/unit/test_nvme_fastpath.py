@@ -221,3 +221,44 @@ def test_ana_and_reservation_refusals_on_either_path() -> None:
 def test_any_command_stream_gets_the_same_bytes_on_either_path(seed: int, n: int, flow_off: bool) -> None:
     fast, slow, _ = both(random_stream(random.Random(seed), n), flow_off)
     assert fast == slow
+
+
+def test_data_that_fails_its_digest_is_refused_and_not_written() -> None:
+    """NVMe/TCP 1.0 §3.5.3: data that fails its data digest (in a capsule, or in H2CData after an R2T) ends its
+    command with Transient Transport Error and is not written; the queue goes on."""
+    from fastpath_fakes import Wire
+    from nvme_host import connect_cmd, connect_data, h2c_data, icreq
+
+    from openvsan.frontend.nvme_tcp import Connection
+
+    async def go() -> None:
+        dev = RamDevice(BLOCKS, BS)
+        vol = Volume(dev, name="v", uuid=uuid.UUID(int=1), serial="s")
+        srv = NvmeTcpServer([NvmeSubsystemConfig(NQN, [NvmeNamespaceConfig(1, vol)], [PORTAL], serial="SN")])
+        admin, _, aw, _ = await nvme_controller(srv, PORTAL, NQN)
+        cntlid = next(p for p in HostReader().feed(bytes(aw.out)) if p.type == 5).u32(8) & 0xFFFF
+        io, wire = Connection(srv, PORTAL), Wire()
+        io.connection_made(wire)  # type: ignore[arg-type]
+        io.data_received(icreq(dd=True))
+        io.data_received(capsule(connect_cmd(1, 2, 63), connect_data(NQN, cntlid=cntlid), dd=True))   # queue 2
+        good, bad = b"\x11" * BS, bytearray(capsule(sqe(0x01, 2, 1, cdw10=5, sgl_len=BS, in_capsule=True), b"\x22" * BS,
+                                                     dd=True))
+        bad[-1] ^= 0xFF                                                   # the in-capsule data's digest
+        io.data_received(bytes(bad))
+        io.data_received(capsule(sqe(0x01, 3, 1, cdw10=6, sgl_len=BS), b""))   # by R2T
+        await asyncio.sleep(0)
+        r2t = [p for p in HostReader(dd=True).feed(bytes(wire.out)) if p.type == 9][-1]
+        ttag = r2t.u16(10)
+        h2c = bytearray(h2c_data(3, ttag, 0, b"\x33" * BS, last=True, dd=True))
+        h2c[-1] ^= 0xFF
+        io.data_received(bytes(h2c))
+        io.data_received(capsule(sqe(0x01, 4, 1, cdw10=7, sgl_len=BS, in_capsule=True), good, dd=True))
+        for _ in range(4):
+            await asyncio.sleep(0)
+        got = [(p.cid, p.status) for p in HostReader(dd=True).feed(bytes(wire.out)) if p.type == 5]
+        assert got == [(1, 0), (2, S.TRANSIENT_TRANSPORT_ERROR), (3, S.TRANSIENT_TRANSPORT_ERROR), (4, 0)]
+        assert dev.read_now(5, 2) == bytes(2 * BS) and dev.read_now(7, 1) == good
+        io.close()
+        admin.close()
+
+    asyncio.run(go())

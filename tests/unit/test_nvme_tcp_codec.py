@@ -7,6 +7,8 @@ import struct
 import pytest
 from nvme_host import HostReader, capsule, dg, h2c_data, icreq, sqe
 
+from openvsan.protocol.nvme.status import cqe
+from openvsan.protocol.nvme_tcp.framing import capsule_resp, capsule_resp_of
 from openvsan.protocol.nvme_tcp.pdu import Fes
 from openvsan.protocol.nvme_tcp.queue import (
     CapsuleCommand,
@@ -202,13 +204,22 @@ def test_c2h_data_alignment_digests_and_success(hpda: int) -> None:
 
 def test_capsule_resp_with_header_digest() -> None:
     q = ready(hd=True)
-    cqe = bytes(range(16))
-    r = q.respond(cqe)
-    assert len(r) == 28 and r[0] == 0x05 and r[1] == 0x01 and r[8:24] == cqe and r[24:] == dg(r[:24])
+    r = q.respond(0x0D0C, 0x0F0E >> 1, 0x03020100, 0x07060504, 0x0908, 0x0B0A)
+    raw = bytes(range(16))
+    assert len(r) == 28 and r[0] == 0x05 and r[1] == 0x01 and r[8:24] == raw and r[24:] == dg(r[:24])
 
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
+
+@given(st.integers(0, 0xFFFF), st.integers(0, 0x7FFF), st.integers(0, 2**32 - 1), st.integers(-(2**31), 2**32 - 1),
+       st.integers(0, 0xFFFF), st.integers(0, 0xFFFF), st.booleans())
+def test_capsule_resp_of_fields_equals_the_header_and_cqe(cid: int, status: int, dw0: int, dw1: int, sqhd: int,
+                                                           sqid: int, hd: bool) -> None:
+    """The one-pack CapsuleResp both target paths send is the common header and status.cqe's 16 bytes."""
+    want = capsule_resp(cqe(cid, status, dw0, dw1, sqhd, sqid), hd)
+    assert capsule_resp_of(cid, status, dw0, dw1, sqhd, sqid, hd) == want
 
 _GOOD = icreq(hd=True, dd=True) + capsule(sqe(0x01, 1, 1, sgl_len=512, in_capsule=True), bytes(512), hd=True,
                                            dd=True) + capsule(sqe(0x06, 2, 0, cdw10=1, sgl_len=4096), hd=True)

@@ -35,7 +35,7 @@ from openvsan.protocol.nvme.controller import FCTYPE_CONNECT, FCTYPE_DISCONNECT,
 from openvsan.protocol.nvme.fabrics import Fabric, connect_subnqn
 from openvsan.protocol.nvme.identify import MAX_TRANSFER
 from openvsan.protocol.nvme.io import OP_READ, OP_WRITE, execute_io, read_now, write_now
-from openvsan.protocol.nvme.status import Completion, cqe
+from openvsan.protocol.nvme.status import Completion
 from openvsan.protocol.nvme.subsystem import Namespace, Port, Subsystem
 from openvsan.protocol.nvme_tcp.framing import FatalError
 from openvsan.protocol.nvme_tcp.pdu import DATA_HDR, F_LAST_PDU, F_SUCCESS, Fes, PduType
@@ -294,7 +294,7 @@ class Connection(BatchedConnection):
             if self._closed:
                 return
             if isinstance(ev, CapsuleCommand):
-                self._command(ev)
+                self._command(ev.sqe, ev.data, ev.data_ok)
             elif isinstance(ev, DataReceived):
                 self._data(ev)
             elif isinstance(ev, Established):
@@ -316,7 +316,7 @@ class Connection(BatchedConnection):
             end = pos + plen
             if plen < 72 or end > n or plen - 72 > max_data or (plen > 72 and data[pos + 3] != 72):
                 break
-            self._command(CapsuleCommand(view[pos + 8:pos + 72], view[pos + 72:end], True))
+            self._command(view[pos + 8:pos + 72], view[pos + 72:end], True)
             pos = end
             if self._closed:
                 return b""
@@ -346,35 +346,37 @@ class Connection(BatchedConnection):
         self._terminate(self.queue.fatal(FatalError(fes, 0, header, why)))
 
     # --- commands ---------------------------------------------------------------------------------------
-    def _command(self, ev: CapsuleCommand) -> None:
-        sqe = Sqe(ev.sqe)
+    def _command(self, raw: memoryview, data: memoryview, data_ok: bool) -> None:
+        """A command capsule (§3.6.2.5): its 64-byte SQE, its in-capsule data (maybe empty), and whether that
+        data passed its digest."""
+        sqe = Sqe(raw)
         if self.ctrl is not None:
             self.sqhd = self.sqhd + 1 if self.sqhd + 1 < self.sqsize else 0
             # the host knows a slot is free only from a completion it has received: those made during this
             # read of the socket have not left yet, so they still count
             if len(self.pending) + self._answered_in_read >= self.sqsize:
                 # the host submitted more commands than its submission queue holds (Connect SQSIZE)
-                self._fatal(Fes.PDU_SEQUENCE_ERROR, ev.sqe, f"more than {self.sqsize} commands outstanding")
+                self._fatal(Fes.PDU_SEQUENCE_ERROR, raw, f"more than {self.sqsize} commands outstanding")
                 return
         cid = sqe.cid
         if cid in self.pending:
             self._complete(sqe, Completion(S.CID_CONFLICT), 0)
             return
         max_data = self.server.in_capsule if self.qid else ADMIN_IN_CAPSULE
-        status, length, r2t = data_plan(sqe, len(ev.data), max(MAX_TRANSFER, max_data))
+        status, length, r2t = data_plan(sqe, len(data), max(MAX_TRANSFER, max_data))
         if status:
             self._complete(sqe, Completion(status), 0)
             return
-        if not ev.data_ok:
+        if not data_ok:
             self._complete(sqe, Completion(S.TRANSIENT_TRANSPORT_ERROR), 0)   # NVMe/TCP 1.0 §3.5.3 data digest
             return
-        if self.qid and not r2t and self._open and self._fast_io(sqe, ev.data, length):
+        if self.qid and not r2t and self._open and self._fast_io(sqe, data, length):
             return
         self.pending[cid] = sqe
         if r2t:
             self._send(self.queue.request_data(cid, length))
             return
-        self._run(sqe, ev.data if length else b"", length)
+        self._run(sqe, data if length else b"", length)
 
     def _fast_io(self, sqe: Sqe, data: bytes | memoryview, length: int) -> bool:
         """A plain Read, or a Write with its data in the capsule, on a namespace whose device answers at
@@ -399,7 +401,7 @@ class Connection(BatchedConnection):
                                                      length), buf))
                 else:
                     self.send_buffers((DATA_HDR.pack(_C2H_DATA, F_LAST_PDU, 24, 24, 24 + length, cid, 0, 0, length),
-                                       buf, q.respond(cqe(cid, 0, 0, 0, self.sqhd, self.qid))))
+                                       buf, q.respond(cid, 0, 0, 0, self.sqhd, self.qid)))
             else:
                 if lent and q.ddgst:
                     buf = bytes(buf)  # a view of the device: the digest must cover exactly what is sent
@@ -408,7 +410,9 @@ class Connection(BatchedConnection):
                 self._batch.flush()  # a lent view leaves before a later command of this read can write there
             return True
         if op == OP_WRITE and len(data) == length and write_now(ctrl, sqe, data):
-            self._complete(sqe, S.OK, 0)
+            # what _complete sends for a success without data: the CapsuleResp
+            self._answered_in_read += 1
+            self.send_buffers((self.queue.respond(sqe.cid, 0, 0, 0, self._head(), self.qid),))
             return True
         return False
 
@@ -484,8 +488,11 @@ class Connection(BatchedConnection):
                 return
         elif comp.status and self.ctrl is not None and comp.status != S.ASYNC_EVENT_LIMIT_EXCEEDED:
             self.ctrl.record_error(self.qid, cid, comp.status, sqe.nsid if self.qid else 0)
-        sqhd = 0xFFFF if self.sq_flow_off else self.sqhd
-        self._send(self.queue.respond(cqe(cid, comp.status, comp.dw0, comp.dw1, sqhd, self.qid)))
+        self._send(self.queue.respond(cid, comp.status, comp.dw0, comp.dw1, self._head(), self.qid))
+
+    def _head(self) -> int:
+        """SQHD for a completion (NVMe-oF 1.1 §3.3.1.1: 0xFFFF once SQ flow control is off)."""
+        return 0xFFFF if self.sq_flow_off else self.sqhd
 
     # --- fabrics ----------------------------------------------------------------------------------------
     def _connect(self, sqe: Sqe, data: bytes | bytearray | memoryview) -> Completion:

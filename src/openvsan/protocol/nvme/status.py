@@ -62,7 +62,9 @@ ANA_PERSISTENT_LOSS = sf(3, 0x01, dnr=False)
 ANA_INACCESSIBLE = sf(3, 0x02, dnr=False)
 ANA_TRANSITION = sf(3, 0x03, dnr=False)
 
-_CQE = struct.Struct("<IIHHHH")
+# §4.6.1 Figure 92: DW0, DW1, SQHD, SQID, CID, status field (the phase tag in bit 0)
+CQE_LAYOUT = "IIHHHH"
+_CQE = struct.Struct("<" + CQE_LAYOUT)
 
 
 def cqe(cid: int, status: int, dw0: int = 0, dw1: int = 0, sqhd: int = 0, sqid: int = 0) -> bytes:

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import struct
+
 from crc32c import crc32c
 
+from openvsan.protocol.nvme.status import CQE_LAYOUT, cqe
 from openvsan.protocol.nvme_tcp.pdu import (
     CH,
     CH_LEN,
@@ -177,6 +180,19 @@ def capsule_resp(cqe: bytes, hdgst: bool) -> bytes:
         hdr = RESP_CH.pack(PduType.CAPSULE_RESP, F_HDGST, 24, 0, 28) + cqe
         return hdr + digest_bytes(hdr)
     return RESP_CH.pack(PduType.CAPSULE_RESP, 0, 24, 0, 24) + cqe
+
+
+_CAPSULE_RESP = int(PduType.CAPSULE_RESP)
+_RESP_PLAIN = struct.Struct("<BBBBI" + CQE_LAYOUT)   # RESP_CH and the CQE in one
+
+
+def capsule_resp_of(cid: int, status: int, dw0: int, dw1: int, sqhd: int, sqid: int, hdgst: bool) -> bytes:
+    """The CapsuleResp for a completion given by its fields (status.cqe's): what the target sends for every
+    command, on its normal and its fast path. Without a header digest, one pack."""
+    if hdgst:
+        return capsule_resp(cqe(cid, status, dw0, dw1, sqhd, sqid), True)
+    return _RESP_PLAIN.pack(_CAPSULE_RESP, 0, 24, 0, 24, dw0 & 0xFFFFFFFF, dw1 & 0xFFFFFFFF, sqhd, sqid, cid,
+                            (status << 1) & 0xFFFF)
 
 
 def c2h_data(out: list[bytes | memoryview], cccid: int, offset: int, data: bytes | memoryview, *, last: bool,

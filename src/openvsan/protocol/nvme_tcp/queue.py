@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
-from openvsan.protocol.nvme_tcp.framing import FatalError, Pdu, PduReader, c2h_data, capsule_resp, digest_bytes
+from openvsan.protocol.nvme_tcp.framing import FatalError, Pdu, PduReader, c2h_data, capsule_resp_of, digest_bytes
 from openvsan.protocol.nvme_tcp.pdu import (
     DATA_HDR,
     DGST_DATA,
@@ -210,9 +210,9 @@ class TcpQueue:
         if ttag is not None:
             self._transfers.pop(ttag, None)
 
-    def respond(self, cqe: bytes) -> bytes:
-        """§3.6.2.6 CapsuleResp for a 16-byte CQE."""
-        return capsule_resp(cqe, self.hdgst)
+    def respond(self, cid: int, status: int, dw0: int, dw1: int, sqhd: int, sqid: int) -> bytes:
+        """§3.6.2.6 CapsuleResp for a completion (the fields of status.cqe)."""
+        return capsule_resp_of(cid, status, dw0, dw1, sqhd, sqid, self.hdgst)
 
     def read_data(self, out: list[bytes | memoryview], cccid: int, data: bytes | bytearray | memoryview, *,
                   success: bool) -> None:
