@@ -3,16 +3,19 @@ parses, and what the controller's builders make our reader parses."""
 
 from __future__ import annotations
 
+import asyncio
 import struct
 
 import pytest
 
+from openvsan.initiator.nvme_conn import NvmeQueue, Result, _Cmd
 from openvsan.initiator.nvme_tcp import retryable, status_error
 from openvsan.protocol.nvme import host_commands as C
 from openvsan.protocol.nvme import status as S
 from openvsan.protocol.nvme.command import Sqe
 from openvsan.protocol.nvme_tcp import framing as F
 from openvsan.protocol.nvme_tcp import host_pdus as H
+from openvsan.protocol.nvme_tcp.framing import Pdu
 from openvsan.protocol.nvme_tcp.pdu import F_LAST_PDU, F_SUCCESS, PduType, ic_resp, r2t_header
 
 
@@ -144,3 +147,76 @@ def test_status_to_typed_errors() -> None:
     assert isinstance(status_error(S.ANA_TRANSITION, ""), E.Busy)
     assert retryable(S.NS_NOT_READY) and retryable(S.ANA_TRANSITION)
     assert not retryable(S.LBA_OUT_OF_RANGE) and not retryable(S.INVALID_FIELD)
+
+
+def test_a_bare_capsule_is_what_the_general_encoder_makes() -> None:
+    """capsule_cmd's shortcut for a capsule with nothing but its SQE (no data, no header digest) makes the bytes
+    the general encoder made: the common header field by field, then the SQE; the controller's reader takes it."""
+    sqe = C.read(0x1234, 1, 0x2_0000_0001, 8, 4096)
+    (raw,) = H.capsule_cmd(sqe, b"", hdgst=False, ddgst=True)   # no data: nothing for a data digest to cover
+    assert raw == struct.pack("<BBBBI", PduType.CAPSULE_CMD, 0, 72, 0, 72) + sqe
+    (pdu,) = controller_reader(False, True).receive_data(raw)
+    assert pdu.type == PduType.CAPSULE_CMD and Sqe(pdu.header[8:72]).cid == 0x1234 and not len(pdu.data)
+
+
+def _queue_with_reads(reads: dict[int, int]) -> tuple[NvmeQueue, dict[int, asyncio.Future[Result]]]:
+    """An NvmeQueue with reads of the given lengths outstanding by CID, and their futures."""
+    q = NvmeQueue("test", 1)
+    q.alive = True
+    futs: dict[int, asyncio.Future[Result]] = {}
+    for cid, n in reads.items():
+        f: asyncio.Future[Result] = q.loop.create_future()
+        q.cmds[cid] = _Cmd(cid, n, None, f)
+        futs[cid] = f
+    return q, futs
+
+
+def test_the_host_read_lane_completes_what_the_pdu_reader_would() -> None:
+    """NvmeQueue's read lane (a whole read in one C2HData with SUCCESS at the front of a receive) is a shortcut of
+    its PDU reader: the same stream, arriving whole (lane) or a few bytes at a time (reader), completes the same
+    commands with the same data and status; what the lane does not take (a read in two PDUs, a CapsuleResp, an
+    error status) is left to the reader, in order."""
+
+    async def run(chunk: int) -> tuple[dict[int, tuple[int, bytes]], int]:
+        q, futs = _queue_with_reads({1: 4096, 2: 4096, 3: 8192, 4: 512, 5: 4096})
+        wire: list[bytes | memoryview] = []
+        F.c2h_data(wire, 1, 0, b"\x01" * 4096, last=True, success=True, hdgst=False, ddgst=False, hpda=0)
+        F.c2h_data(wire, 2, 0, b"\x02" * 4096, last=True, success=True, hdgst=False, ddgst=False, hpda=0)
+        F.c2h_data(wire, 3, 0, b"\x03" * 4096, last=False, success=False, hdgst=False, ddgst=False, hpda=0)
+        F.c2h_data(wire, 3, 4096, b"\x33" * 4096, last=True, success=True, hdgst=False, ddgst=False, hpda=0)
+        F.c2h_data(wire, 4, 0, b"\x04" * 512, last=True, success=True, hdgst=False, ddgst=False, hpda=0)
+        raw = b"".join(bytes(x) for x in wire) + F.capsule_resp(S.cqe(5, S.LBA_OUT_OF_RANGE), False)
+        to_reader = 0
+        receive = q.reader.receive_data
+
+        def counted(data: bytes | memoryview) -> list[Pdu]:
+            nonlocal to_reader
+            to_reader += len(data)
+            return receive(data)
+        q.reader.receive_data = counted   # type: ignore[method-assign]
+        for i in range(0, len(raw), chunk):
+            q.data_received(raw[i:i + chunk])
+        await asyncio.sleep(0)
+        return {cid: (f.result().status, bytes(f.result().data)) for cid, f in futs.items()}, len(raw) - to_reader
+
+    (whole, by_lane), (trickled, _) = asyncio.run(run(1 << 20)), asyncio.run(run(7))
+    assert whole == trickled
+    assert by_lane == 2 * (24 + 4096)   # the first two PDUs; the reader had the rest
+    assert whole[1] == (0, b"\x01" * 4096) and whole[3] == (0, b"\x03" * 4096 + b"\x33" * 4096)
+    assert whole[5] == (S.LBA_OUT_OF_RANGE, b"")
+
+
+def test_the_host_read_lane_leaves_a_stray_c2hdata_to_the_reader() -> None:
+    """A C2HData for no waiting command, or longer than its read, is not taken by the lane: the reader's path
+    drops the connection, as before."""
+
+    async def run(cid: int, n: int) -> bool:
+        q, futs = _queue_with_reads({1: 4096})
+        aborted: list[bool] = []
+        q.abort = lambda: aborted.append(True)   # type: ignore[method-assign]
+        wire: list[bytes | memoryview] = []
+        F.c2h_data(wire, cid, 0, b"\x01" * n, last=True, success=True, hdgst=False, ddgst=False, hpda=0)
+        q.data_received(b"".join(bytes(x) for x in wire))
+        return bool(aborted) and not futs[1].done()
+
+    assert asyncio.run(run(9, 4096)) and asyncio.run(run(1, 8192))

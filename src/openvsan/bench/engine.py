@@ -195,7 +195,8 @@ class Worker:
                                                                    f"LBA {lba}: {e}"})
             self.busy.discard(slot)
             return
-        ns = self.clock() - t
+        done = self.clock()
+        ns = done - t
         if gens is not None:
             if write:
                 gens.set(lba, n, gen)
@@ -209,7 +210,7 @@ class Worker:
                 r.write_bytes += self.job.bs
             else:
                 r.read_bytes += self.job.bs
-            k = int((self._now() - self.t0) / INTERVAL)
+            k = int((done / 1e9 - self.t0) / INTERVAL)   # _now() at completion
             while len(r.intervals) <= k:
                 r.intervals.append(Interval())
             iv = r.intervals[k]

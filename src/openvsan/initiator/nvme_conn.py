@@ -23,9 +23,11 @@ log = logging.getLogger("openvsan.initiator.nvme")
 Buf = bytes | bytearray | memoryview
 _DATA_HEADER = struct.Struct("<HHII")     # C2HData/R2T after the common header: CCCID, TTAG, offset, length
 _LAST_SUCCESS = F_LAST_PDU | F_SUCCESS
+_C2H_DATA = int(PduType.C2H_DATA)
+_U32 = struct.Struct("<I")
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Result:
     cqe: H.Cqe
     data: Buf = b""
@@ -124,8 +126,13 @@ class NvmeQueue(asyncio.Protocol):
 
     # ------------------------------------------------------------------------------------ receive
     def data_received(self, data: bytes) -> None:
+        rest: bytes | memoryview = data
+        if not (self.hdgst or self.ddgst or self.reader.buffered):
+            rest = self._read_lane(data)
+            if not len(rest):
+                return
         try:
-            pdus = self.reader.receive_data(data)
+            pdus = self.reader.receive_data(rest)
         except H.HostFatalError as e:
             log.warning("%s: %s; dropping the connection", self.name, e)
             self.abort()
@@ -150,6 +157,35 @@ class NvmeQueue(asyncio.Protocol):
                 log.warning("%s: controller ended the connection (C2HTermReq, FES %#x)", self.name, fes)
                 self.abort()
                 return
+
+    def _read_lane(self, data: bytes) -> bytes | memoryview:
+        """The lane for what a controller sends most to a host that turned SQ flow control off: a whole read
+        in one C2HData with LAST_PDU and SUCCESS (§3.6.2.9), no digests, at the front of a receive. Its data
+        is the result (a view of the receive, as in _c2h_data). Returns what is left for the PDU reader:
+        from the first PDU that is anything else, is cut by the end of the receive, or is not exactly the
+        whole read of a command waiting for one (_c2h_data judges those)."""
+        n = len(data)
+        pos = 0
+        cmds = self.cmds
+        view: memoryview | None = None
+        while (n - pos >= 24 and data[pos] == _C2H_DATA and data[pos + 1] == _LAST_SUCCESS
+               and data[pos + 2] == 24):
+            pdo = data[pos + 3]
+            plen = _U32.unpack_from(data, pos + 4)[0]
+            end = pos + plen
+            if end > n or pdo < 24 or pdo > plen:
+                break
+            cccid, _, offset, length = _DATA_HEADER.unpack_from(data, pos + 8)
+            c = cmds.get(cccid)
+            if c is None or offset or length != plen - pdo or length != c.read_len or c.buf is not None:
+                break
+            del cmds[cccid]
+            if view is None:
+                view = memoryview(data)
+            if not c.future.done():
+                c.future.set_result(Result(self._ok, view[pos + pdo:end]))
+            pos = end
+        return data if not pos else (view[pos:] if view is not None else data[pos:])
 
     def _response(self, pdu: Pdu) -> None:  # §3.6.2.6
         cqe = H.response_cqe(pdu)

@@ -64,11 +64,16 @@ def _pad_to(n: int, cpda: int) -> int:
     return -(-n // align) * align
 
 
+_BARE_CAPSULE_CH = CH.pack(PduType.CAPSULE_CMD, 0, 72, 0, 72)
+
+
 def capsule_cmd(sqe: bytes, data: bytes | bytearray | memoryview = b"", *, hdgst: bool, ddgst: bool,
                 cpda: int = 0) -> list[bytes | memoryview]:
     """§3.6.2.5 CapsuleCmd: header (CH + 64-byte SQE), header digest, pad to CPDA, in-capsule data, digest."""
-    hd = DIGEST_LEN if hdgst else 0
     n = len(data)
+    if not n and not hdgst:
+        return [_BARE_CAPSULE_CH + sqe]   # the common header of every capsule with nothing but its SQE
+    hd = DIGEST_LEN if hdgst else 0
     dd = DIGEST_LEN if ddgst and n else 0
     pdo = _pad_to(72 + hd, cpda) if n else 0
     plen = (pdo + n + dd) if n else 72 + hd
@@ -160,7 +165,12 @@ class HostPduReader:
         self.ddgst = False
         self._buf = RecvBuffer()
 
-    def receive_data(self, data: bytes) -> list[Pdu]:
+    @property
+    def buffered(self) -> int:
+        """Bytes of an unfinished PDU held from earlier receives."""
+        return self._buf.size
+
+    def receive_data(self, data: bytes | memoryview) -> list[Pdu]:
         buf = self._buf
         buf.append(data)
         out: list[Pdu] = []
