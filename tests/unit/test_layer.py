@@ -152,7 +152,7 @@ def test_a_layer_that_overrides_read_only_forwards_the_rest() -> None:
     async def go() -> None:
         dev = RamDevice(BLOCKS, BS)
         layer = ReadsCounted(dev)
-        for method in ("write", "flush", "unmap", "write_zeroes", "write_now"):
+        for method in ("write", "flush", "unmap", "write_zeroes", "write_now", "write_window"):
             assert getattr(layer, method) == getattr(dev, method), method
         assert layer.read != dev.read
         await layer.write(3, b"r" * BS)
@@ -162,6 +162,30 @@ def test_a_layer_that_overrides_read_only_forwards_the_rest() -> None:
         assert layer.capabilities == dev.capabilities.but(sync_read=False)
         assert layer.capabilities.sync_write and layer.write_now(4, b"w" * BS)
         assert await dev.read(4, 1) == b"w" * BS
+        await dev.close()
+    asyncio.run(go())
+
+
+class WritesCounted(Layer):
+    """Changes write() only, as a replica's or QoS's layer does."""
+
+    writes = 0
+
+    async def write(self, lba: int, data: Buffer, *, fua: bool = False) -> None:
+        self.writes += 1
+        await self.below.write(lba, data, fua=fua)
+
+
+def test_a_layer_that_changes_write_takes_the_write_window_away() -> None:
+    async def go() -> None:
+        dev = RamDevice(BLOCKS, BS)
+        assert dev.capabilities.write_window and len(dev.write_window(2, 3)) == 3 * BS
+        layer = WritesCounted(dev)
+        # data received into the device's memory would go around the layer's write: no window, no fast write
+        assert layer.write_window(2, 3) is None and layer.write_now(2, bytes(BS)) is False
+        assert layer.capabilities == dev.capabilities.but(sync_write=False, write_window=False)
+        await layer.write(2, b"x" * BS)
+        assert layer.writes == 1 and await dev.read(2, 1) == b"x" * BS
         await dev.close()
     asyncio.run(go())
 
@@ -180,8 +204,10 @@ def test_a_changed_capability_survives_the_layers_above() -> None:
     dev = RamDevice(BLOCKS, BS)
     changed = NoSyncWrite(dev)
     top = Empty(Empty(changed))
-    want = dev.capabilities.but(sync_write=False, max_transfer=1 << 20)
+    # a layer with writes of its own also takes the write window away: data received there would go around it
+    want = dev.capabilities.but(sync_write=False, write_window=False, max_transfer=1 << 20)
     assert changed.capabilities == top.capabilities == want
     assert top.capabilities.sync_read and top.read_now == dev.read_now   # the rest is still the device's
     assert top.write_now(0, bytes(BS)) is False
+    assert top.write_window(0, 1) is None
     asyncio.run(dev.close())

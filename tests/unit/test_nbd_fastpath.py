@@ -278,13 +278,74 @@ def test_large_writes_received_into_their_buffer_send_what_the_copy_path_sends(m
     stream.append((0, Cmd.WRITE, SIZE - BS, 1024 * BS, 0))      # refused (beyond the end): its payload is skipped
     stream.append((0, Cmd.READ, 0, SIZE, 0))
 
-    async def go(receive: list[int] | None, lane: bool) -> tuple[list[bytes], list[bytes]]:
+    async def go(receive: list[int] | None, lane: bool, joined: bool = False) -> tuple[list[bytes], list[bytes]]:
         devs = [RamDevice(BLOCKS, BS) for _ in NAMES]
-        out = await run(devs, encode(stream, 9), False, lane=lane, receive=receive)
+        wire = encode(stream, 9)
+        if joined:     # each connection's requests back to back: one receive ends a payload and starts the next
+            wire = recut(wire, [3 << 20])
+        out = await run(devs, wire, False, lane=lane, receive=receive)
         return out, [bytes(d.read_now(0, BLOCKS)) for d in devs]
 
+    from openvsan.volume import Volume
+    windows = []
+    opened = Volume.open_window
+
+    def lending(self: Volume, lba: int, blocks: int) -> Any:
+        view = opened(self, lba, blocks)
+        windows.append(view is not None)
+        return view
+
+    monkeypatch.setattr(Volume, "open_window", lending)
     reference = asyncio.run(go(None, False))
+    assert not windows                             # without the lane: a buffer of its own, then a copy
     for receive in ([1 << 20], [65536 + 28], [1000, 70000, 200000], [4096]):
         direct.clear()
+        windows.clear()
         assert asyncio.run(go(receive, True)) == reference, receive
-        assert sum(direct) > 1 << 20, receive      # megabytes of payload went straight into their buffers
+        assert sum(direct) > 1 << 20, receive      # megabytes of payload went straight into the RAM devices
+        assert windows.count(True) > 20, receive   # writes of 64 KiB and more, received in place
+        assert asyncio.run(go(receive, True, joined=True)) == reference, receive
+
+
+def test_a_connection_lost_in_a_write_received_in_place_leaves_no_window_open() -> None:
+    from openvsan.volume import Volume
+
+    async def go() -> None:
+        dev = RamDevice(BLOCKS, BS)
+        vol = Volume(dev, name="rw")
+        srv = NbdServer([NbdExportConfig("rw", vol, [PORTAL])])
+        c = Connection(srv, PORTAL)
+        w = Wire()
+        c.connection_made(w)  # type: ignore[arg-type]
+        c.data_received(handshake("rw", False))
+        payload = random.Random(4).randbytes(512 * BS)
+        head = request(Cmd.WRITE, 8 * BS, len(payload), 0, 1)
+        c.data_received(head + payload[:1000])          # the header and the start of its payload
+        buf = c.get_buffer(-1)
+        assert len(buf) == len(payload) - 1000           # the rest goes straight to the device
+        buf[:100000] = payload[1000:101000]
+        c.buffer_updated(100000)
+        assert vol._inflight == 1                        # the open window holds the volume's changes off
+        c.connection_lost(ConnectionResetError())
+        assert vol._inflight == 0
+        # what arrived is there (an unacknowledged write, part done: a torn write); nothing was answered
+        assert bytes(dev.read_now(8, 512))[:101000] == payload[:101000]
+        assert simple_reply_cookies(bytes(w.out)) == []
+        await vol.resize(2 * BLOCKS)                     # nothing is left holding it
+    asyncio.run(go())
+
+
+def simple_reply_cookies(wire: bytes) -> list[int]:
+    """Cookies of the simple replies after NBD_OPT_GO's ACK (no reads among them)."""
+    pos = wire.index(struct.pack(">Q", NBDMAGIC)) + 18
+    while True:
+        _, opt, rep, n = struct.unpack_from(">QIII", wire, pos)
+        pos += 20 + n
+        if opt == Opt.GO and rep == 1:
+            break
+    out = []
+    while pos < len(wire):
+        _, _, cookie = struct.unpack_from(">IIQ", wire, pos)
+        out.append(cookie)
+        pos += 16
+    return out

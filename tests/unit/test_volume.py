@@ -485,3 +485,42 @@ def test_listen_unlisten_and_a_failing_listener(caplog: pytest.LogCaptureFixture
     stop()   # twice: harmless
     run(vol.resize(3 * BLOCKS))
     assert first == ["resized", "resized"] and last == ["resized"]
+
+
+def test_an_open_write_window_is_io_in_flight_for_a_swap_and_a_resize() -> None:
+    async def go() -> None:
+        ram, ram2 = RamDevice(BLOCKS, BS), RamDevice(BLOCKS, BS)
+        vol = Volume(ram, name="v")
+        view = vol.open_window(4, 2)
+        assert view is not None and len(view) == 2 * BS
+        view[:] = b"w" * (2 * BS)                                   # the data arrives straight in the device
+        s = asyncio.create_task(vol.swap(Layer(ram2)))
+        await settle()
+        assert not s.done(), "the swap did not wait for the open window"
+        assert vol.open_window(8, 1) is None                        # no new window while it drains
+        vol.close_window()
+        await s
+        assert await ram.read(4, 2) == b"w" * (2 * BS)
+        assert vol.open_window(8, 1) is not None                   # the new stack's device lends one too
+        vol.close_window()
+        w = vol.open_window(0, 1)
+        assert w is not None
+        with pytest.raises(Busy):
+            await vol.resize(2 * BLOCKS, timeout=0)                 # nothing changes under an open window
+        vol.close_window()
+        await vol.resize(2 * BLOCKS)
+        assert vol.num_blocks == 2 * BLOCKS
+        with pytest.raises(OutOfRange):
+            vol.open_window(2 * BLOCKS - 1, 2)
+    run(go())
+
+
+def test_no_write_window_through_a_layer_or_a_device_without_one() -> None:
+    ram = RamDevice(BLOCKS, BS)
+    assert Volume(Recorder(ram), name="a").open_window(0, 1) is None   # Recorder changes write()
+    assert Volume(NullDevice(BLOCKS, BS), name="b").open_window(0, 1) is None
+    assert Volume(FaultDevice(ram), name="c").open_window(0, 1) is None
+    v = Volume(Layer(ram), name="d")                                  # an empty layer forwards it
+    assert v.open_window(0, 1) is not None and v._inflight == 1
+    v.close_window()
+    assert v._inflight == 0

@@ -18,6 +18,7 @@ class Capabilities:
     atomic_write: int = 0           # bytes written all or nothing; 0: one logical block
     volatile_cache: bool = False    # a write without FUA may be lost until flush() (SBC-4 WCE, NVMe VWC)
     resizable: bool = False         # resize(num_blocks) can grow (or shrink) the device while it serves
+    write_window: bool = False      # write_window lends its own memory to receive a write into (WriteWindow)
 
     def but(self, **changes: Any) -> Capabilities:
         """The same capabilities with some changed: what a layer states over the device below it."""

@@ -62,3 +62,17 @@ class SyncWrite(Protocol):
     it, or declined (False, nothing written: use write()). The caller has checked the range."""
 
     def write_now(self, lba: int, data: Buffer) -> bool: ...
+
+
+@runtime_checkable
+class WriteWindow(Protocol):
+    """What a device with capabilities.write_window (a RAM device) offers besides SyncWrite: write_window lends
+    the device's own memory for `blocks` at `lba`, for a frontend to receive a large write's data straight
+    into it (no buffer, no copy); once all of it has arrived the write is done, as durable as write_now's.
+    Until then reads of those blocks may see part of it, as they may for any read that overlaps a write in
+    flight, and a write whose data never all arrives (the connection lost) leaves the blocks part written,
+    as a torn write of any device would: neither was acknowledged. The caller has checked the range and
+    holds the volume's in-flight count while the window is open (Volume.open_window), so no change of the
+    stack or size happens under it. Layers forward it only if they change no write (block/layer.py)."""
+
+    def write_window(self, lba: int, blocks: int) -> memoryview: ...

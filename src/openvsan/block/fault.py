@@ -57,7 +57,7 @@ class FaultDevice:
         self.reads = self.writes = self.flushes = 0
         self._writeback_sync: dict[int, bytes] = {}
         # no fast path: every request goes where a fault can be injected
-        self.capabilities = inner.capabilities.but(sync_read=False, sync_write=False,
+        self.capabilities = inner.capabilities.but(sync_read=False, sync_write=False, write_window=False,
                                                    volatile_cache=volatile_cache or inner.capabilities.volatile_cache,
                                                    resizable=False)
 

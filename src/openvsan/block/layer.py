@@ -13,12 +13,18 @@ from openvsan.block.capabilities import Capabilities
 from openvsan.block.device import BlockDevice, Buffer
 
 # the methods forwarded as they are unless a subclass overrides them
-FORWARDED = ("read", "write", "flush", "unmap", "write_zeroes", "read_now", "write_now", "lba_status")
+FORWARDED = ("read", "write", "flush", "unmap", "write_zeroes", "read_now", "write_now", "write_window",
+             "lba_status")
 
-# A fast-path method goes with its normal one: a layer that changes read() (QoS, crypt, a cache) and says
+# A fast-path method goes with its normal ones: a layer that changes read() (QoS, crypt, a cache) and says
 # nothing of read_now() must not let read_now reach the device below around it. It declines, and the
-# capability goes with it.
-PAIRED = {"read_now": ("read", "sync_read"), "write_now": ("write", "sync_write")}
+# capability goes with it. A write window (the device's memory lent to receive a write into) goes around
+# every write of the layer, so a layer that changes write() or write_now() takes it away too.
+PAIRED: dict[str, tuple[tuple[str, ...], str]] = {
+    "read_now": (("read",), "sync_read"),
+    "write_now": (("write",), "sync_write"),
+    "write_window": (("write", "write_now"), "write_window"),
+}
 
 
 def _decline_read(lba: int, blocks: int) -> None:
@@ -29,7 +35,11 @@ def _decline_write(lba: int, data: Buffer) -> bool:
     return False
 
 
-_DECLINE: dict[str, Any] = {"read_now": _decline_read, "write_now": _decline_write}
+def _decline_window(lba: int, blocks: int) -> None:
+    return None
+
+
+_DECLINE: dict[str, Any] = {"read_now": _decline_read, "write_now": _decline_write, "write_window": _decline_window}
 
 
 class Layer:
@@ -43,8 +53,8 @@ class Layer:
         for method in FORWARDED:
             if getattr(cls, method) is not getattr(Layer, method):
                 continue
-            slow, capability = PAIRED.get(method, ("", ""))
-            if slow and getattr(cls, slow) is not getattr(Layer, slow):
+            slow, capability = PAIRED.get(method, ((), ""))
+            if any(getattr(cls, m) is not getattr(Layer, m) for m in slow):
                 setattr(self, method, _DECLINE[method])
                 self._fast_off[capability] = False
             elif hasattr(below, method):
@@ -89,6 +99,10 @@ class Layer:
     def write_now(self, lba: int, data: Buffer) -> bool:
         fn = getattr(self.below, "write_now", None)
         return bool(fn(lba, data)) if fn is not None else False
+
+    def write_window(self, lba: int, blocks: int) -> memoryview | None:
+        fn = getattr(self.below, "write_window", None)
+        return fn(lba, blocks) if fn is not None else None
 
     async def lba_status(self, lba: int, blocks: int) -> Any:
         return await self.below.lba_status(lba, blocks)  # type: ignore[attr-defined]

@@ -62,7 +62,7 @@ class RamDevice:
         self._held = bytearray(-(-size // PAGE))
         if backing or memfd is not None:
             self._find_held(size)
-        self.capabilities = Capabilities(sync_read=True, sync_write=True, resizable=True)
+        self.capabilities = Capabilities(sync_read=True, sync_write=True, resizable=True, write_window=True)
 
     def _find_held(self, size: int) -> None:
         """Mark the pages a memory file made elsewhere (a backing file, a supervisor's memfd) holds."""
@@ -128,6 +128,14 @@ class RamDevice:
 
     async def write(self, lba: int, data: Buffer, *, fua: bool = False) -> None:
         self._put(lba, data)
+
+    def write_window(self, lba: int, blocks: int) -> memoryview:
+        """The mapping itself, for a write's data to be received into (block/device.py WriteWindow). Its
+        pages are marked as holding data now: a hint for reads only, right once the data is there."""
+        bs = self.block_size
+        start, n = lba * bs, blocks * bs
+        self._wrote(start, n)
+        return self._view[start:start + n]
 
     async def flush(self) -> None:
         # RAM (or tmpfs) is as durable as it gets: the promise is "survives the process", which it does.

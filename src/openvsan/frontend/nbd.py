@@ -258,6 +258,9 @@ class Connection(BatchedConnection, asyncio.BufferedProtocol):
         self._early: list[bytes] | None = None              # decrypted data that came before start_tls returned
         self._lane = False                                  # negotiated: received() takes the request lane
         self._into_payload = False                          # get_buffer gave the transport a payload's buffer
+        # write windows open on the export's volume (_open_window): one for the payload being received, and
+        # for a moment two (a receive that ends one payload can start the next before the first is answered)
+        self._windows = 0
         self._expired = False
         self._lost = False
 
@@ -284,6 +287,11 @@ class Connection(BatchedConnection, asyncio.BufferedProtocol):
         self.server.connections.discard(self)
         if self._timer is not None:
             self._timer.cancel()
+        while self._windows:
+            # a write's payload was being received into the device: part of it is there, unacknowledged
+            self._windows -= 1
+            assert self.export is not None
+            self.export.volume.close_window()
         # requests still running finish on the device (a write may be half done); their replies are dropped
 
     def pause_writing(self) -> None:
@@ -453,12 +461,37 @@ class Connection(BatchedConnection, asyncio.BufferedProtocol):
         self.logged_in()
         self.settle()
         self._lane = self.server.lane
+        if self._lane and not ev.tls:
+            # a large write's payload is received straight into the device where it lends its memory (RAM)
+            self.conn.window = self._open_window
         log.info("%s: NBD export %s (%d bytes%s%s%s)", self.peer, ev.export.name, ev.export.size,
                  ", read-only" if ev.export.read_only else "", ", structured replies" if ev.structured else "",
                  ", TLS" if ev.tls else "")
 
     # --- requests ---------------------------------------------------------------------------------
+    def _open_window(self, offset: int, length: int) -> memoryview | None:
+        """NbdServerConnection.window: the volume's memory for an admitted write's payload (Volume.open_window),
+        or None. Open until the write's Request arrives (_start) or the connection is lost."""
+        assert self.export is not None
+        if self._waiting:
+            return None      # requests before it wait to start (over the budget): none may see its data early
+        vol = self.export.volume
+        bs = vol.block_size
+        view = vol.open_window(offset // bs, length // bs)
+        if view is not None:
+            self._windows += 1
+        return view
+
     def _start(self, req: Request) -> None:
+        if req.in_place:
+            # its payload was received into the device (_open_window): the write is done and durable as a
+            # SyncWrite's (block/device.py WriteWindow), so it is answered now, whatever waits before it (NBD
+            # requests in flight together have no order)
+            assert self._windows and self.export is not None
+            self._windows -= 1
+            self.export.volume.close_window()
+            self.send(self.conn.reply(req))
+            return
         if self._waiting or self._over_budget():
             self._waiting.append(req)
             self._update_reading()

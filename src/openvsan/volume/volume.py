@@ -151,6 +151,24 @@ class Volume:
         finally:
             self._leave()
 
+    def open_window(self, lba: int, blocks: int) -> memoryview | None:
+        """The device's own memory for a write of `blocks` at `lba` to be received into (block/device.py
+        WriteWindow), or None: no window (the stack has none, or a change is draining I/O); then the write
+        comes with its data as usual. An open window counts as I/O in flight until close_window(), so the
+        stack and the size stay as they are under it. The caller has checked the range."""
+        if self._held is not None or not self.capabilities.write_window:
+            return None
+        self._check(lba, blocks)
+        view: memoryview | None = self.stack.write_window(lba, blocks)  # type: ignore[attr-defined]
+        if view is not None:
+            self._inflight += 1
+        return view
+
+    def close_window(self) -> None:
+        """The data of a window open_window() gave has all arrived (the write is done), or never will (the
+        connection is gone: the blocks are part written, as a torn write leaves them)."""
+        self._leave()
+
     async def flush(self) -> None:
         await self._enter()
         try:

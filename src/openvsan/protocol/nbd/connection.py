@@ -14,7 +14,7 @@ live here; option answers in handshake.py, request checks and reply layouts in t
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from enum import Enum, auto
 
 from openvsan.protocol.nbd.events import (
@@ -55,7 +55,15 @@ MAX_OPTION_DATA = 64 * 1024
 
 
 _HEADER = REQUEST.size           # 28 bytes: magic, flags, type, cookie, offset, length
+# a write from this size is received in place when the driver lends a window (smaller ones mostly arrive whole
+# in one receive and take the lane, whose copy into the device is as cheap)
+WINDOW_AT = 64 * 1024
 _WRITE = int(Cmd.WRITE)
+
+
+def _pending(events: list[Event]) -> bool:
+    """Whether `events` holds a request the driver has yet to run (one received in place is done already)."""
+    return any(isinstance(e, Request) and not e.in_place for e in events)
 
 
 class Phase(Enum):
@@ -79,9 +87,13 @@ class NbdServerConnection:
         self._option = 0
         # a WRITE whose payload is arriving: its header, the buffer (None: discard) and the error to answer
         self._write: tuple[int, int, int, int] = (0, 0, 0, 0)
-        self._payload: bytearray | None = None
+        self._payload: bytearray | memoryview | None = None
+        self._in_place = False         # _payload is memory window() lent
         self._fill = 0
         self._payload_error: tuple[Errno, str] | None = None
+        # set by the driver: where an admitted write's payload of `length` bytes at `offset` may be received
+        # in place (the device's own memory), or None for a buffer of its own; used from WINDOW_AT bytes
+        self.window: Callable[[int, int], memoryview | None] | None = None
 
     @property
     def shutting_down(self) -> bool:
@@ -255,7 +267,12 @@ class NbdServerConnection:
             # before the answer so the stream stays framed and the connection survives
             self._write = (cmd, flags, cookie, offset)
             self._payload_error = problem
-            self._payload = bytearray(length) if problem is None else None
+            # in place only once every request before it has been handed out: the payload lands in the device
+            # as it comes, so a request still in `events` (not yet run) would see it, or write over it
+            lent = (self.window(offset, length) if problem is None and self.window is not None
+                    and length >= WINDOW_AT and not _pending(events) else None)
+            self._in_place = lent is not None
+            self._payload = lent if lent is not None else bytearray(length) if problem is None else None
             self._fill = 0
             self._expect(Phase.PAYLOAD, length)
             return
@@ -299,7 +316,8 @@ class NbdServerConnection:
                 errno, msg = self._payload_error
                 events.append(Send([error_reply(self.session, cmd, cookie, errno, msg)]))
             else:
-                events.append(Request(cmd, flags, cookie, offset, self._want, memoryview(payload)))
+                events.append(Request(cmd, flags, cookie, offset, self._want, memoryview(payload), self._in_place))
+                self._in_place = False
             self._expect(Phase.REQUEST, REQUEST.size)
 
     # --- output ----------------------------------------------------------------------------------

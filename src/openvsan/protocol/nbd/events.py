@@ -76,6 +76,8 @@ class Request:
     offset: int
     length: int
     payload: memoryview | None = field(default=None, repr=False)  # NBD_CMD_WRITE data
+    # the payload was received into memory the driver's window() lent (the device's own): it is written already
+    in_place: bool = False
 
     @property
     def fua(self) -> bool:
