@@ -152,6 +152,36 @@ def test_xor_and_pq_match_reference(par: Parity, n: int, length: int, seed: int)
 
 
 @SETTINGS
+@given(n=st.integers(1, 16), length=st.sampled_from(LENGTHS), seed=st.integers(0, 2**32), at=st.integers(0, 7))
+def test_encode_into_writes_what_xor_and_pq_return(par: Parity, n: int, length: int, seed: int, at: int) -> None:
+    """Into writable memory of any kind (a RAM member's mapping, offset anywhere), nothing outside it touched."""
+    data = chunks(random.Random(seed), n, length)
+    p, q = reference_pq(data)
+    mem = bytearray(b"\xa5" * (2 * length + 16))
+    view = memoryview(mem)
+    out_p, out_q = view[at:at + length], view[at + length + 3:at + 2 * length + 3]
+    par.encode_into(data, [out_p])
+    assert bytes(out_p) == p
+    out_p[:] = bytes(length)
+    par.encode_into(data, [out_p, out_q])
+    assert (bytes(out_p), bytes(out_q)) == (p, q)
+    assert mem[:at] == b"\xa5" * at and mem[at + length:at + length + 3] == b"\xa5" * 3
+    assert mem[at + 2 * length + 3:] == b"\xa5" * (len(mem) - at - 2 * length - 3)
+
+
+def test_encode_into_errors(par: Parity) -> None:
+    out = memoryview(bytearray(3))
+    with pytest.raises(ValueError, match="no data"):
+        par.encode_into([], [out])
+    with pytest.raises(ValueError, match="not 2 writable bytes"):
+        par.encode_into([b"ab", b"cd"], [out])
+    with pytest.raises(ValueError, match="read-only"):
+        par.encode_into([b"abc", b"def"], [b"xyz"])
+    with pytest.raises(ValueError, match="3 output chunks: 1 .P. or 2 .P and Q."):
+        par.encode_into([b"abc"], [out, out, out])
+
+
+@SETTINGS
 @given(
     n=st.integers(1, 16), length=st.integers(0, 300), tile=st.sampled_from([1, 8, 13, 64]), seed=st.integers(0, 2**32)
 )

@@ -418,6 +418,11 @@ class Declining(RamMember):
             return False
         return super().write_now(lba, data)
 
+    def write_window(self, lba: int, blocks: int) -> memoryview | None:
+        if self.decline or (self.decline_from is not None and lba >= self.decline_from):
+            return None   # where it takes no fast write it lends no memory either
+        return super().write_window(lba, blocks)
+
 
 class NoFastWrites(Declining):
     """A RAM member that declines every fast write: a pool of these takes the normal write path only."""
@@ -517,6 +522,50 @@ def test_a_fast_write_declined_half_way_is_written_again_whole(level: int) -> No
         assert bytes(await pool.read(3, 1)) == new
         assert (await pool.scrub(repair=False)).mismatches == 0
         await pool.close()
+
+    asyncio.run(go())
+
+
+class NoWindow(RamMember):
+    """A RAM member that lends no memory: a full stripe's parity is made in a buffer and copied in."""
+
+    def write_window(self, lba: int, blocks: int) -> memoryview | None:
+        return None
+
+
+class CountedWindows(RamMember):
+    lent = 0
+
+    def write_window(self, lba: int, blocks: int) -> memoryview | None:
+        CountedWindows.lent += 1
+        return super().write_window(lba, blocks)
+
+
+@pytest.mark.parametrize("level", [5, 6])
+def test_parity_computed_into_the_members_equals_parity_copied_in(level: int) -> None:
+    """Full stripes written by write_now put their parity straight into RAM members' memory (MemberSet.window,
+    Parity.encode_into): every member ends byte for byte as with members that lend none, partial rows,
+    spanning writes and overwrites included, and scrub finds nothing."""
+    async def go() -> None:
+        rnd = random.Random(level)
+        pools = [await ram_pool(level, 5, cls) for cls in (CountedWindows, NoWindow)]
+        row = pools[0][0].geo.chunk_blocks * pools[0][0].geo.data_chunks
+        total = pools[0][0].num_blocks
+        CountedWindows.lent = 0
+        for _ in range(60):
+            blocks = rnd.choice((1, 7, row, 2 * row, 3 * row + 5))
+            lba = rnd.choice((0, row, rnd.randrange(total - blocks + 1)))
+            data = rnd.randbytes(blocks * BS)
+            for pool, _ in pools:
+                await pool.write(lba, data)
+        assert CountedWindows.lent > 20
+        (a, ma), (_, mb) = pools
+        start = HEADER // BS     # the data area (the header holds each pool's own identity)
+        for x, y in zip(ma, mb, strict=True):
+            assert x.read_now(start, x.num_blocks - start) == y.read_now(start, y.num_blocks - start)
+        assert (await a.scrub(repair=False)).mismatches == 0
+        for pool, _ in pools:
+            await pool.close()
 
     asyncio.run(go())
 

@@ -73,6 +73,7 @@ class WriteWindow(Protocol):
     flight, and a write whose data never all arrives (the connection lost) leaves the blocks part written,
     as a torn write of any device would: neither was acknowledged. The caller has checked the range and
     holds the volume's in-flight count while the window is open (Volume.open_window), so no change of the
-    stack or size happens under it. Layers forward it only if they change no write (block/layer.py)."""
+    stack or size happens under it. Layers forward it only if they change no write (block/layer.py). It may
+    decline (None): then the write comes with its data, as usual."""
 
-    def write_window(self, lba: int, blocks: int) -> memoryview: ...
+    def write_window(self, lba: int, blocks: int) -> memoryview | None: ...

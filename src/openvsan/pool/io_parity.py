@@ -208,7 +208,7 @@ class ParityIO:
         """The row's parity over [lo, hi) after the write, from what `_reads` asked for (in its order)."""
         new, lo, bs = plan.new, plan.lo, self.bs
         if how == FULL:
-            return self._parity([new[i][2] for i in range(self.k)])
+            return self._parity(self._full_data(plan))
         if how == RCW:
             chunks: list[Buffer | None] = [None] * self.k
             for i, d in zip(self._rcw_needs(plan), got, strict=True):
@@ -224,6 +224,23 @@ class ParityIO:
             if q is not None and q2 is not None:
                 q[a:b] = q2
         return [p] if q is None else [p, q]
+
+    def _full_data(self, plan: _Plan) -> list[Buffer]:
+        """A full stripe's new data chunks, in order."""
+        new = plan.new
+        return [new[i][2] for i in range(self.k)]
+
+    def _parity_in_place(self, row: int, plan: _Plan, pm: tuple[int, ...]) -> bool:
+        """A full stripe's parity computed straight into its members' memory (RAM members lend it: MemberSet
+        window), so it is neither made in a buffer of its own nor copied; False where a member lends none."""
+        outs = []
+        for m in pm:
+            w = self.ms.window(m, row, plan.lo, plan.hi - plan.lo)
+            if w is None:
+                return False
+            outs.append(w)
+        self.par.encode_into(self._full_data(plan), outs)
+        return True
 
     def _writes(self, row: int, plan: _Plan, dm: list[int], pm: tuple[int, ...], parity: list[Buffer],
                 parity_ok: list[bool]) -> list[tuple[int, int, Buffer]]:
@@ -296,18 +313,25 @@ class ParityIO:
             if not ms.can_write_now(m):
                 return False
         how = self._how(row, plan, len(pm))
-        got = []
-        for m, off, n in self._reads(how, plan, dm, pm):
-            d = ms.read_now(m, row, off, n)
-            if d is None:
-                return False
-            got.append(d)
-        writes = self._writes(row, plan, dm, pm, self._new_parity(how, plan, got), [True] * len(pm))
-        for i, (m, off, buf) in enumerate(writes):
+        if how == FULL and self._parity_in_place(row, plan, pm):
+            # the parity is written already: the data alone is left (a decline from here on leaves the row torn)
+            writes = self._writes(row, plan, dm, pm, [], [])
+            written = True
+        else:
+            got = []
+            for m, off, n in self._reads(how, plan, dm, pm):
+                d = ms.read_now(m, row, off, n)
+                if d is None:
+                    return False
+                got.append(d)
+            writes = self._writes(row, plan, dm, pm, self._new_parity(how, plan, got), [True] * len(pm))
+            written = False
+        for m, off, buf in writes:
             if not ms.write_now(m, row, off, buf):
-                if i:
+                if written:
                     self.torn.add(row)
                 return False
+            written = True
         return True
 
     def _overlay(self, lo: int, hi: int, new: dict[int, tuple[int, int, memoryview]],

@@ -120,6 +120,14 @@ class MemberSet:
         except MEMBER_FAULTS as e:
             raise MemberFaults({m: e}, {m: dev}) from e
 
+    def window(self, m: int, row: int, offset: int, blocks: int) -> memoryview | None:
+        """The member's own memory for `blocks` from `offset` blocks into chunk row `row` (block/device.py
+        WriteWindow: a RAM member), for parity to be computed straight into it; None: it has none."""
+        dev = self.members[m].dev
+        if dev is None or not dev.capabilities.write_window:
+            return None
+        return dev.write_window(self.lba(row, offset), blocks)  # type: ignore[attr-defined,no-any-return]
+
     def can_write_now(self, m: int) -> bool:
         dev = self.members[m].dev
         return dev is not None and dev.capabilities.sync_write

@@ -45,6 +45,11 @@ class Parity(Protocol):
         """RAID 6 (P, Q), Q = sum g^i * D_i."""
         ...
 
+    def encode_into(self, data: Sequence[Buffer], out: Sequence[Buffer]) -> None:
+        """What xor() (one output) or pq() (two: P, Q) returns, written into `out`: writable buffers of the
+        chunks' length, such as a RAM member's own memory, so the parity is not made elsewhere and copied."""
+        ...
+
     def recover(self, data: Sequence[Buffer | None], p: Buffer | None, q: Buffer | None) -> list[bytes]:
         """All data chunks: the given ones unchanged, the missing (None) ones rebuilt. At most two of data chunks,
         P and Q may be missing (ValueError otherwise). One data chunk lost: from P when present, else from Q;

@@ -72,16 +72,43 @@ def check_update(index: int, old: Buffer, new: Buffer, p: Buffer, q: Buffer | No
 
 
 def xor_host(data: Sequence[Buffer], length: int) -> bytearray:
-    """D0 ^ D1 ^ ... of chunks in host memory: a copy of the first, the others XORed into it in place by numpy,
-    eight bytes a lane where the length allows. Both CPU backends take RAID 5's XOR (P, a read-modify-write
-    without Q) from here: for 3 x 64 KiB it costs 6 us against 15 us through ISA-L's `ec_encode_data` (a GF
-    multiply by one, behind ctypes' setup) or the numpy backend's tiles, and 3 us against 8 us at 4 KiB."""
-    out = bytearray(data[0])
+    """D0 ^ D1 ^ ... of chunks in host memory, XORed by numpy eight bytes a lane where the length allows (into a
+    new buffer: xor_host_into). Both CPU backends take RAID 5's XOR (P, a read-modify-write without Q) from
+    here: for 3 x 64 KiB it costs 6 us against 15 us through ISA-L's `ec_encode_data` (a GF multiply by one,
+    behind ctypes' setup) or the numpy backend's tiles, and 3 us against 8 us at 4 KiB."""
+    out = bytearray(length)
+    xor_host_into(data, out, length)
+    return out
+
+
+def xor_host_into(data: Sequence[Buffer], out: Buffer, length: int) -> None:
+    """xor_host's XOR, written into `out` (writable, `length` bytes: a RAM member's own memory)."""
     dtype = np.uint64 if length % 8 == 0 else np.uint8
     acc = np.frombuffer(out, dtype)
-    for d in data[1:]:
+    if len(data) == 1:
+        acc[:] = np.frombuffer(data[0], dtype)
+        return
+    np.bitwise_xor(np.frombuffer(data[0], dtype), np.frombuffer(data[1], dtype), acc)
+    for d in data[2:]:
         np.bitwise_xor(acc, np.frombuffer(d, dtype), acc)
-    return out
+
+
+def xor_into(data: Sequence[Buffer], out: Sequence[Buffer]) -> None:
+    """encode_into for RAID 5 on the host (both CPU backends): P into out[0]."""
+    length = check_data(data, pq=False)
+    check_out(out, length)
+    xor_host_into(data, out[0], length)
+
+
+def check_out(out: Sequence[Buffer], length: int) -> None:
+    """encode_into's outputs: P, or P and Q, writable buffers of the chunks' length, or ValueError."""
+    if len(out) not in (1, 2):
+        raise ValueError(f"{len(out)} output chunks: 1 (P) or 2 (P and Q)")
+    for o in out:
+        view = memoryview(o)
+        if view.readonly or view.nbytes != length:
+            raise ValueError(f"an output chunk of {view.nbytes} bytes{' (read-only)' if view.readonly else ''}, "
+                             f"not {length} writable bytes")
 
 
 class ArrayParity(ABC):
@@ -126,6 +153,14 @@ class ArrayParity(ABC):
         length = check_data(data, pq=True)
         p, q = self._pq([self._load(d) for d in data], length)
         return self._store(p), self._store(q)
+
+    def encode_into(self, data: Sequence[Buffer], out: Sequence[Buffer]) -> None:
+        # these backends compute in arrays of their own (tiles, device memory): the result is copied out
+        length = check_data(data, pq=len(out) == 2)
+        check_out(out, length)
+        got = [self.xor(data)] if len(out) == 1 else self.pq(data)
+        for o, g in zip(out, got, strict=True):
+            memoryview(o).cast("B")[:] = memoryview(g).cast("B")
 
     def recover(self, data: Sequence[Buffer | None], p: Buffer | None, q: Buffer | None) -> list[bytes]:
         missing, length = check_recover(data, p, q)

@@ -20,7 +20,7 @@ from functools import cache, lru_cache
 import numpy as np
 import numpy.typing as npt
 
-from openvsan.pool.parity.base import Array, ArrayParity, Buffer, check_data, check_update, xor_host
+from openvsan.pool.parity.base import Array, ArrayParity, Buffer, check_data, check_update, xor_host, xor_into
 from openvsan.pool.parity.gf import LOG, mul_table
 
 U8 = npt.NDArray[np.uint8]
@@ -139,6 +139,12 @@ class NumpyParity(ArrayParity):
 
     def xor(self, data: Sequence[Buffer]) -> bytearray:
         return xor_host(data, check_data(data, pq=False))
+
+    def encode_into(self, data: Sequence[Buffer], out: Sequence[Buffer]) -> None:
+        if len(out) == 1:
+            xor_into(data, out)   # no tiles for a plain XOR: straight into `out`
+        else:
+            super().encode_into(data, out)
 
     def pq_update(
         self, index: int, old: Buffer, new: Buffer, p: Buffer, q: Buffer | None

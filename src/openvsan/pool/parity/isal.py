@@ -19,7 +19,15 @@ from typing import Any
 
 import numpy as np
 
-from openvsan.pool.parity.base import Buffer, check_data, check_recover, check_update, xor_host
+from openvsan.pool.parity.base import (
+    Buffer,
+    check_data,
+    check_out,
+    check_recover,
+    check_update,
+    xor_host,
+    xor_into,
+)
 from openvsan.pool.parity.gf import gf_pow2, raid6_recovery_rows
 
 _MAX_LEN = 2**31 - 1  # ISA-L takes the length as a C int
@@ -88,16 +96,30 @@ class IsalParity:
         self._encode = _library().ec_encode_data
 
     def _combine(self, sources: Sequence[Buffer], rows: tuple[tuple[int, ...], ...], length: int) -> list[bytes]:
+        chunk = ctypes.c_char * length
+        outs = [chunk() for _ in rows]
+        self._combine_into(sources, rows, length, outs)
+        return [o.raw for o in outs]
+
+    def _combine_into(self, sources: Sequence[Buffer], rows: tuple[tuple[int, ...], ...], length: int,
+                      outs: Sequence[Any]) -> None:
+        """One ec_encode_data call: row i of the coefficients over `sources` into outs[i] (writable buffers)."""
         if length > _MAX_LEN:
             raise ValueError(f"chunks of {length} bytes: the isal backend takes at most {_MAX_LEN}")
         keep: list[object] = []
         pointers = [s if type(s) is bytes else _pointer(s, keep) for s in sources]
         src = _pointers(len(sources))(*pointers)  # type: ignore[misc]  # c_char_p slots take bytes or addresses
-        chunk = ctypes.c_char * length
-        outs = [chunk() for _ in rows]
-        dst = _addresses(len(rows))(*[ctypes.addressof(o) for o in outs])
+        targets = [o if isinstance(o, ctypes.Array) else (ctypes.c_char * length).from_buffer(o) for o in outs]
+        dst = _addresses(len(rows))(*[ctypes.addressof(t) for t in targets])
         self._encode(length, len(sources), len(rows), _tables(rows), src, dst)
-        return [o.raw for o in outs]
+
+    def encode_into(self, data: Sequence[Buffer], out: Sequence[Buffer]) -> None:
+        if len(out) == 1:
+            xor_into(data, out)
+            return
+        length = check_data(data, pq=True)
+        check_out(out, length)
+        self._combine_into(data, _pq_rows(len(data)), length, out)
 
     def xor(self, data: Sequence[Buffer]) -> bytearray:
         return xor_host(data, check_data(data, pq=False))  # faster than ec_encode_data's GF multiply by one
