@@ -207,13 +207,8 @@ class ParityIO:
     def _new_parity(self, how: int, plan: _Plan, got: Sequence[Buffer]) -> list[Buffer]:
         """The row's parity over [lo, hi) after the write, from what `_reads` asked for (in its order)."""
         new, lo, bs = plan.new, plan.lo, self.bs
-        if how == FULL:
-            return self._parity(self._full_data(plan))
-        if how == RCW:
-            chunks: list[Buffer | None] = [None] * self.k
-            for i, d in zip(self._rcw_needs(plan), got, strict=True):
-                chunks[i] = d
-            return self._parity(self._overlay(lo, plan.hi, new, chunks))
+        if how != RMW:
+            return self._parity(self._stripe(how, plan, got))
         p = bytearray(got[len(new)])
         q = bytearray(got[len(new) + 1]) if self.raid6 else None
         for i, old in zip(new, got, strict=False):
@@ -225,21 +220,30 @@ class ParityIO:
                 q[a:b] = q2
         return [p] if q is None else [p, q]
 
-    def _full_data(self, plan: _Plan) -> list[Buffer]:
-        """A full stripe's new data chunks, in order."""
+    def _stripe(self, how: int, plan: _Plan, got: Sequence[Buffer]) -> list[Buffer]:
+        """The row's data over [lo, hi) after the write, for a full stripe (the new data) or a reconstruct-write
+        (what `_reads` got, with the new data laid over it)."""
         new = plan.new
-        return [new[i][2] for i in range(self.k)]
+        if how == FULL:
+            return [new[i][2] for i in range(self.k)]
+        chunks: list[Buffer | None] = [None] * self.k
+        for i, d in zip(self._rcw_needs(plan), got, strict=True):
+            chunks[i] = d
+        return self._overlay(plan.lo, plan.hi, new, chunks)
 
-    def _parity_in_place(self, row: int, plan: _Plan, pm: tuple[int, ...]) -> bool:
-        """A full stripe's parity computed straight into its members' memory (RAM members lend it: MemberSet
-        window), so it is neither made in a buffer of its own nor copied; False where a member lends none."""
+    def _parity_in_place(self, how: int, row: int, plan: _Plan, pm: tuple[int, ...], got: Sequence[Buffer]) -> bool:
+        """The parity of a full stripe or a reconstruct-write (which need no old parity) computed straight into
+        its members' memory (RAM members lend it: MemberSet window), so it is neither made in a buffer of its
+        own nor copied; False where a member lends none (or a read-modify-write: it starts from the old parity)."""
+        if how == RMW:
+            return False
         outs = []
         for m in pm:
             w = self.ms.window(m, row, plan.lo, plan.hi - plan.lo)
             if w is None:
                 return False
             outs.append(w)
-        self.par.encode_into(self._full_data(plan), outs)
+        self.par.encode_into(self._stripe(how, plan, got), outs)
         return True
 
     def _writes(self, row: int, plan: _Plan, dm: list[int], pm: tuple[int, ...], parity: list[Buffer],
@@ -313,17 +317,17 @@ class ParityIO:
             if not ms.can_write_now(m):
                 return False
         how = self._how(row, plan, len(pm))
-        if how == FULL and self._parity_in_place(row, plan, pm):
+        got = []
+        for m, off, n in self._reads(how, plan, dm, pm):
+            d = ms.read_now(m, row, off, n)
+            if d is None:
+                return False
+            got.append(d)
+        if self._parity_in_place(how, row, plan, pm, got):
             # the parity is written already: the data alone is left (a decline from here on leaves the row torn)
             writes = self._writes(row, plan, dm, pm, [], [])
             written = True
         else:
-            got = []
-            for m, off, n in self._reads(how, plan, dm, pm):
-                d = ms.read_now(m, row, off, n)
-                if d is None:
-                    return False
-                got.append(d)
             writes = self._writes(row, plan, dm, pm, self._new_parity(how, plan, got), [True] * len(pm))
             written = False
         for m, off, buf in writes:
