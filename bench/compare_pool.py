@@ -66,6 +66,10 @@ QEMU_RATE = {"4k-randwrite": 15000, "1m-seqwrite": 700, "4k-randread": 30000}
 QEMU_STEP = 255 * 4096  # the 4 KiB jobs' stride: a new row of the pool each request, all rows in turn
 
 
+def cases_of(args: argparse.Namespace) -> list[tuple[str, str, str, int, str]]:
+    return [c for c in CASES if not args.only or args.only in c[0]]
+
+
 def vsan_config(levels: list[str], member_mib: int, port: int) -> str:
     """Four RAM devices and a pool per level, one RAM device of 3 members' size as a plain volume, and an iSCSI
     target (LUN 0) per volume."""
@@ -164,6 +168,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3); the median is reported")
     ap.add_argument("--seconds", type=float, default=5, help="seconds per run (default 5)")
     ap.add_argument("--member-mib", type=int, default=256, help="size of each pool member (default 256)")
+    ap.add_argument("--only", help="run only the cases whose name contains this (e.g. 1m, qemu)")
     ap.add_argument("--out", type=Path, help="write the JSON result here")
     ap.add_argument("--smoke", action="store_true", help="CI: 1 round, 1 s runs, 64 MiB members")
     args = ap.parse_args()
@@ -193,7 +198,7 @@ def measure(args: argparse.Namespace) -> int:
             wait_iscsi_ready(serve, urls[name])
             precondition(client_pin, urls[name])
         for rnd in range(args.rounds):
-            for case, client, profile, qd, metric in CASES:
+            for case, client, profile, qd, metric in cases_of(args):
                 # alternate the order, so neither the pools nor the single member always run on a warmer machine
                 order = names if rnd % 2 == 0 else list(reversed(names))
                 for name in order:
@@ -237,7 +242,7 @@ def report(args: argparse.Namespace, urls: dict[str, str], serve: Target,
     cases = []
     rows = []
     label = {level: f"{level} pool" for level in args.levels} | {BASELINE: "single RAM member"}
-    for case, client, profile, qd, metric in CASES:
+    for case, client, profile, qd, metric in cases_of(args):
         per: dict[str, Any] = {}
         for name in urls:
             r = results[(case, name)]
