@@ -156,3 +156,83 @@ def test_digest_framing_is_used_after_login() -> None:
         assert struct.unpack_from(">I", p.bhs, 20)[0] == 512  # EDTL
 
     asyncio.run(main())
+
+
+def _reads_stream(c: IscsiConnection, itts: list[int], lengths: list[int]) -> list[bytes]:
+    """Target PDUs for the reads waiting on `itts`, per command: whole reads in one Data-In with status (the
+    lane's), reads in two Data-Ins, reads with an underflow residual followed by a NOP-In."""
+    chunks = []
+    statsn = 5
+    for i, (itt, n) in enumerate(zip(itts, lengths, strict=True)):
+        out: list[Any] = []
+        payload = bytes([i + 1]) * n
+        if i % 5 == 3:      # in two parts (the general path)
+            h = n // 2
+            out += frame(P.data_in(itt, 0, 0, h, final=False, expcmdsn=11 + i, maxcmdsn=41 + i), payload[:h])
+            out += frame(P.data_in(itt, 1, h, n - h, final=True, expcmdsn=11 + i, maxcmdsn=41 + i, status=0,
+                                   statsn=statsn), payload[h:])
+        elif i % 5 == 4:    # shorter than asked, with an underflow residual (the general path)
+            out += frame(P.data_in(itt, 0, 0, n - 8, final=True, expcmdsn=11 + i, maxcmdsn=41 + i, status=0,
+                                   statsn=statsn, flags=P.F_UNDERFLOW, residual=8), payload[:n - 8])
+            out += frame(P.nop_in(P.RESERVED_TAG, P.RESERVED_TAG, statsn + 1, 11 + i, 41 + i))
+        else:               # the lane's
+            out += frame(P.data_in(itt, 0, 0, n, final=True, expcmdsn=11 + i, maxcmdsn=41 + i, status=0,
+                                   statsn=statsn), payload)
+        statsn += 1
+        chunks.append(b"".join(bytes(x) for x in out))
+    return chunks
+
+
+def test_the_read_lane_completes_reads_as_the_pdu_reader_does(monkeypatch: Any) -> None:
+    """The same target stream in receives of whole PDUs (whole Data-Ins at the front of a receive take the
+    lane) and a few bytes at a time (every PDU goes through the PDU reader): the same results, window and
+    StatSN."""
+    lengths = [512, 4096, 3, 4096, 100, 512, 4096, 7, 8192, 1000, 512, 4096]
+
+    async def run(cut: int | None) -> tuple[list[tuple[int, bytes]], tuple[int, int, int], int]:
+        c, t = await connected()
+        read_by_reader = []
+        receive = c.reader.receive_data
+
+        def counted(data: Any) -> Any:
+            pdus = receive(data)
+            read_by_reader.extend(p for p in pdus if p.opcode == P.Op.DATA_IN)
+            return pdus
+        monkeypatch.setattr(c.reader, "receive_data", counted)
+        futs = [c.command(b"\x88" + bytes(15), bytes(8), read_len=n) for n in lengths]
+        await turn()
+        chunks = _reads_stream(c, list(c.tasks), lengths)
+        if cut is None:
+            # two commands' PDUs a receive: whole ones at the front take the lane, the rest the reader
+            for i in range(0, len(chunks), 2):
+                c.data_received(b"".join(chunks[i:i + 2]))
+        else:
+            stream = b"".join(chunks)
+            for i in range(0, len(stream), cut):
+                c.data_received(stream[i:i + cut])
+        done = [await f for f in futs]
+        assert not c.tasks and not t.aborted
+        return [(d.status, bytes(d.data)) for d in done], (c.expcmdsn, c.maxcmdsn, c.expstatsn), len(read_by_reader)
+
+    whole, window, by_reader = asyncio.run(run(None))
+    trickled, window2, by_reader2 = asyncio.run(run(5))
+    assert whole == trickled and window == window2
+    assert [len(d) for _, d in whole] == [n if i % 5 != 4 else n - 8 for i, n in enumerate(lengths)]
+    assert by_reader2 == len(lengths) + 2            # trickled: every Data-In through the reader
+    assert by_reader <= by_reader2 - 6               # whole PDUs: the lane took the plain ones at the front
+
+
+def test_a_data_in_the_lane_does_not_know_goes_to_the_general_path() -> None:
+    async def main() -> None:
+        c, t = await connected()
+        fut = c.command(b"\x88" + bytes(15), bytes(8), read_len=512)
+        await turn()
+        itt = next(iter(c.tasks))
+        # a whole read with status for a task no one sent: the general path drops it (an unknown ITT)
+        feed(c, P.data_in(itt + 7, 0, 0, 512, final=True, expcmdsn=11, maxcmdsn=41, status=0), b"u" * 512)
+        assert not fut.done() and not t.aborted
+        # longer than the command asked: the general path drops the connection
+        feed(c, P.data_in(itt, 0, 0, 1024, final=True, expcmdsn=11, maxcmdsn=41, status=0), b"l" * 1024)
+        assert t.aborted
+
+    asyncio.run(main())

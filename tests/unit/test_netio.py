@@ -98,6 +98,47 @@ def test_write_batcher_sends_one_writelines_per_turn():
     asyncio.run(go())
 
 
+def test_a_large_batch_leaves_at_once_and_the_rest_at_the_end_of_the_turn():
+    from openvsan.netio import FLUSH_PARTS
+
+    class T:
+        def __init__(self):
+            self.calls = []
+
+        def writelines(self, parts):
+            self.calls.append(list(parts))
+
+        def write(self, data):
+            self.calls.append([data])
+
+        def is_closing(self):
+            return False
+
+    async def go():
+        b = WriteBatcher()
+        t = b.transport = T()
+        parts = [bytes([i]) for i in range(2 * FLUSH_PARTS + 5)]
+        for p in parts:
+            b.send([p])
+        # the peer gets the first commands while the rest are being made, in order
+        assert t.calls == [parts[:FLUSH_PARTS], parts[FLUSH_PARTS:2 * FLUSH_PARTS]]
+        await asyncio.sleep(0)
+        assert t.calls[2] == parts[2 * FLUSH_PARTS:] and len(t.calls) == 3
+        await asyncio.sleep(0)
+        assert len(t.calls) == 3                  # nothing sent twice, no empty send
+        # a connection answering one receive (holding) sends it whole when it is done
+        t.calls.clear()
+        b.holding = True
+        for p in parts:
+            b.send([p])
+        assert t.calls == []
+        b.holding = False
+        b.flush()
+        assert t.calls == [parts]
+
+    asyncio.run(go())
+
+
 def test_start_inline_runs_to_the_first_suspension_and_the_caller_drives_the_rest():
     async def go():
         loop = asyncio.get_running_loop()

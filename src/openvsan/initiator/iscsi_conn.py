@@ -28,6 +28,10 @@ M32 = 0xFFFFFFFF
 # Data-In (§11.7.1): flags, status, ITT, StatSN, Buffer Offset, Residual Count, in one unpack
 _DATA_IN = struct.Struct(">xBxB12xI4xI8x4xII")
 _EXP_MAX = struct.Struct(">II")
+_U32 = struct.Struct(">I")
+_BHS = 48
+_DATA_IN_OP = int(Op.DATA_IN)
+_FINAL_STATUS = Q.F_FINAL | Q.F_STATUS   # a Data-In that ends its command with GOOD-or-not status, no residual
 Buf = bytes | bytearray | memoryview
 
 
@@ -35,8 +39,8 @@ class ConnectionLost(Exception):
     """The connection went away (or was dropped by us) with the command outstanding: send it again."""
 
 
-@dataclass(frozen=True, slots=True)
-class Completion:
+@dataclass(slots=True)
+class Completion:   # not frozen: a frozen dataclass's __init__ goes through object.__setattr__ (one per command)
     status: int
     data: Buf = b""
     sense: bytes = b""
@@ -181,8 +185,15 @@ class IscsiConnection(asyncio.Protocol):
 
     # ------------------------------------------------------------------------------------- receive
     def data_received(self, data: bytes) -> None:
+        reader = self.reader
+        rest: bytes | memoryview = data
+        if (self._login is None and not reader.buffered and not reader.header_digest and not reader.data_digest
+                and self.tasks):
+            rest = self._read_lane(data)
+            if not len(rest):
+                return
         try:
-            pdus = self.reader.receive_data(data)
+            pdus = reader.receive_data(rest)
         except FramingError as e:
             log.warning("%s: %s; dropping the connection", self.name, e)
             self.abort()
@@ -205,9 +216,43 @@ class IscsiConnection(asyncio.Protocol):
                 return
             handler(self, pdu)
 
+    def _read_lane(self, data: bytes) -> bytes | memoryview:
+        """The lane for what a target sends most: a whole read in one Data-In with its status (phase collapse,
+        §11.7.4), no residual, no digests, at the front of a receive. It completes its command as _data_in
+        does (the data a view of the receive, the window and StatSN taken as for any PDU). Returns what is
+        left for the PDU reader: from the first PDU that is anything else, is cut by the end of the receive,
+        or is not exactly the whole read of a command waiting for one (the general path judges those)."""
+        n = len(data)
+        pos = 0
+        tasks = self.tasks
+        max_dsl = self.reader.max_dsl
+        view: memoryview | None = None
+        while n - pos >= _BHS and data[pos] & 0x3F == _DATA_IN_OP and data[pos + 1] == _FINAL_STATUS:
+            dsl = _U32.unpack_from(data, pos + 4)[0]   # TotalAHSLength (byte 4) must be 0: then this is the DSL
+            end = pos + _BHS + dsl + (-dsl & 3)
+            if end > n or dsl > max_dsl:
+                break
+            _, status, itt, statsn, offset, _ = _DATA_IN.unpack_from(data, pos)
+            t = tasks.get(itt)
+            if t is None or offset or dsl != t.read_len or t.buf is not None:
+                break
+            self._window_at(data, pos)
+            self.expstatsn = (statsn + 1) & M32
+            del tasks[itt]
+            if view is None:
+                view = memoryview(data)
+            if not t.future.done():
+                t.future.set_result(Completion(status, view[pos + _BHS:pos + _BHS + dsl], b""))
+            pos = end
+        return data if not pos else (view[pos:] if view is not None else data[pos:])
+
     def _window_update(self, pdu: Pdu) -> None:
-        """§4.2.2.1: take ExpCmdSN/MaxCmdSN when they move forward and make sense together."""
-        exp, mx = _EXP_MAX.unpack_from(pdu.bhs, 28)   # same place in every target PDU (§11.3-§11.19)
+        self._window_at(pdu.bhs, 0)
+
+    def _window_at(self, buf: Buf, pos: int) -> None:
+        """§4.2.2.1: take ExpCmdSN/MaxCmdSN (of the target PDU whose header starts at `pos`) when they move
+        forward and make sense together."""
+        exp, mx = _EXP_MAX.unpack_from(buf, pos + 28)   # same place in every target PDU (§11.3-§11.19)
         if sn_lt((mx + 1) & M32, exp):
             return  # MaxCmdSN < ExpCmdSN - 1: ignore (§4.2.2.1)
         if sn_lt(self.expcmdsn, exp):
