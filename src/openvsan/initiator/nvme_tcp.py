@@ -421,15 +421,19 @@ class NvmeTcpInitiator:
                 a = await self._ensure()
             i = 0 if len(a.queues) == 1 else min(range(len(a.queues)), key=a.inflight.__getitem__)
             q = a.queues[i]
-            async with a.slots[i]:
-                a.inflight[i] += 1
-                try:
-                    # the queue's watchdog drops it when a command goes unanswered too long
-                    r = await q.submit(build, data=data, read_len=read_len, in_capsule=in_capsule)
-                except ConnectionLost:
-                    continue
-                finally:
-                    a.inflight[i] -= 1
+            # acquire/release rather than `async with`: two coroutine calls less per command (vsan bench is
+            # bound by this host's CPU), as the iSCSI session does
+            slots = a.slots[i]
+            await slots.acquire()
+            a.inflight[i] += 1
+            try:
+                # the queue's watchdog drops it when a command goes unanswered too long
+                r = await q.submit(build, data=data, read_len=read_len, in_capsule=in_capsule)
+            except ConnectionLost:
+                continue
+            finally:
+                a.inflight[i] -= 1
+                slots.release()
             if (r.status and retryable(r.status) and attempt < retries
                     and (self.opts.path_retry or (r.status >> 8) & 7 != 3)):
                 attempt += 1
