@@ -330,22 +330,6 @@ def test_a_connection_lost_in_a_write_received_in_place_leaves_no_window_open() 
         assert vol._inflight == 0
         # what arrived is there (an unacknowledged write, part done: a torn write); nothing was answered
         assert bytes(dev.read_now(8, 512))[:101000] == payload[:101000]
-        assert simple_reply_cookies(bytes(w.out)) == []
+        assert simple_replies(bytes(w.out), []) == []
         await vol.resize(2 * BLOCKS)                     # nothing is left holding it
     asyncio.run(go())
-
-
-def simple_reply_cookies(wire: bytes) -> list[int]:
-    """Cookies of the simple replies after NBD_OPT_GO's ACK (no reads among them)."""
-    pos = wire.index(struct.pack(">Q", NBDMAGIC)) + 18
-    while True:
-        _, opt, rep, n = struct.unpack_from(">QIII", wire, pos)
-        pos += 20 + n
-        if opt == Opt.GO and rep == 1:
-            break
-    out = []
-    while pos < len(wire):
-        _, _, cookie = struct.unpack_from(">IIQ", wire, pos)
-        out.append(cookie)
-        pos += 16
-    return out

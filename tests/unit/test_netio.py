@@ -60,23 +60,26 @@ def test_an_exception_before_suspension_reaches_the_caller():
     asyncio.run(go())
 
 
+class Transport:
+    """What WriteBatcher sends on: each writelines or write, in order."""
+
+    def __init__(self):
+        self.calls = []
+
+    def writelines(self, parts):
+        self.calls.append(list(parts))
+
+    def write(self, data):
+        self.calls.append(["write", data])
+
+    def is_closing(self):
+        return False
+
+
 def test_write_batcher_sends_one_writelines_per_turn():
-    class T:
-        def __init__(self):
-            self.calls = []
-
-        def writelines(self, parts):
-            self.calls.append(list(parts))
-
-        def write(self, data):
-            self.calls.append(["write", data])
-
-        def is_closing(self):
-            return False
-
     async def go():
         b = WriteBatcher()
-        t = T()
+        t = Transport()
         b.transport = t
         b.send([b"a", b"b"])
         b.send([b"c"])
@@ -101,29 +104,16 @@ def test_write_batcher_sends_one_writelines_per_turn():
 def test_a_large_batch_leaves_at_once_and_the_rest_at_the_end_of_the_turn():
     from openvsan.netio import FLUSH_PARTS
 
-    class T:
-        def __init__(self):
-            self.calls = []
-
-        def writelines(self, parts):
-            self.calls.append(list(parts))
-
-        def write(self, data):
-            self.calls.append([data])
-
-        def is_closing(self):
-            return False
-
     async def go():
         b = WriteBatcher()
-        t = b.transport = T()
+        t = b.transport = Transport()
         parts = [bytes([i]) for i in range(2 * FLUSH_PARTS + 5)]
         for p in parts:
             b.send([p])
         # the peer gets the first commands while the rest are being made, in order
         assert t.calls == [parts[:FLUSH_PARTS], parts[FLUSH_PARTS:2 * FLUSH_PARTS]]
         await asyncio.sleep(0)
-        assert t.calls[2] == parts[2 * FLUSH_PARTS:] and len(t.calls) == 3
+        assert t.calls[2] == parts[2 * FLUSH_PARTS:] and len(t.calls) == 3    # 5 parts: writelines
         await asyncio.sleep(0)
         assert len(t.calls) == 3                  # nothing sent twice, no empty send
         # a connection answering one receive (holding) sends it whole when it is done
