@@ -21,6 +21,7 @@ class Wire:
     def __init__(self) -> None:
         self.out = bytearray()
         self.writes = 0
+        self.paused = False
 
     def writelines(self, parts: list[Buffer]) -> None:
         self.writes += 1
@@ -41,10 +42,13 @@ class Wire:
         pass
 
     def pause_reading(self) -> None:
-        pass
+        self.paused = True
 
     def resume_reading(self) -> None:
-        pass
+        self.paused = False
+
+    def get_write_buffer_size(self) -> int:
+        return 0
 
 
 class AsyncOnly:

@@ -347,8 +347,34 @@ def config_apply(
 
 # ---- worker processes (vsan serve --workers N)
 
-def workers(data_dir: DataDir = None, config: ConfigOpt = None, as_json: JsonOpt = False) -> None:
+workers_app = typer.Typer(help="The worker processes of a running node (vsan serve --workers N): with no command, "
+                          "list them; `move` moves a volume to another worker while serving.",
+                          invoke_without_command=True)
+
+
+@workers_app.command("move")
+def workers_move(
+    volume: VolumeArg,
+    to: Annotated[int, typer.Option("--to", min=0, help="The worker to move it to (see `vsan workers`).")],
+    data_dir: DataDir = None, config: ConfigOpt = None, as_json: JsonOpt = False,
+) -> None:
+    """Move a volume, and the volumes exported together with it, to another worker while serving: its NBD
+    clients pause and go on there; iSCSI sessions and NVMe controllers must log out first (for now)."""
+    out = _call(data_dir, config, "workers.move", volume=volume, to=to)
+    if as_json:
+        _print_json(out)
+        return
+    typer.echo(out["message"] + (f"; {out['connections']} connection(s) went with it" if out.get("connections")
+                                 else ""))
+    if out.get("closed"):
+        typer.echo(f"{out['closed']} connection(s) could not move and were closed")
+
+
+@workers_app.callback()
+def workers(ctx: typer.Context, data_dir: DataDir = None, config: ConfigOpt = None, as_json: JsonOpt = False) -> None:
     """The worker processes of a running node: pid, core, what each serves, restarts."""
+    if ctx.invoked_subcommand is not None:
+        return
     from openvsan.node.control import ControlError, NotRunning, call
 
     try:

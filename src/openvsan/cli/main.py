@@ -20,8 +20,7 @@ from openvsan import __version__
 from openvsan.cli.bench import bench
 from openvsan.cli.cluster import cluster_app
 from openvsan.cli.initiator import initiator_app
-from openvsan.cli.live import config_apply, export_app, qos_app, volume_app
-from openvsan.cli.live import workers as live_workers
+from openvsan.cli.live import config_apply, export_app, qos_app, volume_app, workers_app
 from openvsan.cli.pool import pool_app
 from openvsan.node.paths import effective_data_dir
 
@@ -42,7 +41,7 @@ app.command("bench")(bench)  # cli/bench.py: IOPS, MB/s, latency of a target (do
 app.add_typer(volume_app, name="volume")  # cli/live.py: a running node's volumes, exports and QoS
 app.add_typer(export_app, name="export")
 app.add_typer(qos_app, name="qos")
-app.command("workers")(live_workers)  # cli/live.py: the worker processes of a node (vsan serve --workers N)
+app.add_typer(workers_app, name="workers")  # cli/live.py: the worker processes of a node (list, move)
 app.add_typer(cluster_app, name="cluster")  # cli/cluster.py: init, join, leave, status (membership in etcd)
 config_app.command("apply")(config_apply)
 

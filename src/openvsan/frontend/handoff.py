@@ -33,6 +33,9 @@ MAX_RECORD = 64 * 1024          # bytes recorded each way before a connection se
 MAX_HOPS = 16                   # hand-offs of one connection: a bound, whatever the protocol asks in a row
 _LEN = struct.Struct("<I")
 MAX_MESSAGE = 4 * MAX_RECORD    # one inbox message: a header, what was received and what was answered
+# the first byte of an inbox message that carries descriptors: a connection, or a supervisor's note
+_CONNECTION = b"C"
+_NOTE_WITH_FDS = b"F"
 
 
 @dataclass
@@ -58,6 +61,9 @@ class Arrival:
     answered: bytes
     sock: socket.socket
     hops: int = 1
+    # a settled connection that moved here with its volume (node/workers.py move): the protocol state its
+    # old worker suspended it in; `received` is then what it received and had not yet acted on
+    resume: dict[str, Any] | None = None
 
 
 class Exchange:
@@ -74,12 +80,16 @@ class Exchange:
         self._inbox.setblocking(False)
 
     def send(self, worker: int, fd: int, kind: str, portal: tuple[str, int], received: bytes,
-             answered: bytes, hops: int = 1) -> None:
+             answered: bytes, hops: int = 1, resume: dict[str, Any] | None = None) -> None:
         """Send the connection on descriptor `fd` to `worker`'s inbox. OSError when the inbox is full (its
-        worker is down and many wait) or gone: the caller keeps the connection and refuses it."""
-        head = json.dumps({"kind": kind, "portal": list(portal), "rx": len(received),
-                           "tx": len(answered), "hops": hops}).encode()
-        msg = b"".join((_LEN.pack(len(head)), head, received, answered))
+        worker is down and many wait) or gone: the caller keeps the connection and refuses it. `resume`: the
+        protocol state of a settled connection that moves with its volume (Arrival.resume)."""
+        fields: dict[str, Any] = {"kind": kind, "portal": list(portal), "rx": len(received), "tx": len(answered),
+                                  "hops": hops}
+        if resume is not None:
+            fields["resume"] = resume
+        head = json.dumps(fields).encode()
+        msg = b"".join((_CONNECTION, _LEN.pack(len(head)), head, received, answered))
         socket.send_fds(self._send[worker], [msg], [fd])
 
     def watch(self, on_arrival: Callable[[Arrival], None], on_message: Callable[[dict[str, Any]], None]) -> None:
@@ -87,7 +97,13 @@ class Exchange:
         from the supervisor (tell()), on the running loop."""
         import asyncio
 
+        self._callbacks = (on_arrival, on_message)
         asyncio.get_running_loop().add_reader(self._inbox.fileno(), self._read, on_arrival, on_message)
+
+    def poll(self) -> None:
+        """Take now what waits in the inbox (what the supervisor put there before asking something of this
+        worker, such as the memory of a RAM device that moves here), as watch()'s callbacks would."""
+        self._read(*self._callbacks)
 
     def _read(self, on_arrival: Callable[[Arrival], None], on_message: Callable[[dict[str, Any]], None]) -> None:
         while True:
@@ -103,6 +119,17 @@ class Exchange:
                 except ValueError as e:
                     log.error("worker %d: a malformed note from the supervisor was dropped: %s", self.index, e)
                     continue
+                on_message(note)
+                continue
+            if msg[:1] == _NOTE_WITH_FDS:
+                try:
+                    note = json.loads(msg[1:])
+                except ValueError as e:
+                    for fd in fds:
+                        os.close(fd)
+                    log.error("worker %d: a malformed note from the supervisor was dropped: %s", self.index, e)
+                    continue
+                note["fds"] = fds      # the receiver owns them now
                 on_message(note)
                 continue
             extra = fds[1:]
@@ -126,23 +153,30 @@ class Exchange:
             s.close()
 
 
-def tell(inbox: socket.socket, note: dict[str, Any]) -> None:
+def tell(inbox: socket.socket, note: dict[str, Any], fds: list[int] | None = None) -> None:
     """The supervisor's note to a worker, through the sending end of its inbox: a message with no
-    descriptor (what the workers' Exchange passes to on_message)."""
-    inbox.send(json.dumps(note).encode())
+    descriptor (what the workers' Exchange passes to on_message), or one with `fds` (a RAM device's memory
+    for a volume that moves to it: on_message gets them as note["fds"], in order, and owns them)."""
+    if fds:
+        socket.send_fds(inbox, [_NOTE_WITH_FDS + json.dumps(note).encode()], fds)
+    else:
+        inbox.send(json.dumps(note).encode())
 
 
 def _parse(msg: bytes, fd: int) -> Arrival:
-    (n,) = _LEN.unpack_from(msg, 0)
-    head = json.loads(msg[4:4 + n])
+    if msg[:1] != _CONNECTION:
+        raise ValueError(f"message kind {msg[:1]!r}")
+    (n,) = _LEN.unpack_from(msg, 1)
+    head = json.loads(msg[5:5 + n])
     rx, tx = int(head["rx"]), int(head["tx"])
-    body = msg[4 + n:]
+    body = msg[5 + n:]
     if len(body) != rx + tx:
         raise ValueError(f"{len(body)} bytes of records where the header says {rx} + {tx}")
     host, port = head["portal"]
     sock = socket.socket(fileno=fd)
+    resume = head.get("resume")
     return Arrival(str(head["kind"]), (str(host), int(port)), bytes(body[:rx]), bytes(body[rx:]), sock,
-                   int(head.get("hops", 1)))
+                   int(head.get("hops", 1)), dict(resume) if isinstance(resume, dict) else None)
 
 
 def inbox_pairs(n: int) -> list[tuple[socket.socket, socket.socket]]:

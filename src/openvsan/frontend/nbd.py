@@ -21,6 +21,7 @@ import ssl
 from collections import deque
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from openvsan.block.errors import (
     BlockError,
@@ -49,6 +50,7 @@ from openvsan.protocol.nbd.events import DEFAULT_MAX_PAYLOAD, Buffer, Event
 
 log = logging.getLogger("openvsan.nbd")
 
+SUSPEND_TIMEOUT = 30.0                   # a connection moving with its volume: its requests must finish by then
 HANDSHAKE_TIMEOUT = 30.0                 # a connection must reach the transmission phase within this time
 MAX_INFLIGHT = 256                       # requests one connection may have running before we stop reading
 MAX_INFLIGHT_BYTES = 128 * 1024 * 1024   # data (write payloads, read results) one connection may hold
@@ -263,6 +265,7 @@ class Connection(BatchedConnection, asyncio.BufferedProtocol):
         self._windows = 0
         self._expired = False
         self._lost = False
+        self._suspended = False   # moving to another worker with its volume (suspend()): reading stays paused
 
     # --- asyncio.Protocol ---------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -275,6 +278,11 @@ class Connection(BatchedConnection, asyncio.BufferedProtocol):
         self.server.connections.add(self)
         if self.server.closing:
             self.conn.start_shutdown()
+        if self._resume is not None:
+            state, self._resume = self._resume, None
+            self._resume_from(state)
+            self.replay()
+            return
         self._timer = asyncio.get_running_loop().call_later(self.server.handshake_timeout, self._handshake_expired)
         self.send([self.conn.greeting()])
         self.replay()
@@ -375,7 +383,8 @@ class Connection(BatchedConnection, asyncio.BufferedProtocol):
     def _update_reading(self) -> None:
         if self._closed or self.transport is None:
             return
-        pause = self._write_paused or self._disconnecting or bool(self._waiting) or self._over_budget()
+        pause = (self._write_paused or self._disconnecting or bool(self._waiting) or self._over_budget()
+                 or self._suspended)
         if pause and not self._reading_paused:
             self.transport.pause_reading()
         elif not pause and self._reading_paused:
@@ -388,6 +397,69 @@ class Connection(BatchedConnection, asyncio.BufferedProtocol):
     def _maybe_finish(self) -> None:
         if self._disconnecting and not self.inflight and not self._waiting:
             self.close()
+
+    # --- moving to another worker with the volume (node/workers.py move) -------------------------------
+    async def suspend(self) -> tuple[dict[str, Any], bytes] | None:
+        """Stop reading, let the requests received finish and their replies leave, then cut the input where
+        it stands (NbdServerConnection.suspend): the transmission phase's state is the negotiated session,
+        which the other worker takes up as it is. A connection in TLS, still negotiating or ending cannot move."""
+        s = self.conn.session
+        if (s is None or s.tls or self._closed or self._disconnecting or self._suspended or self.transport is None
+                or self.export is None):
+            return None
+        self._suspended = True
+        self._update_reading()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + SUSPEND_TIMEOUT
+        while self.inflight or self._waiting:
+            if self._closed or loop.time() > deadline:
+                self._resume_reading()
+                return None
+            await asyncio.sleep(0.001)
+        if self._closed:
+            return None
+        received = self.conn.suspend()
+        while self._windows:       # the payload being received into the device: copied into `received`
+            self._windows -= 1
+            self.export.volume.close_window()
+        if not await self.drained(SUSPEND_TIMEOUT):
+            self.resume_here(self._state(s), received)
+            return None
+        return self._state(s), received
+
+    @staticmethod
+    def _state(s: Negotiated) -> dict[str, Any]:
+        return {"export": s.export.name, "structured": s.structured, "flags": s.flags, "meta": s.meta_context_id}
+
+    def resume_here(self, state: dict[str, Any], received: bytes) -> None:
+        self._resume_from(state)
+        if not self._closed and received:
+            self.data_received(received)
+
+    def _resume_reading(self) -> None:
+        self._suspended = False
+        self._update_reading()
+
+    def _resume_from(self, state: dict[str, Any]) -> None:
+        """Go on in the transmission phase of the session suspend() described."""
+        name = str(state.get("export"))
+        e = self.server.exports.get(name)
+        if e is None or e.volume is None:
+            w = e.elsewhere if e is not None else None
+            if w is not None and self.server.exchange is not None:
+                self.hand_over(self.server.exchange, w, state, self._replay)   # it moved on again
+                self._replay = b""
+            else:
+                self.dropped("moved here for an export this worker does not serve", name)
+                self.close()
+            return
+        info = export_info(e)
+        session = Negotiated(info, bool(state.get("structured")), int(state.get("flags") or 0),
+                             state.get("meta"), False)
+        self.conn = NbdServerConnection.resumed(session)
+        self._suspended = False
+        self._negotiated(session, moved=True)
+        self._update_reading()
 
     # --- TLS ---------------------------------------------------------------------------------------
     def _start_tls(self) -> None:
@@ -453,7 +525,7 @@ class Connection(BatchedConnection, asyncio.BufferedProtocol):
             self.dropped(f"handshake not finished in {self.server.handshake_timeout:.0f} s")
             self.close()
 
-    def _negotiated(self, ev: Negotiated) -> None:
+    def _negotiated(self, ev: Negotiated, moved: bool = False) -> None:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
@@ -464,9 +536,9 @@ class Connection(BatchedConnection, asyncio.BufferedProtocol):
         if self._lane and not ev.tls:
             # a large write's payload is received straight into the device where it lends its memory (RAM)
             self.conn.window = self._open_window
-        log.info("%s: NBD export %s (%d bytes%s%s%s)", self.peer, ev.export.name, ev.export.size,
+        log.info("%s: NBD export %s (%d bytes%s%s%s)%s", self.peer, ev.export.name, ev.export.size,
                  ", read-only" if ev.export.read_only else "", ", structured replies" if ev.structured else "",
-                 ", TLS" if ev.tls else "")
+                 ", TLS" if ev.tls else "", ": moved here with its volume" if moved else "")
 
     # --- requests ---------------------------------------------------------------------------------
     def _open_window(self, offset: int, length: int) -> memoryview | None:

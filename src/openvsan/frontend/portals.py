@@ -91,6 +91,10 @@ class BatchedConnection(asyncio.BaseProtocol):
         self.record: Record | None = None   # what came and went before it settled (a worker's connection)
         self._expect = b""                  # answers the peer already had from the worker that handed it over
         self._replay = b""                  # what that worker received, to run through this one's protocol
+        # a settled connection that moved here with its volume: the state its old worker suspended it in
+        # (suspend(), node/workers.py move); connection_made resumes it there instead of greeting
+        self._resume: dict[str, Any] | None = None
+        self._hops = 0
 
     # --- workers: hand-off (frontend/handoff.py) ---------------------------------------------------------
     def route(self, exchange: Exchange) -> None:
@@ -107,6 +111,57 @@ class BatchedConnection(asyncio.BaseProtocol):
         if self.record is not None:
             self.record.hops = hops
         self.send_buffers = self._watched  # type: ignore[method-assign]
+
+    def resumed(self, state: dict[str, Any], received: bytes, hops: int = 1) -> None:
+        """This connection moved here with its volume: `state` is what suspend() gave on its old worker and
+        `received` what it had received there and not acted on (run after the resume, by replay())."""
+        self._resume = state
+        self._replay = received
+        self._hops = hops
+        self.settle()
+
+    async def suspend(self) -> tuple[dict[str, Any], bytes] | None:
+        """Stop this settled connection where it can move to another worker with its volume: stop reading,
+        let what it started finish and its answers leave, and return its protocol state and the bytes it
+        received but did not act on (for resumed() there). None: it cannot move (the caller closes it).
+        Reading stays paused; hand_over() sends it, or resume_here() takes it up again here."""
+        return None
+
+    def resume_here(self, state: dict[str, Any], received: bytes) -> None:
+        """Undo suspend() on this worker (the move failed): go on from `state` as a moved connection would."""
+        raise NotImplementedError
+
+    async def drained(self, timeout: float) -> bool:
+        """Wait until everything queued for the peer has left (the kernel has it): False after `timeout` s."""
+        self._batch.flush()
+        t = self.transport
+        deadline = asyncio.get_running_loop().time() + timeout
+        while t is not None and not self._closed and t.get_write_buffer_size():
+            if asyncio.get_running_loop().time() > deadline:
+                return False
+            await asyncio.sleep(0.001)
+        return not self._closed
+
+    def hand_over(self, exchange: Exchange, worker: int, state: dict[str, Any], received: bytes) -> bool:
+        """Send this suspended connection to `worker` with its state, and let go of it here. False (and the
+        connection closed) when it cannot go."""
+        t = self.transport
+        sock = t.get_extra_info("socket") if t is not None else None
+        if self._hops >= MAX_HOPS:
+            self.dropped("moved between workers too many times in a row", f"{state}")
+            self.close()
+            return False
+        try:
+            if t is None or sock is None or self._closed or t.get_write_buffer_size():
+                raise OSError("answers are still queued here")
+            exchange.send(worker, sock.fileno(), self.kind, self.portal, received, b"", self._hops + 1, resume=state)
+        except OSError as err:
+            self.dropped("could not be moved to the worker that serves its volume now", str(err))
+            self.close()
+            return False
+        self._closed = True
+        t.abort()  # type: ignore[attr-defined]   # our descriptor only: the socket lives on in the other worker
+        return True
 
     def replay(self) -> None:
         """Subclasses call this last in connection_made: run what the other worker received."""
@@ -423,7 +478,10 @@ class PortalServer:
             a.sock.close()
             return
         c = self._accepted(a.portal)
-        c.adopted(a.received, a.answered, a.hops)
+        if a.resume is not None:
+            c.resumed(a.resume, a.received, a.hops)
+        else:
+            c.adopted(a.received, a.answered, a.hops)
         loop = asyncio.get_running_loop()
         task = loop.create_task(self._take(c, a))
         self._adopting.add(task)

@@ -128,6 +128,8 @@ class ControlServer:
             return {"ok": False, "error": f"not JSON: {e}"}
         except (RequestError, ValueError, KeyError, RuntimeError, OSError) as e:
             # PoolError is a ValueError, DeviceFailed a RuntimeError's cousin: their text is meant for the user
+            # a refusal says why in its line; anything else may be a bug: its traceback, at debug level
+            log.debug("control request refused: %s", _one_line(e), exc_info=not isinstance(e, RequestError))
             return {"ok": False, "error": _one_line(e)}
         except Exception as e:
             log.exception("control request failed")

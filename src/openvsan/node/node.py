@@ -147,6 +147,7 @@ class Node:
         self.pools = ServedPools(self.state, self.data_dir, self.devices)
         self.plane = DataPlane(self)
         self._applying = asyncio.Lock()
+        self._parked: list[Any] | None = None   # connections handed here while volumes move here (worker.expect)
 
     async def start(self) -> None:
         cfg = self.state.config
@@ -334,23 +335,22 @@ class Node:
         role = self.worker
         if role is None:
             return [self.build_nbd_export(e) for e in self.state.config.nbd_exports]
+
+        return [self.build_nbd_export(e) if role.placement.nbd[e.name] == role.index else self._nbd_shell(e)
+                for e in role.whole.nbd_exports]
+
+    def _nbd_shell(self, e: NbdExportSpec) -> Any:
+        """An NBD export another worker serves: listed and described here, handed over at NBD_OPT_GO."""
         from openvsan.frontend.config import NbdExportConfig
 
-        out = []
-        for e in role.whole.nbd_exports:
-            w = role.placement.nbd[e.name]
-            if w == role.index:
-                out.append(self.build_nbd_export(e))
-            else:
-                out.append(NbdExportConfig(e.name, None, [(p.host, p.port) for p in e.portals],
-                                           read_only=e.read_only or role.whole.volume(e.volume).read_only,
-                                           description=e.description or f"openvsan volume {e.volume}",
-                                           tls=e.tls, elsewhere=w))
-        return out
+        role = self.worker
+        return NbdExportConfig(e.name, None, [(p.host, p.port) for p in e.portals],
+                               read_only=e.read_only or role.whole.volume(e.volume).read_only,
+                               description=e.description or f"openvsan volume {e.volume}",
+                               tls=e.tls, elsewhere=role.placement.nbd[e.name])
 
     async def worker_control(self, cmd: str, args: dict[str, Any]) -> Any:
         """A worker's control socket: what its supervisor asks (node/workers.py Supervisor)."""
-        from openvsan.node.workers import placement_from
 
         if cmd == "worker.stats":
             return self.plane.stats(str(args["name"]))
@@ -358,24 +358,117 @@ class Node:
             return self.geometry()
         if cmd == "worker.pool":
             return await self.pools.control(str(args["command"]), dict(args["args"]))
+        if cmd == "worker.expect":
+            return self._expect_move([str(n) for n in args.get("memfds") or []])
+        if cmd == "worker.release":
+            return await self._release(args)
         if cmd != "worker.apply":
             raise RequestError(f"unknown worker command {cmd!r}")
+        changes = await self._apply_part(args)
+        if args.get("unpark"):
+            self._unpark()
+        return [str(c) for c in changes]
+
+    async def _apply_part(self, args: dict[str, Any]) -> list[Any]:
+        """worker.apply: this worker's new part of the desired state, the whole and the placement."""
         from openvsan.node.config import parse_config
+        from openvsan.node.workers import placement_from
 
         role = self.worker
         part = parse_config(args["config"], data_dir=self.data_dir)
         whole = parse_config(args["whole"], data_dir=self.data_dir)
         for name, (u, serial) in dict(args.get("identities") or {}).items():
             self.state.identities[name] = VolumeIdentity(uuidlib.UUID(u), serial)
-        changes = await self.apply(part, forget=tuple(args.get("forget") or ()))
         old_whole, old_placement = role.whole, role.placement
         role.whole, role.placement = whole, placement_from(args["placement"])
-        await self.sync_shells(old_whole, old_placement)
-        return [str(c) for c in changes]
+        try:
+            await self.sync_shells(old_whole, old_placement, up=False)   # what comes here is served below
+            changes = await self.apply(part, forget=tuple(args.get("forget") or ()))
+        except Exception:
+            role.whole, role.placement = old_whole, old_placement
+            await self.sync_shells(whole, placement_from(args["placement"]))   # the shells taken down, back
+            raise
+        await self.sync_shells(old_whole, old_placement, down=False)   # what went from here: shells now
+        return changes
 
-    async def sync_shells(self, old_whole: NodeConfig, old_placement: Any) -> None:
+    # ---- moving volumes between workers (node/workers.py Supervisor.move)
+
+    def _expect_move(self, memfds: list[str]) -> dict[str, Any]:
+        """Volumes are about to move here: connections handed here wait (parked) until this worker serves
+        them (worker.apply with unpark). The RAM devices' memory the supervisor sent is in the inbox."""
+        self.worker.exchange.poll()
+        missing = [n for n in memfds if n not in self.worker.memfds]
+        if missing:
+            raise RequestError(f"the memory of RAM devices {', '.join(missing)} did not arrive")
+        if self._parked is None:
+            self._parked = []
+        return {"parked": len(self._parked)}
+
+    def _unpark(self) -> None:
+        parked, self._parked = self._parked, None
+        for a in parked or []:
+            self._arrived(a)
+
+    def _moving_connections(self, group: set[str]) -> tuple[list[Any], list[str]]:
+        """The connections to what exports the volumes of `group`, and what cannot move with them yet."""
+        whole = self.worker.whole
+        conns: list[Any] = []
+        refused: list[str] = []
+        if self.nbd_server is not None:
+            names = {e.name for e in whole.nbd_exports if e.volume in group}
+            conns += [c for c in self.nbd_server.connections if getattr(c, "export", None) is not None
+                      and c.export.name in names]
+        if self.server is not None:
+            iqns = {t.iqn for t in whole.targets if any(x.volume in group for x in t.luns)}
+            n = len({id(s) for s in self.server.by_tsih.values() if s.target is not None and s.target.iqn in iqns})
+            if n:
+                refused.append(f"{n} iSCSI session(s)")
+        if self.nvme_server is not None:
+            nqns = {x.nqn for x in whole.subsystems if any(ns.volume in group for ns in x.namespaces)}
+            n = sum(len(sub.controllers) for nqn, sub in self.nvme_server.fabric.subsystems.items() if nqn in nqns)
+            if n:
+                refused.append(f"{n} NVMe controller(s)")
+        return conns, refused
+
+    async def _release(self, args: dict[str, Any]) -> dict[str, Any]:
+        """worker.release: let the volumes of a group go to worker `to`. Their NBD connections are suspended
+        (reading stops, what they started finishes), this worker applies its new part (the volumes closed,
+        their exports now shells of `to`'s), and each connection goes to `to` with its state, where it goes on
+        (the client sees a pause). If applying fails, the connections go on here and nothing moved."""
+        group = {str(v) for v in args["volumes"]}
+        to = int(args["to"])
+        conns, refused = self._moving_connections(group)
+        if refused:
+            raise RequestError(f"volumes {', '.join(sorted(group))} have {' and '.join(refused)} connected: moving "
+                               "those between workers is not supported yet (NBD connections move); log them out "
+                               "first, or leave the volumes where they are")
+        results = await asyncio.gather(*(c.suspend() for c in conns))
+        moving = []
+        for c, r in zip(conns, results, strict=True):
+            if r is None:
+                c.dropped("could not be suspended to move with its volume")
+                c.close()
+            else:
+                moving.append((c, *r))
+                self.nbd_server.connections.discard(c)   # not closed with its export below
+        try:
+            await self._apply_part(args)
+        except Exception:
+            for c, state, received in moving:
+                self.nbd_server.connections.add(c)
+                c.resume_here(state, received)
+            raise
+        moved = sum(c.hand_over(self.worker.exchange, to, state, received) for c, state, received in moving)
+        log.info("volumes %s moved to worker %d with %d connection(s)", ", ".join(sorted(group)), to, moved)
+        return {"connections": moved, "closed": len(conns) - moved}
+
+    async def sync_shells(self, old_whole: NodeConfig, old_placement: Any, *, down: bool = True,
+                          up: bool = True) -> None:
         """After a change: the targets, subsystems and NBD exports other workers serve, as they are now (those
-        that went or changed are taken down, those that came or changed are put up)."""
+        that went or changed are taken down, those that came or changed are put up). In two steps around a
+        change that moves volumes (down before: what comes here is a shell until then; up after: what went
+        from here is served until then). Only shells are taken down and only what is not served is put up, so
+        running it again after a change that failed puts back what was there."""
         role = self.worker
         assert role is not None
 
@@ -387,33 +480,47 @@ class Node:
 
         old = others(old_whole, old_placement)
         new = others(role.whole, role.placement)
-        gone = [[k for k, v in o.items() if n.get(k) != v] for o, n in zip(old, new, strict=True)]
-        came = [{k for k, v in n.items() if o.get(k) != v} for o, n in zip(old, new, strict=True)]
+        gone = [[k for k, v in o.items() if n.get(k) != v] for o, n in zip(old, new, strict=True)] if down else [[]] * 3
+        came = [{k for k, v in n.items() if o.get(k) != v} for o, n in zip(old, new, strict=True)] if up else [set()] * 3
         if self.server is not None:
             for iqn in gone[0]:
-                await self.server.remove_target(iqn)
+                if getattr(self.server.targets.get(iqn), "elsewhere", None) is not None:
+                    await self.server.remove_target(iqn)
             for t in self._shells(TargetSpec):
-                if t.iqn in came[0]:
+                if t.iqn in came[0] and t.iqn not in self.server.targets:
                     await self.server.add_target(t)
         if came[1] and self.nvme_server is None:
             await self.start_nvme([])
         if self.nvme_server is not None:
+            shells = {c.nqn for c in self.nvme_server.configs if c.elsewhere is not None}
             for nqn in gone[1]:
-                await self.nvme_server.remove_subsystem(nqn)
+                if nqn in shells:
+                    await self.nvme_server.remove_subsystem(nqn)
             for c in self._shells(SubsystemSpec):
-                if c.nqn in came[1]:
+                if c.nqn in came[1] and c.nqn not in self.nvme_server.fabric.subsystems:
                     await self.nvme_server.add_subsystem(c)
         if came[2] and self.nbd_server is None:
             await self.start_nbd([])
         if self.nbd_server is not None:
             for name in gone[2]:
-                await self.nbd_server.remove_export(name)
-            for e in self._nbd_in_order():
-                if e.name in came[2] and e.elsewhere is not None:
-                    await self.nbd_server.add_export(e)
+                if getattr(self.nbd_server.exports.get(name), "elsewhere", None) is not None:
+                    await self.nbd_server.remove_export(name)
+            for spec in role.whole.nbd_exports:
+                if spec.name in came[2] and spec.name not in self.nbd_server.exports:
+                    await self.nbd_server.add_export(self._nbd_shell(spec))
+            # config order again (the first is the default export, which a client naming none gets)
+            ex = self.nbd_server.exports
+            order = [e.name for e in role.whole.nbd_exports if e.name in ex]
+            kept = {n: ex[n] for n in [*order, *(n for n in ex if n not in order)]}
+            ex.clear()
+            ex.update(kept)
 
     def _arrived(self, a: Any) -> None:
-        """A connection another worker handed over: to this worker's server of its protocol."""
+        """A connection another worker handed over: to this worker's server of its protocol (or parked while
+        volumes move here: worker.expect)."""
+        if self._parked is not None:
+            self._parked.append(a)
+            return
         server = {s.kind: s for s in self._servers()}.get(a.kind)
         if server is None:
             a.sock.close()
@@ -424,6 +531,15 @@ class Node:
     def _told(self, note: dict[str, Any]) -> None:
         """A note from the supervisor: {"nbd": {export: [blocks, block size]}} for exports other workers serve,
         so NBD_OPT_INFO about them is answered here (node/workers.py)."""
+        fds = note.get("fds")
+        if isinstance(fds, list) and self.worker is not None:
+            # the memory of RAM devices about to move here (Supervisor.move), in the order named
+            for name, fd in zip(note.get("memfds") or [], fds, strict=False):
+                old = self.worker.memfds.get(name)
+                if old is not None and old != fd:
+                    os.close(old)
+                self.worker.memfds[str(name)] = fd
+            return
         geometry = note.get("nbd")
         if isinstance(geometry, dict) and self.nbd_server is not None:
             for e in self.nbd_server.exports.values():

@@ -100,6 +100,16 @@ def _placed(cfg: NodeConfig, n: int, before: dict[str, int]) -> Placement:
         {e.name: volumes[e.volume] for e in cfg.nbd_exports})
 
 
+def moved(where: Placement, cfg: NodeConfig, group: set[str], to: int) -> Placement:
+    """`where` with the volumes of `group` (one group: _groups) and what exports them on worker `to`."""
+    return Placement(
+        where.workers, {v: to if v in group else w for v, w in where.volumes.items()},
+        {t.iqn: to if any(x.volume in group for x in t.luns) else where.targets[t.iqn] for t in cfg.targets},
+        {x.nqn: to if any(ns.volume in group for ns in x.namespaces) else where.subsystems[x.nqn]
+         for x in cfg.subsystems},
+        {e.name: to if e.volume in group else where.nbd[e.name] for e in cfg.nbd_exports})
+
+
 def place_again(cfg: NodeConfig, before: Placement) -> Placement:
     """The placement of a changed config: volumes stay on the worker they are on; a new group goes, as at
     start, to the worker with the fewest volumes. A change that would put two volumes on different workers
@@ -492,6 +502,8 @@ class Supervisor:
 
         if cmd == "workers.list":
             return self.report()
+        if cmd == "workers.move":
+            return await self.move(str(args["volume"]), int(args["to"]))
         if cmd.startswith("pool."):
             return await self._pool(cmd, args)
         handler = live.COMMANDS.get(cmd)
@@ -522,7 +534,6 @@ class Supervisor:
         from openvsan.node.control import RequestError
         from openvsan.node.node import NodeError
         from openvsan.node.reconcile import plan
-        from openvsan.node.render import config_document
         from openvsan.node.store import VolumeIdentity, import_desired
 
         async with self._applying:
@@ -539,11 +550,7 @@ class Supervisor:
                        if v.name not in self.state.identities for u in [uuid.uuid4()]}
             before, before_where = self.state.config, self.placement
 
-            async def send(cfg: NodeConfig, at: Placement, w: int, ids: dict[str, Any], gone: tuple[str, ...]) -> None:
-                await worker_call(self.data_dir, w, "worker.apply", config=config_document(part(cfg, at, w)),
-                                  whole=config_document(cfg), placement=placement_dict(at),
-                                  identities={k: [str(i.uuid), i.serial] for k, i in ids.items()}, forget=list(gone))
-
+            send = self._send_part
             done: list[int] = []
             try:
                 for w in range(self.workers):
@@ -554,7 +561,7 @@ class Supervisor:
             except Exception as e:
                 for w in reversed(done):
                     try:
-                        await send(before, before_where, w, {}, ())
+                        await send(before, before_where, w)
                     except Exception:
                         log.exception("worker %d: putting back its part failed", w)
                 raise NodeError(f"{e}; nothing was changed") from e
@@ -567,6 +574,83 @@ class Supervisor:
             for c in changes:
                 log.info("applied: %s", c)
             return changes
+
+    async def _send_part(self, cfg: NodeConfig, at: Placement, w: int, ids: dict[str, Any] | None = None,
+                         gone: tuple[str, ...] = (), cmd: str = "worker.apply", **extra: Any) -> Any:
+        """Worker w's part of `cfg` placed `at`, the whole and the placement, to carry out (worker.apply) or to
+        let volumes go (worker.release, with `extra`)."""
+        from openvsan.node.render import config_document
+
+        return await worker_call(self.data_dir, w, cmd, config=config_document(part(cfg, at, w)),
+                                 whole=config_document(cfg), placement=placement_dict(at),
+                                 identities={k: [str(i.uuid), i.serial] for k, i in (ids or {}).items()},
+                                 forget=list(gone), **extra)
+
+    async def move(self, volume: str, to: int) -> dict[str, Any]:
+        """Move `volume`, with the volumes exported together with it (its group), to worker `to` while serving:
+        the worker that serves them suspends their connections (they stop reading; what they started
+        finishes), closes the volumes and hands each connection over with its state; `to` opens the volumes,
+        and the connections, parked there meanwhile, go on (node/node.py worker.release). Clients see a pause,
+        no error. The placement lives as long as this supervisor: a restart places the volumes afresh."""
+        from openvsan.frontend.handoff import tell
+        from openvsan.node.control import RequestError
+        from openvsan.node.node import NodeError
+
+        async with self._applying:
+            cfg = self.state.config
+            if volume not in self.placement.volumes:
+                raise RequestError(f"no volume named {volume!r} on this node")
+            if not 0 <= to < self.workers:
+                raise RequestError(f"no worker {to}: this node has workers 0 to {self.workers - 1}")
+            group = _groups(cfg)[volume]
+            src = self.placement.volumes[volume]
+            together = f" (with {', '.join(v for v in group if v != volume)}: exported together)" if len(group) > 1 else ""
+            if src == to:
+                return {"volumes": group, "from": src, "to": to, "connections": 0,
+                        "message": f"volume {volume}{together} is on worker {to} already"}
+            if not (self.procs[src].ready and self.procs[to].ready):
+                raise RequestError(f"worker {src if not self.procs[src].ready else to} is not serving now (starting "
+                                   "or restarting); try again")
+            where = moved(self.placement, cfg, set(group), to)
+            before = self.placement
+            mine = {d.name for d in part(cfg, where, to).devices} - {d.name for d in part(cfg, before, to).devices}
+            ram = sorted(n for n in mine if n in self.memfds)
+            if ram:
+                tell(self._pairs[to][1], {"memfds": ram}, [self.memfds[n] for n in ram])
+            await worker_call(self.data_dir, to, "worker.expect", memfds=ram)
+            try:
+                released = await self._send_part(cfg, where, src, cmd="worker.release", volumes=group, to=to)
+            except RuntimeError as e:
+                await self._put_back(cfg, before, [to])
+                raise RequestError(str(e).removeprefix(f"worker {src}: ")) from None
+            try:
+                await self._send_part(cfg, where, to, unpark=True)
+            except RuntimeError as e:
+                # `to` could not open them: they go back where they were, with their connections (sent on
+                # from `to`, where their exports are shells of `src` again)
+                await self._put_back(cfg, before, [src, to])
+                raise NodeError(f"worker {to} could not take volumes {', '.join(group)} ({e}); they stay on worker "
+                                f"{src}") from None
+            self.placement = where
+            for w in range(self.workers):
+                if w not in (src, to):
+                    try:
+                        await self._send_part(cfg, where, w)
+                    except RuntimeError as e:
+                        log.error("worker %d: could not tell it volumes %s moved: %s (its connections for them "
+                                  "go to worker %d and on from there)", w, ", ".join(group), e, src)
+            log.info("moved volume(s) %s from worker %d to worker %d with %d connection(s)", ", ".join(group), src,
+                     to, released.get("connections", 0))
+            return {"volumes": group, "from": src, "to": to, "connections": released.get("connections", 0),
+                    "closed": released.get("closed", 0),
+                    "message": f"volume {volume}{together} moved from worker {src} to worker {to}"}
+
+    async def _put_back(self, cfg: NodeConfig, at: Placement, workers: list[int]) -> None:
+        for w in workers:
+            try:
+                await self._send_part(cfg, at, w, unpark=True)
+            except RuntimeError:
+                log.exception("worker %d: putting back its part failed", w)
 
     async def _refresh_geometry(self) -> None:
         for w in range(self.workers):

@@ -95,6 +95,35 @@ class NbdServerConnection:
         # in place (the device's own memory), or None for a buffer of its own; used from WINDOW_AT bytes
         self.window: Callable[[int, int], memoryview | None] | None = None
 
+    @classmethod
+    def resumed(cls, session: Negotiated) -> NbdServerConnection:
+        """A connection in the transmission phase of `session`, negotiated elsewhere: by another worker of
+        this node, from which it moved with its volume (suspend() there, node/workers.py move)."""
+        conn = cls([session.export])
+        conn.session = session
+        conn._expect(Phase.REQUEST, REQUEST.size)
+        return conn
+
+    def suspend(self) -> bytes:
+        """Stop here, in the transmission phase, and return the bytes of the request left half received (a
+        header in part, or a write and the part of its payload that came), as the client sent them: fed to
+        the resumed() connection first, they go on as if never cut. A payload being received into a window
+        is copied out of it; the driver closes the window. Nothing is read here afterwards."""
+        if self.phase is Phase.REQUEST:
+            out = bytes(self._acc)
+        elif self.phase is Phase.PAYLOAD:
+            cmd, flags, cookie, offset = self._write
+            head = REQUEST.pack(REQUEST_MAGIC, flags, cmd, cookie, offset, self._want)
+            got = bytes(memoryview(self._payload)[:self._fill]) if self._payload is not None else bytes(self._fill)
+            out = head + got
+            self._payload = None
+            self._in_place = False
+        else:
+            raise RuntimeError(f"suspend() in phase {self.phase.name}: only a negotiated connection moves")
+        self._acc.clear()
+        self.phase = Phase.DONE
+        return out
+
     @property
     def shutting_down(self) -> bool:
         return self.handshake.shutting_down

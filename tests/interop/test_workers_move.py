@@ -1,0 +1,186 @@
+"""Moving a volume between the worker processes of `vsan serve --workers 2` while it serves
+(`vsan workers move`, node/workers.py Supervisor.move): the worker that serves it suspends its NBD
+connections (reading stops, what they started finishes), closes the volume and hands each connection over
+with its protocol state; the other worker opens the volume and the connections go on there. The clients
+(our NBD initiator, fio's nbd engine checking every block it wrote) see a pause, never an error, and
+nothing written is lost, on file and on RAM devices (the supervisor hands the RAM device's memory over)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from vsan_harness import VSAN, require_tools
+from worker_node import BS, WorkerNode
+
+from openvsan.initiator import open_url
+
+pytestmark = pytest.mark.interop
+
+MOVES = 6
+
+
+def move(node: WorkerNode, volume: str, to: int, ok: bool = True) -> subprocess.CompletedProcess[str]:
+    out = subprocess.run([str(VSAN), "workers", "move", volume, "--to", str(to), "--data-dir", str(node.data_dir)],
+                         capture_output=True, text=True, timeout=120, check=False)
+    assert (out.returncode == 0) == ok, out
+    return out
+
+
+def other(node: WorkerNode, volume: str) -> int:
+    return 1 - int(node.owner(volume)["worker"])  # type: ignore[call-overload]
+
+
+@pytest.fixture(params=["file", "ram"])
+def node(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[WorkerNode]:
+    n = WorkerNode(tmp_path / "node", backing=request.param, size_mib=64).start()
+    try:
+        yield n
+    finally:
+        rc = n.stop()
+        assert rc == 0, n.log_text()[-3000:]
+
+
+def test_nbd_clients_go_on_while_their_volume_moves_between_workers(node: WorkerNode) -> None:
+    """Four connections write and read back their own blocks without pause while v0 moves back and forth."""
+    last: dict[int, bytes] = {}
+
+    async def go() -> list[str]:
+        devs = [await open_url(node.url("nbd", "v0")) for _ in range(4)]
+        stop = asyncio.Event()
+        done = [0] * len(devs)
+
+        async def client(k: int) -> None:
+            dev = devs[k]
+            i = 0
+            while not stop.is_set():
+                lba = k * 4096 + (i % 512) * 8
+                data = f"client {k} write {i}".encode().ljust(8 * BS, bytes([k]))
+                await dev.write(lba, data, fua=i % 7 == 0)
+                assert bytes(await dev.read(lba, 8)) == data, (k, i)
+                last[lba] = data
+                i += 1
+                done[k] = i
+
+        tasks = [asyncio.create_task(client(k)) for k in range(len(devs))]
+        said = []
+        for _ in range(MOVES):
+            before = list(done)
+            while min(d - b for d, b in zip(done, before, strict=True)) < 20:   # every client got on meanwhile
+                await asyncio.sleep(0.02)
+                assert not any(t.done() for t in tasks), [t.exception() for t in tasks if t.done()]
+            to = await asyncio.to_thread(other, node, "v0")
+            said.append((await asyncio.to_thread(move, node, "v0", to)).stdout)
+            assert await asyncio.to_thread(lambda: node.owner("v0")["worker"]) == to
+        stop.set()
+        await asyncio.gather(*tasks)       # no client saw an error
+        for d in devs:
+            await d.close()
+        # a new connection, on whichever worker accepts it, reads what every client wrote last
+        dev = await open_url(node.url("nbd", "v0"))
+        try:
+            for lba, data in last.items():
+                assert bytes(await dev.read(lba, 8)) == data, lba
+        finally:
+            await dev.close()
+        return said
+
+    said = asyncio.run(go())
+    for line in said:
+        assert re.fullmatch(r"volume v0 moved from worker \d to worker \d; 4 connection\(s\) went with it\n", line), line
+    log = node.log_text()
+    assert log.count("NBD export v0 (67108864 bytes): moved here with its volume") == 4 * MOVES, log[-3000:]
+    assert "Traceback" not in log and "could not" not in log, log[-3000:]
+    if node.backing == "file":
+        image = node.image("v0").read_bytes()
+        for lba, data in last.items():
+            assert image[lba * BS:(lba + 8) * BS] == data, lba
+
+
+def test_fio_checks_every_block_while_its_volume_moves(node: WorkerNode) -> None:
+    """fio's nbd engine (libnbd) writes at queue depth 16 and reads each batch back (crc32c) while v0 moves."""
+    require_tools("fio")
+    out = node.workdir / "fio.json"
+    fio = subprocess.Popen(
+        ["fio", "--name=moving", "--ioengine=nbd", f"--uri={node.url('nbd', 'v0')}", "--rw=randwrite", "--bs=4k",
+         "--iodepth=16", "--size=32M", "--time_based", "--runtime=8", "--verify=crc32c", "--verify_backlog=256",
+         "--verify_fatal=1", "--verify_state_save=0", "--output-format=json", f"--output={out}"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    moves = 0
+    try:
+        time.sleep(1.0)
+        while fio.poll() is None and moves < MOVES:
+            move(node, "v0", other(node, "v0"))
+            moves += 1
+            time.sleep(0.5)
+        text, _ = fio.communicate(timeout=60)
+    finally:
+        if fio.poll() is None:
+            fio.kill()
+    assert fio.returncode == 0, text
+    job = json.loads(out.read_text())["jobs"][0]
+    assert job["error"] == 0, job
+    assert job["write"]["total_ios"] > 1000 and job["read"]["total_ios"] > 1000, job   # written and checked
+    assert moves == MOVES, f"fio ended after {moves} moves"
+    log = node.log_text()
+    assert len(re.findall(r"NBD export v0 \(67108864 bytes[^)]*\): moved here with its volume", log)) == MOVES, log
+    assert "Traceback" not in log and "could not" not in log, log[-3000:]
+
+
+def test_a_worker_killed_after_a_move_comes_back_serving_the_moved_volume(tmp_path: Path) -> None:
+    node = WorkerNode(tmp_path / "node", backing="ram").start()
+    try:
+        to = other(node, "v0")
+        move(node, "v0", to)
+        block = b"written after the move".ljust(BS, b"!")
+
+        async def write() -> None:
+            dev = await open_url(node.url("nbd", "v0"))
+            try:
+                await dev.write(3, block, fua=True)
+            finally:
+                await dev.close()
+
+        asyncio.run(write())
+        victim = node.owner("v0")
+        assert victim["worker"] == to
+        os.kill(int(victim["pid"]), signal.SIGKILL)  # type: ignore[call-overload]
+        deadline = time.monotonic() + 60
+        while not (node.owner("v0")["restarts"] == 1 and node.owner("v0")["serving"]):
+            assert time.monotonic() < deadline, node.log_text()[-3000:]
+            time.sleep(0.1)
+        assert node.owner("v0")["worker"] == to          # it came back where v0 was moved to, with v0
+
+        async def read() -> bytes:
+            dev = await open_url(node.url("nbd", "v0"))
+            try:
+                return bytes(await dev.read(3, 1))
+            finally:
+                await dev.close()
+
+        assert asyncio.run(read()) == block            # the RAM device's memory went with it, and stayed
+    finally:
+        assert node.stop() == 0, node.log_text()[-3000:]
+
+
+def test_what_cannot_move_is_refused_with_one_line_and_nothing_changes(tmp_path: Path) -> None:
+    node = WorkerNode(tmp_path / "node").start()
+    try:
+        where = {v: node.owner(v)["worker"] for v in node.volumes}
+        bad = move(node, "nope", 0, ok=False)
+        assert bad.returncode == 2 and bad.stderr.strip() == "vsan: no volume named 'nope' on this node", bad
+        bad = move(node, "v0", 7, ok=False)
+        assert "no worker 7: this node has workers 0 to 1" in bad.stderr, bad
+        same = move(node, "v0", int(where["v0"]))  # type: ignore[call-overload]
+        assert f"volume v0 is on worker {where['v0']} already" in same.stdout, same
+        assert {v: node.owner(v)["worker"] for v in node.volumes} == where
+    finally:
+        assert node.stop() == 0, node.log_text()[-3000:]
