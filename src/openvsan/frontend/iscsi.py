@@ -7,10 +7,12 @@ A Connection is an asyncio.Protocol that feeds received bytes to the sans-IO par
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import struct
 from collections.abc import Sequence
+from typing import Any
 
 from openvsan.frontend.config import IscsiTargetConfig
 from openvsan.frontend.handoff import Elsewhere
@@ -19,8 +21,16 @@ from openvsan.frontend.portals import BatchedConnection, PortalServer
 from openvsan.netio import start_eagerly
 from openvsan.protocol.auth_throttle import AuthThrottle
 from openvsan.protocol.iscsi import pdu as P
-from openvsan.protocol.iscsi.framing import HARD_MAX_AHS, LOGIN_MAX_DSL, FramingError, LengthError, PduReader, frame
-from openvsan.protocol.iscsi.keys import TextError, encode_text, parse_text
+from openvsan.protocol.iscsi.framing import (
+    HARD_MAX_AHS,
+    LOGIN_MAX_DSL,
+    FramingError,
+    LengthError,
+    PduReader,
+    frame,
+    wire_bytes,
+)
+from openvsan.protocol.iscsi.keys import Params, TextError, encode_text, parse_text
 from openvsan.protocol.iscsi.login import (
     CMD_WINDOW,
     VERSION,
@@ -42,6 +52,7 @@ SESSION_WRITE_BUDGET = 256 * 1024 * 1024  # write data one session may have us b
 LOGIN_TIMEOUT = 30.0               # a connection must finish its login within this time
 MAX_HELD_LOGIN_PDUS = 8            # PDUs kept while a login response is held (AuthThrottle) before we give up
 TASK_SET_FULL = 0x28               # SAM-5 status: come back when fewer commands are in flight
+SUSPEND_TIMEOUT = 30.0             # a session moving with its volume: its commands must finish by then
 NOP_INTERVAL = 15.0                # idle seconds before we ping the initiator (§11.19)
 NOP_TIMEOUT = 30.0                 # no answer to a ping for this long: the connection is dead
 ASC_INVALID_FIELD_IN_IU = 0x0E03   # SAM-5: EDTL smaller than the command's transfer
@@ -70,6 +81,9 @@ class IscsiServer(PortalServer):
         self.sessions: dict[tuple[str, bytes, str], Session] = {}
         self.by_tsih: dict[int, Session] = {}
         self._tsih = itertools.count(1)
+        # a worker of several: TSIHs of worker i are i modulo N (set by the node), so a session that moves to
+        # another worker with its volume keeps its TSIH there (node/workers.py move)
+        self.tsih_stride, self.tsih_offset = 1, 0
         # failed CHAP logins per (initiator, address); the node replaces it with one made from [node] auth_*
         self.auth_throttle = AuthThrottle()
 
@@ -125,9 +139,9 @@ class IscsiServer(PortalServer):
             if old is not None:
                 log.info("reinstating session tsih=%d of %s", old.tsih, st.initiator_name)
                 self.end_session(old, "reinstated")
-            tsih = next(self._tsih) & 0xFFFF
+            tsih = self._new_tsih()
             while tsih == 0 or tsih in self.by_tsih:  # §11.12.6: non-zero, unique among live sessions
-                tsih = next(self._tsih) & 0xFFFF
+                tsih = self._new_tsih()
             s = Session(tsih, st.isid, st.initiator_name, st.target, st.params, st.cmdsn, st.cid)  # type: ignore[arg-type]
             if st.target is not None:
                 s.nexus = Nexus(st.initiator_name, int.from_bytes(st.isid, "big"), st.target_name,
@@ -151,6 +165,9 @@ class IscsiServer(PortalServer):
         s.pending.clear()
         conn.attach(s)
         return s.tsih
+
+    def _new_tsih(self) -> int:
+        return (next(self._tsih) * self.tsih_stride + self.tsih_offset) & 0xFFFF
 
     def end_session(self, s: Session, why: str) -> None:
         if s.closed:
@@ -197,6 +214,9 @@ class Connection(BatchedConnection):
         self._connected = 0.0
         self._timer: asyncio.TimerHandle | None = None
         self._text_pending: dict[int, bytes] = {}
+        # moving to another worker with its volume (suspend()): PDUs received since, as they came, held for
+        # the worker that takes the session over (Data-Out of commands already started still go on here)
+        self._holding: list[bytes] | None = None
 
     # --- asyncio.Protocol ---------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -209,6 +229,10 @@ class Connection(BatchedConnection):
         self._timer = loop.call_later(min(self.server.nop_interval, 5.0), self._idle_check)
         self.reader.max_dsl = LOGIN_MAX_DSL   # refused from the header beyond this, before login
         self.reader.max_ahs = 0               # §11.2.1.2: AHS belong to SCSI Commands, none in a login
+        if self._resume is not None:
+            state, self._resume = self._resume, None
+            if not self._resume_from(state):
+                return
         self.replay()
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -413,6 +437,9 @@ class Connection(BatchedConnection):
         if not pdu.digest_ok:
             self._reject(pdu, P.RejectReason.DATA_DIGEST_ERROR)  # §7.8: discard, Reject
             return
+        if self._holding is not None and not (op == P.Op.DATA_OUT and pdu.itt in s.tasks):
+            self._holding.append(wire_bytes(pdu, header_digest=self.hd, data_digest=self.dd))
+            return
         if op == P.Op.DATA_OUT:
             self._data_out(pdu)
             return
@@ -439,6 +466,124 @@ class Connection(BatchedConnection):
             self._reject(pdu, P.RejectReason.PROTOCOL_ERROR)
         else:
             self._reject(pdu, P.RejectReason.COMMAND_NOT_SUPPORTED)
+
+    # --- moving to another worker with the volume (node/workers.py move) -------------------------------
+    async def suspend(self) -> tuple[dict[str, Any], bytes] | None:
+        """Hold every PDU from now on but the Data-Out of commands already started, let those commands finish
+        and their answers leave, then stop reading. The state is the session's and the connection's (TSIH,
+        ISID, the parameters negotiated, ExpCmdSN, StatSN); what was received and not acted on goes with it
+        as the initiator sent it. A connection still logging in, a discovery session or one in the middle of
+        a text negotiation cannot move."""
+        s = self.session
+        if (s is None or s.discovery or self.login is not None or self._closed or self._text_pending
+                or self._holding is not None or self.transport is None or s.target is None):
+            return None
+        self._holding = []
+        lane, self._lane = self._lane, False
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + SUSPEND_TIMEOUT
+        while s.tasks:
+            if self._closed or s.closed or loop.time() > deadline:
+                self._unhold(lane)
+                return None
+            await asyncio.sleep(0.001)
+        self.transport.pause_reading()
+        waiting = [wire_bytes(pdu, header_digest=self.hd, data_digest=self.dd)
+                   for _, (pdu, _) in sorted(s.pending.items(), key=lambda kv: (kv[0] - s.exp_cmdsn) & 0xFFFFFFFF)]
+        held = b"".join([*waiting, *self._holding]) + self.reader.take_buffered()
+        s.pending.clear()
+        self._holding = None
+        state = {"tsih": s.tsih, "isid": s.isid.hex(), "initiator": s.initiator_name, "target": s.target.iqn,
+                 "cid": s.cid, "exp_cmdsn": s.exp_cmdsn, "statsn": self.statsn, "ttt": next(self._ttt),
+                 "params": {**dataclasses.asdict(s.params), "negotiated": sorted(s.params.negotiated)}}
+        if not await self.drained(SUSPEND_TIMEOUT):
+            self.resume_here(state, held)
+            return None
+        return state, held
+
+    def detach_for_move(self) -> None:
+        self.server.connections.discard(self)
+        s = self.session
+        if s is not None:
+            if self.server.sessions.get(s.key()) is s:
+                del self.server.sessions[s.key()]
+            if self.server.by_tsih.get(s.tsih) is s:
+                del self.server.by_tsih[s.tsih]
+            s.conn = None     # losing this connection here no longer ends the session: it lives on elsewhere
+
+    def reattach(self) -> None:
+        self.server.connections.add(self)
+        s = self.session
+        if s is not None:
+            self.server.sessions[s.key()] = s
+            self.server.by_tsih[s.tsih] = s
+            s.conn = self
+
+    def logging_in_to(self) -> str | None:
+        """The target a login still under way named (None: none yet, or logged in)."""
+        t = getattr(self.login.state, "target", None) if self.login is not None else None
+        return t.iqn if t is not None else None
+
+    def _unhold(self, lane: bool) -> None:
+        held, self._holding = self._holding or [], None
+        self._lane = lane
+        if held:
+            self._buffered_first(b"".join(held))
+
+    def _buffered_first(self, data: bytes) -> None:
+        """Run `data` as if received now, ahead of what the reader holds of a PDU not yet whole."""
+        rest = self.reader.take_buffered()
+        self.answer_at_once(self.received, data + rest)
+
+    def resume_here(self, state: dict[str, Any], received: bytes) -> None:
+        self._holding = None
+        s = self.session
+        self._lane = not (self.hd or self.dd or s is None or s.discovery)
+        if self.transport is not None and not self._closed:
+            self.transport.resume_reading()
+        if received:
+            self._buffered_first(received)
+
+    def _resume_from(self, state: dict[str, Any]) -> bool:
+        """Take over the session suspend() described, in its full feature phase, as this connection's."""
+        name = str(state.get("target"))
+        t = self.server.targets.get(name)
+        if t is None or t.elsewhere is not None:
+            if t is not None and t.elsewhere is not None and self.server.exchange is not None:
+                self.hand_over(self.server.exchange, t.elsewhere, state, self._replay)   # it moved on again
+                self._replay = b""
+            else:
+                self.dropped("moved here for a target this worker does not serve", name)
+                self.close()
+            return False
+        fields = dict(state["params"])
+        params = Params(**{**fields, "negotiated": set(fields.get("negotiated") or ())})
+        isid = bytes.fromhex(str(state["isid"]))
+        tsih = int(state["tsih"])
+        initiator = str(state["initiator"])
+        key = (initiator, isid, t.iqn)
+        if tsih in self.server.by_tsih or key in self.server.sessions:
+            self.dropped("moved here, but its TSIH or its I_T nexus is taken by a session of this worker",
+                         f"tsih={tsih}")
+            self.close()
+            return False
+        s = Session(tsih, isid, initiator, t, params, int(state["exp_cmdsn"]), int(state["cid"]))
+        s.nexus = Nexus(initiator, int.from_bytes(isid, "big"), t.iqn, t.portal_group_tag)
+        self.server.sessions[key] = s
+        self.server.by_tsih[tsih] = s
+        self.attach(s)
+        self.login = None
+        self.statsn = int(state["statsn"])
+        self._ttt = itertools.count(int(state["ttt"]))
+        self.hd, self.dd = params.header_digest, params.data_digest
+        self.reader.header_digest, self.reader.data_digest = self.hd, self.dd
+        self.reader.max_dsl = params.target_mrdsl
+        self.reader.max_ahs = HARD_MAX_AHS
+        self._lane = not (self.hd or self.dd)
+        self.logged_in()
+        log.info("%s: normal session tsih=%d for %s on %s: moved here with its volume", self.peer, tsih,
+                 initiator, t.iqn)
+        return True
 
     def _nop_out(self, pdu: P.Pdu) -> None:
         s = self.session

@@ -427,6 +427,12 @@ class Connection(BatchedConnection, asyncio.BufferedProtocol):
             return None
         return self._state(s), received
 
+    def detach_for_move(self) -> None:
+        self.server.connections.discard(self)
+
+    def reattach(self) -> None:
+        self.server.connections.add(self)
+
     @staticmethod
     def _state(s: Negotiated) -> dict[str, Any]:
         return {"export": s.export.name, "structured": s.structured, "flags": s.flags, "meta": s.meta_context_id}

@@ -127,6 +127,14 @@ class BatchedConnection(asyncio.BaseProtocol):
         Reading stays paused; hand_over() sends it, or resume_here() takes it up again here."""
         return None
 
+    def detach_for_move(self) -> None:
+        """A suspended connection leaves its server's books before the volumes it uses go, so it is not closed
+        with them (reattach() puts it back when the move fails)."""
+        raise NotImplementedError
+
+    def reattach(self) -> None:
+        raise NotImplementedError
+
     def resume_here(self, state: dict[str, Any], received: bytes) -> None:
         """Undo suspend() on this worker (the move failed): go on from `state` as a moved connection would."""
         raise NotImplementedError

@@ -148,6 +148,7 @@ class Node:
         self.plane = DataPlane(self)
         self._applying = asyncio.Lock()
         self._parked: list[Any] | None = None   # connections handed here while volumes move here (worker.expect)
+        self._incoming_luns: dict[str, Any] = {}  # volume -> its LU's state from the worker it moved from
 
     async def start(self) -> None:
         cfg = self.state.config
@@ -197,6 +198,9 @@ class Node:
             self.server = f.server(self.targets)
             self.server.busy_poll = self.busy_poll
             self.server.exchange = self._exchange()
+            if self.worker is not None:
+                # TSIHs unique across the node's workers, so a session keeps its own when its volume moves
+                self.server.tsih_stride, self.server.tsih_offset = self.worker.placement.workers, self.worker.index
             # failed CHAP (and DH-HMAC-CHAP) logins: a doubling delay, then a lockout (protocol/auth_throttle.py)
             self.auth_throttle = AuthThrottle(delay_max=cfg.node.auth_delay_max,
                                               lockout_failures=cfg.node.auth_lockout_failures,
@@ -379,6 +383,7 @@ class Node:
         whole = parse_config(args["whole"], data_dir=self.data_dir)
         for name, (u, serial) in dict(args.get("identities") or {}).items():
             self.state.identities[name] = VolumeIdentity(uuidlib.UUID(u), serial)
+        self._incoming_luns = dict(args.get("luns") or {})
         old_whole, old_placement = role.whole, role.placement
         role.whole, role.placement = whole, placement_from(args["placement"])
         try:
@@ -410,7 +415,9 @@ class Node:
             self._arrived(a)
 
     def _moving_connections(self, group: set[str]) -> tuple[list[Any], list[str]]:
-        """The connections to what exports the volumes of `group`, and what cannot move with them yet."""
+        """The connections to what exports the volumes of `group`, and what cannot move with them yet. iSCSI
+        connections still logging in to a target of the group are closed (they log in again, and reach
+        the new worker)."""
         whole = self.worker.whole
         conns: list[Any] = []
         refused: list[str] = []
@@ -420,9 +427,13 @@ class Node:
                       and c.export.name in names]
         if self.server is not None:
             iqns = {t.iqn for t in whole.targets if any(x.volume in group for x in t.luns)}
-            n = len({id(s) for s in self.server.by_tsih.values() if s.target is not None and s.target.iqn in iqns})
-            if n:
-                refused.append(f"{n} iSCSI session(s)")
+            for c in list(self.server.connections):
+                s = c.session
+                if s is not None and s.target is not None and s.target.iqn in iqns:
+                    conns.append(c)
+                elif c.logging_in_to() in iqns:
+                    c.dropped("logging in to a target that moves to another worker; it logs in again there")
+                    c.close()
         if self.nvme_server is not None:
             nqns = {x.nqn for x in whole.subsystems if any(ns.volume in group for ns in x.namespaces)}
             n = sum(len(sub.controllers) for nqn, sub in self.nvme_server.fabric.subsystems.items() if nqn in nqns)
@@ -440,8 +451,8 @@ class Node:
         conns, refused = self._moving_connections(group)
         if refused:
             raise RequestError(f"volumes {', '.join(sorted(group))} have {' and '.join(refused)} connected: moving "
-                               "those between workers is not supported yet (NBD connections move); log them out "
-                               "first, or leave the volumes where they are")
+                               "those between workers is not supported yet (NBD connections and iSCSI sessions "
+                               "move); disconnect them first, or leave the volumes where they are")
         results = await asyncio.gather(*(c.suspend() for c in conns))
         moving = []
         for c, r in zip(conns, results, strict=True):
@@ -450,17 +461,20 @@ class Node:
                 c.close()
             else:
                 moving.append((c, *r))
-                self.nbd_server.connections.discard(c)   # not closed with its export below
+        # what the LUs hold for their nexuses (reservations, unit attentions...), for the worker taking them
+        luns = {v: self.luns[v].moving_state() for v in sorted(group) if v in self.luns}
+        for c, _, _ in moving:
+            c.detach_for_move()     # not closed with its export or its target below
         try:
             await self._apply_part(args)
         except Exception:
             for c, state, received in moving:
-                self.nbd_server.connections.add(c)
+                c.reattach()
                 c.resume_here(state, received)
             raise
         moved = sum(c.hand_over(self.worker.exchange, to, state, received) for c, state, received in moving)
         log.info("volumes %s moved to worker %d with %d connection(s)", ", ".join(sorted(group)), to, moved)
-        return {"connections": moved, "closed": len(conns) - moved}
+        return {"connections": moved, "closed": len(conns) - moved, "luns": luns}
 
     async def sync_shells(self, old_whole: NodeConfig, old_placement: Any, *, down: bool = True,
                           up: bool = True) -> None:
@@ -560,6 +574,9 @@ class Node:
             f = self.factories or Factories.default()
             self.luns[volume] = f.lun(self.volumes[volume], read_only=self._volume_spec(volume).read_only,
                                       pr_state_path=self.data_dir / "pr" / f"{volume}.json")
+            moved = self._incoming_luns.pop(volume, None)
+            if moved is not None and hasattr(self.luns[volume], "take_state"):
+                self.luns[volume].take_state(moved)    # it moved here from another worker with its sessions
             groups = self.replication.alua.get(volume) if self.replication is not None else None
             if groups is not None and hasattr(self.luns[volume], "set_alua"):
                 self.luns[volume].set_alua(groups)   # one target port group per replica node

@@ -623,12 +623,13 @@ class Supervisor:
             except RuntimeError as e:
                 await self._put_back(cfg, before, [to])
                 raise RequestError(str(e).removeprefix(f"worker {src}: ")) from None
+            luns = released.get("luns") or {}
             try:
-                await self._send_part(cfg, where, to, unpark=True)
+                await self._send_part(cfg, where, to, unpark=True, luns=luns)
             except RuntimeError as e:
                 # `to` could not open them: they go back where they were, with their connections (sent on
                 # from `to`, where their exports are shells of `src` again)
-                await self._put_back(cfg, before, [src, to])
+                await self._put_back(cfg, before, [src, to], luns)
                 raise NodeError(f"worker {to} could not take volumes {', '.join(group)} ({e}); they stay on worker "
                                 f"{src}") from None
             self.placement = where
@@ -645,10 +646,11 @@ class Supervisor:
                     "closed": released.get("closed", 0),
                     "message": f"volume {volume}{together} moved from worker {src} to worker {to}"}
 
-    async def _put_back(self, cfg: NodeConfig, at: Placement, workers: list[int]) -> None:
+    async def _put_back(self, cfg: NodeConfig, at: Placement, workers: list[int],
+                        luns: dict[str, Any] | None = None) -> None:
         for w in workers:
             try:
-                await self._send_part(cfg, at, w, unpark=True)
+                await self._send_part(cfg, at, w, unpark=True, luns=luns or {})
             except RuntimeError:
                 log.exception("worker %d: putting back its part failed", w)
 

@@ -84,6 +84,13 @@ class RecvBuffer:
                 chunks[0] = c[n:]
                 return
 
+    def take(self) -> bytes:
+        """Everything held, as one bytes object; the buffer is empty afterwards."""
+        out = b"".join(self._chunks)
+        self._chunks.clear()
+        self.size = 0
+        return out
+
     def compact(self) -> None:
         """Copy out what is held of a large chunk where it is a small part of it (see _unpinned). Only the
         first chunk can be such a part (consume trims it); the others are whole receives or were checked

@@ -65,6 +65,10 @@ class PduReader:
         """Bytes of an unfinished PDU held from earlier reads."""
         return self._buf.size
 
+    def take_buffered(self) -> bytes:
+        """The bytes of the unfinished PDU held from earlier reads, as received; none are held afterwards."""
+        return self._buf.take()
+
     def receive_data(self, data: bytes | memoryview) -> list[Pdu]:
         buf = self._buf
         out: list[Pdu] = []
@@ -136,6 +140,13 @@ class PduReader:
             out.append(Pdu(view[pos:pos + BHS_LEN], view[pos + BHS_LEN:dstart], view[dstart:dstart + dsl]))
             pos = end
         return pos
+
+
+def wire_bytes(pdu: Pdu, *, header_digest: bool = False, data_digest: bool = False) -> bytes:
+    """A received PDU as it came on the wire (digests made again, so one whose data digest failed comes out
+    with a good one: callers hand on only PDUs that passed)."""
+    return b"".join(frame(bytes(pdu.bhs) + bytes(pdu.ahs), pdu.data, header_digest=header_digest,
+                          data_digest=data_digest))
 
 
 def frame(bhs: bytes, data: Sequence[bytes | memoryview] | bytes | memoryview = b"", *,

@@ -319,6 +319,34 @@ class Lun:
         self.unit_attentions.pop(nexus, None)
         self.nexuses.discard(nexus)
 
+    # ---- moving to another worker process with its volume (node/workers.py move)
+
+    def moving_state(self) -> dict[str, Any]:
+        """What this LU holds for its I_T nexuses beyond its volume, as data: reservations (persistent and
+        SPC-2), PREVENT, mode parameters, pending unit attentions and the nexuses it has heard from. The LU
+        that serves the volume next takes it (take_state), so initiators whose sessions move see no change."""
+        def nx(n: Nexus) -> list[Any]:
+            return [n.initiator_name, n.isid, n.target_name, n.tpgt]
+
+        return {"pr": self.pr.state(), "spc2": nx(self.spc2_holder) if self.spc2_holder is not None else None,
+                "prevent": sorted(nx(n) for n in self.prevent), "medium": self.medium_present,
+                "mode": {"wce": self.mode.wce, "swp": self.mode.swp},
+                "ua": [[nx(n), list(v)] for n, v in self.unit_attentions.items()],
+                "nexuses": sorted(nx(n) for n in self.nexuses)}
+
+    def take_state(self, state: dict[str, Any]) -> None:
+        def nx(v: list[Any]) -> Nexus:
+            return Nexus(str(v[0]), int(v[1]), str(v[2]), int(v[3]))
+
+        self.pr.apply_state(state["pr"])
+        self.spc2_holder = nx(state["spc2"]) if state.get("spc2") else None
+        self.prevent = {nx(v) for v in state.get("prevent") or ()}
+        self.medium_present = bool(state.get("medium", True))
+        mode = state.get("mode") or {}
+        self.mode.wce, self.mode.swp = bool(mode.get("wce", True)), bool(mode.get("swp", False))
+        self.unit_attentions = {nx(n): [int(a) for a in v] for n, v in state.get("ua") or ()}
+        self.nexuses = {nx(v) for v in state.get("nexuses") or ()}
+
     # ---- the Data-Out a CDB asks for
 
     def data_out_length(self, cdb: bytes) -> int:
