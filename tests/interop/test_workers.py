@@ -131,7 +131,7 @@ def vsan(node: WorkerNode, *args: str, ok: bool = True) -> subprocess.CompletedP
 def test_changes_while_serving_reach_every_worker(node: WorkerNode) -> None:
     """vsan volume / export / qos go through the supervisor to the worker that serves the volume; the other
     worker learns the new target, subsystem and export (discovery, hand-off); a worker restarted after the
-    change serves the changed state; what would need a volume to move between workers is refused."""
+    change serves the changed state; a target that gathers volumes of two workers moves them to one first."""
     require_tools("iscsi-ls", "nbdinfo")
     port = node.ports
     vsan(node, "volume", "create", "v2", "--size", "4MiB", "--backing", "ram")
@@ -165,10 +165,23 @@ def test_changes_while_serving_reach_every_worker(node: WorkerNode) -> None:
         out = subprocess.run(["nbdinfo", "--size", f"nbd://127.0.0.1:{port['nbd']}/v2"], capture_output=True,
                              text=True, timeout=30, check=True).stdout
         assert out.strip() == str(6 << 20), out
-    # one target for v0 and v1, which two workers serve: refused, nothing changed
-    refused = vsan(node, "export", "add", "iscsi", iqn("v0"), "--volume", "v1", ok=False)
-    assert "moving a volume to another worker is not supported yet" in refused.stderr, refused
-    assert node.owner("v0")["targets"] == [iqn("v0")] or iqn("v0") in node.owner("v0")["targets"]
+    # one target for v0 and v1, which two workers serve: v1 (with what exports it) moves to v0's worker first
+    v0_worker = node.owner("v0")["worker"]
+    vsan(node, "export", "add", "iscsi", iqn("v0"), "--volume", "v1", "--lun", "1")
+    assert node.owner("v1")["worker"] == v0_worker and iqn("v0") in node.owner("v1")["targets"]
+    assert re.search(r"volume v1 moved from worker \d to worker \d, to be exported with the others", node.log_text())
+
+    async def both_luns() -> None:
+        for lun in (0, 1):
+            dev = await open_url(node.url("iscsi", "v0").rsplit("/", 1)[0] + f"/{lun}")
+            try:
+                await dev.write(40, block("iscsi", f"lun{lun}", 0), fua=True)
+                assert bytes(await dev.read(40, 1)) == block("iscsi", f"lun{lun}", 0)
+            finally:
+                await dev.close()
+
+    asyncio.run(both_luns())
+    vsan(node, "export", "remove", "iscsi", iqn("v0"), "--lun", "1")
     # the worker of v2, killed: it comes back with v2 as it is now
     os.kill(int(owner["pid"]), signal.SIGKILL)  # type: ignore[call-overload]
     deadline = time.monotonic() + 60

@@ -239,6 +239,58 @@ def test_iscsi_sessions_go_on_while_their_volume_moves_between_workers(node: Wor
     assert "Traceback" not in log and "could not" not in log, log[-3000:]
 
 
+def test_nvme_controllers_go_on_while_their_volume_moves_between_workers(node: WorkerNode) -> None:
+    """Two controllers (an admin and an I/O queue each) write, small writes in the capsule and large ones
+    through R2T and H2CData, and read back, with no new association, while v0 moves back and forth."""
+    last: dict[int, bytes] = {}
+
+    async def go() -> list[int]:
+        devs = [await open_url(node.url("nvme", "v0")) for _ in range(2)]
+        stop = asyncio.Event()
+        done = [0] * len(devs)
+
+        async def client(k: int) -> None:
+            dev = devs[k]
+            i = 0
+            while not stop.is_set():
+                blocks = 8 if i % 3 else 512            # 256 KiB: beyond the in-capsule 8 KiB, R2T and H2CData
+                lba = k * 40000 + (i % 16) * 1024
+                data = f"controller {k} write {i}".encode().ljust(blocks * BS, bytes([k + 7]))
+                await dev.write(lba, data, fua=i % 5 == 0)
+                assert bytes(await dev.read(lba, blocks)) == data, (k, i)
+                last[lba] = data
+                i += 1
+                done[k] = i
+
+        tasks = [asyncio.create_task(client(k)) for k in range(len(devs))]
+        for _ in range(MOVES):
+            before = list(done)
+            while min(d - b for d, b in zip(done, before, strict=True)) < 10:
+                await asyncio.sleep(0.02)
+                assert not any(t.done() for t in tasks), [t.exception() for t in tasks if t.done()]
+            to = await asyncio.to_thread(other, node, "v0")
+            out = (await asyncio.to_thread(move, node, "v0", to)).stdout
+            assert "4 connection(s) went with it" in out, out     # two controllers, two queues each
+        stop.set()
+        await asyncio.gather(*tasks)
+        again = [d.reconnects for d in devs]   # type: ignore[attr-defined]
+        for d in devs:
+            await d.close()
+        dev = await open_url(node.url("nvme", "v0"))
+        try:
+            for lba, data in last.items():
+                assert bytes(await dev.read(lba, len(data) // BS)) == data, lba
+        finally:
+            await dev.close()
+        return again
+
+    assert asyncio.run(go()) == [0, 0]             # never connected again: the controllers moved, whole
+    log = node.log_text()
+    assert len(re.findall(r"admin queue of controller \d+ of \S+:v0 for \S+: moved here with its subsystem",
+                          log)) == 2 * MOVES, log[-3000:]
+    assert "Traceback" not in log and "could not" not in log, log[-3000:]
+
+
 def test_qemu_writes_through_moves_and_every_block_is_there(tmp_path: Path) -> None:
     """QEMU's iSCSI initiator (libiscsi) writes a pattern over the whole volume, 16 at a time, again and again
     while v0 moves; it sees no error, and reading the volume back finds the pattern everywhere."""
@@ -276,7 +328,8 @@ def pr_out(action: int, key: int, sark: int, rtype: int = 0) -> tuple[bytes, byt
 
 def test_a_reservation_and_its_sessions_move_with_the_volume(tmp_path: Path) -> None:
     """A Write Exclusive reservation taken before the move holds after it: the holder still writes, another
-    initiator port still gets RESERVATION CONFLICT, and READ RESERVATION answers the same."""
+    initiator port (another NVMe host) still gets RESERVATION CONFLICT, and READ RESERVATION (Reservation
+    Report) answers the same; over iSCSI and over NVMe/TCP."""
     node = WorkerNode(tmp_path / "node").start()
     try:
         async def go() -> None:
@@ -304,6 +357,26 @@ def test_a_reservation_and_its_sessions_move_with_the_volume(tmp_path: Path) -> 
                 await other_port.close()
 
         asyncio.run(go())
+
+        async def nvme() -> None:
+            """The same over NVMe/TCP: a Write Exclusive reservation of another host moves with the subsystem."""
+            holder = await open_url(node.url("nvme", "v0") + "?hostnqn=nqn.2026-12.org.openvsan.test:holder")
+            other_host = await open_url(node.url("nvme", "v0") + "?hostnqn=nqn.2026-12.org.openvsan.test:other")
+            try:
+                await holder.reservation_register(0xABC)  # type: ignore[attr-defined]
+                await holder.reservation_acquire(0xABC, 1)  # type: ignore[attr-defined]   # Write Exclusive
+                before = await holder.reservation_report()  # type: ignore[attr-defined]
+                await asyncio.to_thread(move, node, "v0", await asyncio.to_thread(other, node, "v0"))
+                assert await holder.reservation_report() == before  # type: ignore[attr-defined]
+                await holder.write(2, b"nvme holder".ljust(BS, b"."))
+                with pytest.raises(Exception, match="SCT 0x0 SC 0x83"):   # Reservation Conflict
+                    await other_host.write(2, bytes(BS))
+                assert holder.reconnects == other_host.reconnects == 0  # type: ignore[attr-defined]
+            finally:
+                await holder.close()
+                await other_host.close()
+
+        asyncio.run(nvme())
         assert "Traceback" not in node.log_text()
     finally:
         assert node.stop() == 0, node.log_text()[-3000:]

@@ -103,3 +103,25 @@ def test_a_new_supervisor_waits_until_the_workers_of_the_old_one_are_gone(tmp_pa
         hold_workers_lock(tmp_path)            # the new workers take it again, side by side
 
     asyncio.run(go())
+
+
+def test_a_move_takes_a_group_with_what_exports_it_and_a_join_moves_the_fewer_volumes() -> None:
+    from openvsan.node.workers import joins, moved, place_again
+
+    cfg = config()
+    p = place(cfg, 2)
+    pair, single = p.volumes["v0"], p.volumes["v2"]
+    m = moved(p, cfg, {"v0", "v1"}, single)
+    assert m.volumes == {"v0": single, "v1": single, "v2": single, "v3": single}
+    assert m.targets["iqn.2026-12.org.x:t01"] == m.nbd["e1"] == single
+    assert m.targets["iqn.2026-12.org.x:t2"] == p.targets["iqn.2026-12.org.x:t2"]
+    # v2 joins t01 (v0 and v1): the worker with two of the three volumes keeps them, v2's group goes there
+    doc_targets = [{"iqn": "iqn.2026-12.org.x:t01", "luns": [{"lun": 0, "volume": "v0"}, {"lun": 1, "volume": "v1"},
+                                                             {"lun": 2, "volume": "v2"}]}]
+    joined = config(iscsi={"portals": ["127.0.0.1:3260"], "targets": doc_targets})
+    with pytest.raises(ValueError, match="move them to one worker first"):
+        place_again(joined, p)
+    assert joins(joined, cfg, p) == [("v2", pair)]
+    after = moved(p, cfg, {"v2"}, pair)
+    assert place_again(joined, after).volumes["v2"] == pair
+    assert joins(cfg, cfg, p) == []               # nothing joins: nothing moves

@@ -12,6 +12,7 @@ import logging
 import struct
 import time
 from collections.abc import Sequence
+from typing import Any
 
 from openvsan.frontend.config import NvmeSubsystemConfig
 from openvsan.frontend.handoff import Elsewhere
@@ -38,6 +39,7 @@ from openvsan.protocol.nvme.io import OP_READ, OP_WRITE, execute_io, read_now, w
 from openvsan.protocol.nvme.status import Completion
 from openvsan.protocol.nvme.subsystem import Namespace, Port, Subsystem
 from openvsan.protocol.nvme_tcp.framing import FatalError
+from openvsan.protocol.nvme_tcp.host_pdus import capsule_cmd
 from openvsan.protocol.nvme_tcp.pdu import DATA_HDR, F_LAST_PDU, F_SUCCESS, Fes, PduType
 from openvsan.protocol.nvme_tcp.queue import (
     ADMIN_IN_CAPSULE,
@@ -59,6 +61,7 @@ IN_CAPSULE = 8192            # in-capsule data we take on I/O queues (Identify C
 MAXH2CDATA = 131072          # data per H2CData PDU (ICResp)
 MAX_QUEUE_ENTRIES = 1024     # CAP.MQES + 1: the deepest queue a host may ask for in Connect
 KEEP_ALIVE_TICK = 0.5        # seconds between keep-alive deadline checks
+SUSPEND_TIMEOUT = 30.0       # a queue moving with its subsystem: its commands must finish by then
 IC_TIMEOUT = 30.0            # a connection must send ICReq and Connect (and authenticate) within this time
 
 
@@ -253,6 +256,10 @@ class Connection(BatchedConnection):
         self._plain_c2h = False
         self.dhchap: ControllerAuth | None = None   # the host authenticates this queue (DH-HMAC-CHAP)
         self._open = False                     # connected, and authenticated where that is asked: any command
+        # moving to another worker with its subsystem (suspend()): command capsules received since, as PDUs,
+        # held for the worker that takes the queue over (H2CData of commands already started still go on)
+        self._holding: list[bytes] | None = None
+        self._moving_ctrl: Controller | None = None   # the controller of a queue detached to move (reattach)
 
     # --- asyncio.Protocol -------------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -261,6 +268,10 @@ class Connection(BatchedConnection):
             return  # refused: over a connection limit (frontend/limits.py)
         self.server.connections.add(self)
         self._timer = asyncio.get_running_loop().call_later(IC_TIMEOUT, self._setup_deadline)
+        if self._resume is not None:
+            state, self._resume = self._resume, None
+            if not self._resume_from(state):
+                return
         self.replay()
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -294,6 +305,10 @@ class Connection(BatchedConnection):
             if self._closed:
                 return
             if isinstance(ev, CapsuleCommand):
+                if self._holding is not None and ev.data_ok:
+                    q = self.queue
+                    self._holding.append(b"".join(capsule_cmd(bytes(ev.sqe), ev.data, hdgst=q.hdgst, ddgst=q.ddgst)))
+                    continue
                 self._command(ev.sqe, ev.data, ev.data_ok)
             elif isinstance(ev, DataReceived):
                 self._data(ev)
@@ -609,6 +624,127 @@ class Connection(BatchedConnection):
             self.server.drop_controller(ctrl, "Disconnect")
         else:
             self.close()
+
+    # --- moving to another worker with the subsystem (node/workers.py move) ------------------------------
+    def _busy(self) -> bool:
+        """Commands started and not answered, but held Asynchronous Event Requests (they move along)."""
+        ctrl = self.ctrl
+        held = set(ctrl.aer_cids) if ctrl is not None and self.qid == 0 else set()
+        return bool(self.tasks) or any(cid not in held for cid in self.pending)
+
+    async def suspend(self) -> tuple[dict[str, Any], bytes] | None:
+        """Hold every command capsule from now on (H2CData for commands already started still comes in), let
+        the commands started finish and their completions leave, then stop reading. The state is the
+        queue's (ID, size, SQ head, what ICReq negotiated); the admin queue's also carries its held
+        Asynchronous Event Requests, and the node adds the controller's (Controller.moving_state)."""
+        ctrl = self.ctrl
+        if (ctrl is None or not self._open or self._closed or self._holding is not None or self.transport is None
+                or ctrl.subsystem.discovery):
+            return None
+        self._holding = []
+        lane, self._lane = self._lane, False
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + SUSPEND_TIMEOUT
+        while self._busy():
+            if self._closed or loop.time() > deadline:
+                self._unhold(lane)
+                return None
+            await asyncio.sleep(0.001)
+        self.transport.pause_reading()
+        held = b"".join(self._holding) + self.queue.reader.take_buffered()
+        self._holding = None
+        state: dict[str, Any] = {
+            "subsystem": ctrl.subsystem.nqn, "cntlid": ctrl.cntlid, "qid": self.qid, "sqsize": self.sqsize,
+            "sq_flow_off": self.sq_flow_off, "sqhd": self.sqhd, "queue": self.queue.moving_state(),
+            "aers": [bytes(sqe.raw).hex() for sqe in self.pending.values()]}
+        if not await self.drained(SUSPEND_TIMEOUT):
+            self.resume_here(state, held)
+            return None
+        return state, held
+
+    def _unhold(self, lane: bool) -> None:
+        held, self._holding = self._holding or [], None
+        self._lane = lane
+        if held:
+            rest = self.queue.reader.take_buffered()
+            self.answer_at_once(self.received, b"".join(held) + rest)
+
+    def detach_for_move(self) -> None:
+        """Out of the server's books; the controller stays (the node drops it from the subsystem once every
+        queue of it is detached, without closing them: Fabric.release)."""
+        self.server.connections.discard(self)
+        ctrl = self.ctrl
+        if ctrl is not None:
+            self.server.queues_of.get(ctrl, set()).discard(self)
+            if not self.server.queues_of.get(ctrl):
+                self.server.queues_of.pop(ctrl, None)
+                self.server.fabric.release(ctrl)
+        self.ctrl = None     # losing this connection here ends nothing: the queue lives on elsewhere
+        self._moving_ctrl = ctrl
+
+    def reattach(self) -> None:
+        ctrl = self._moving_ctrl
+        self.server.connections.add(self)
+        if ctrl is not None:
+            ctrl.subsystem.controllers[ctrl.cntlid] = ctrl
+            self.server.bind(self, ctrl)
+            if self.qid == 0:
+                ctrl.on_async_event = self._async_event
+                ctrl.on_reset = lambda: self.server.drop_io_queues(ctrl)
+        self.ctrl = ctrl
+
+    def resume_here(self, state: dict[str, Any], received: bytes) -> None:
+        self._holding = None
+        self._lane = bool(self.qid) and not (self.queue.hdgst or self.queue.ddgst)
+        if self.transport is not None and not self._closed:
+            self.transport.resume_reading()
+        if received:
+            rest = self.queue.reader.take_buffered()
+            self.answer_at_once(self.received, received + rest)
+
+    def _resume_from(self, state: dict[str, Any]) -> bool:
+        """Take over the queue suspend() described; the admin queue brings its controller (state
+        "controller"), the I/O queues join it by controller ID."""
+        srv = self.server
+        nqn = str(state.get("subsystem"))
+        sub = srv.fabric.subsystems.get(nqn)
+        if sub is None or sub.elsewhere is not None:
+            if sub is not None and sub.elsewhere is not None and srv.exchange is not None:
+                self.hand_over(srv.exchange, sub.elsewhere, state, self._replay)   # it moved on again
+                self._replay = b""
+            else:
+                self.dropped("moved here for a subsystem this worker does not serve", nqn)
+                self.close()
+            return False
+        qid, cntlid = int(state["qid"]), int(state["cntlid"])
+        if qid == 0:
+            made = srv.fabric.adopt(nqn, dict(state["controller"]), portal=self.portal)
+            if isinstance(made, str):
+                self.dropped("moved here, but its controller cannot be", made)
+                self.close()
+                return False
+            ctrl = made
+            ctrl.on_async_event = self._async_event
+            ctrl.on_reset = lambda: srv.drop_io_queues(ctrl)
+            for raw in state.get("aers") or ():
+                sqe = Sqe(bytes.fromhex(str(raw)))
+                self.pending[sqe.cid] = sqe
+        else:
+            found = sub.controllers.get(cntlid)
+            if found is None:
+                self.dropped("moved here before its controller's admin queue", f"controller {cntlid} of {nqn}")
+                self.close()
+                return False
+            ctrl = found
+        self.ctrl, self.qid, self.sqsize = ctrl, qid, int(state["sqsize"])
+        self.sq_flow_off, self.sqhd = bool(state["sq_flow_off"]), int(state["sqhd"])
+        self.queue.resume(dict(state["queue"]))
+        self.queue.reader.max_capsule_data = srv.in_capsule if qid else ADMIN_IN_CAPSULE
+        srv.bind(self, ctrl)
+        self._open_queue()
+        log.info("%s: %s of controller %d of %s for %s: moved here with its subsystem", self.peer,
+                 f"I/O queue {qid}" if qid else "admin queue", cntlid, nqn, ctrl.hostnqn or "(empty Host NQN)")
+        return True
 
     def _async_event(self, cid: int, comp: Completion) -> None:
         sqe = self.pending.pop(cid, None)

@@ -394,6 +394,13 @@ class Node:
             await self.sync_shells(whole, placement_from(args["placement"]))   # the shells taken down, back
             raise
         await self.sync_shells(old_whole, old_placement, down=False)   # what went from here: shells now
+        for nqn, namespaces in dict(args.get("nvme") or {}).items():
+            # reservations of subsystems that moved here with their volumes
+            sub = self.nvme_server.fabric.subsystems.get(nqn) if self.nvme_server is not None else None
+            for nsid, state in namespaces.items():
+                ns = sub.namespaces.get(int(nsid)) if sub is not None else None
+                if ns is not None:
+                    ns.reservations.apply_state(state)
         return changes
 
     # ---- moving volumes between workers (node/workers.py Supervisor.move)
@@ -414,13 +421,12 @@ class Node:
         for a in parked or []:
             self._arrived(a)
 
-    def _moving_connections(self, group: set[str]) -> tuple[list[Any], list[str]]:
-        """The connections to what exports the volumes of `group`, and what cannot move with them yet. iSCSI
-        connections still logging in to a target of the group are closed (they log in again, and reach
-        the new worker)."""
+    def _moving_connections(self, group: set[str]) -> list[Any]:
+        """The connections to what exports the volumes of `group`: NBD connections, iSCSI sessions, NVMe
+        queues. iSCSI connections still logging in to a target of the group are closed (they log in again,
+        and reach the new worker)."""
         whole = self.worker.whole
         conns: list[Any] = []
-        refused: list[str] = []
         if self.nbd_server is not None:
             names = {e.name for e in whole.nbd_exports if e.volume in group}
             conns += [c for c in self.nbd_server.connections if getattr(c, "export", None) is not None
@@ -436,10 +442,9 @@ class Node:
                     c.close()
         if self.nvme_server is not None:
             nqns = {x.nqn for x in whole.subsystems if any(ns.volume in group for ns in x.namespaces)}
-            n = sum(len(sub.controllers) for nqn, sub in self.nvme_server.fabric.subsystems.items() if nqn in nqns)
-            if n:
-                refused.append(f"{n} NVMe controller(s)")
-        return conns, refused
+            # a queue not connected yet goes where its Connect names: to the new worker once the shells say so
+            conns += [c for c in self.nvme_server.connections if c.ctrl is not None and c.ctrl.subsystem.nqn in nqns]
+        return conns
 
     async def _release(self, args: dict[str, Any]) -> dict[str, Any]:
         """worker.release: let the volumes of a group go to worker `to`. Their NBD connections are suspended
@@ -448,21 +453,33 @@ class Node:
         (the client sees a pause). If applying fails, the connections go on here and nothing moved."""
         group = {str(v) for v in args["volumes"]}
         to = int(args["to"])
-        conns, refused = self._moving_connections(group)
-        if refused:
-            raise RequestError(f"volumes {', '.join(sorted(group))} have {' and '.join(refused)} connected: moving "
-                               "those between workers is not supported yet (NBD connections and iSCSI sessions "
-                               "move); disconnect them first, or leave the volumes where they are")
+        conns = self._moving_connections(group)
         results = await asyncio.gather(*(c.suspend() for c in conns))
         moving = []
+        failed_ctrls = {id(c.ctrl): c.ctrl for c, r in zip(conns, results, strict=True)
+                        if r is None and getattr(c, "ctrl", None) is not None}
         for c, r in zip(conns, results, strict=True):
-            if r is None:
+            if r is None or id(getattr(c, "ctrl", None)) in failed_ctrls:
                 c.dropped("could not be suspended to move with its volume")
                 c.close()
             else:
                 moving.append((c, *r))
+        for ctrl in failed_ctrls.values():
+            # an NVMe controller moves whole or not at all: its other queues go too, and the host reconnects
+            self.nvme_server.drop_controller(ctrl, "a queue of it could not be suspended to move")
+        for c, state, _ in moving:
+            if state.get("qid") == 0 and "cntlid" in state:
+                state["controller"] = c.ctrl.moving_state()   # once every queue of it has stopped
+        # admin queues first: each brings its controller, which the I/O queues then join
+        moving.sort(key=lambda m: 0 if m[1].get("qid") == 0 else 1)
         # what the LUs hold for their nexuses (reservations, unit attentions...), for the worker taking them
         luns = {v: self.luns[v].moving_state() for v in sorted(group) if v in self.luns}
+        nvme = {}
+        if self.nvme_server is not None:
+            for x in self.worker.whole.subsystems:
+                sub = self.nvme_server.fabric.subsystems.get(x.nqn)
+                if sub is not None and sub.elsewhere is None and any(ns.volume in group for ns in x.namespaces):
+                    nvme[x.nqn] = {str(nsid): ns.reservations.state() for nsid, ns in sub.namespaces.items()}
         for c, _, _ in moving:
             c.detach_for_move()     # not closed with its export or its target below
         try:
@@ -474,7 +491,7 @@ class Node:
             raise
         moved = sum(c.hand_over(self.worker.exchange, to, state, received) for c, state, received in moving)
         log.info("volumes %s moved to worker %d with %d connection(s)", ", ".join(sorted(group)), to, moved)
-        return {"connections": moved, "closed": len(conns) - moved, "luns": luns}
+        return {"connections": moved, "closed": len(conns) - moved, "luns": luns, "nvme": nvme}
 
     async def sync_shells(self, old_whole: NodeConfig, old_placement: Any, *, down: bool = True,
                           up: bool = True) -> None:

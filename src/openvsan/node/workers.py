@@ -16,8 +16,13 @@ Changes while serving (vsan volume / export / qos / config apply) go through the
 single-process node does, places what is new, and sends each worker its new part (worker.apply on the
 worker's control socket, <data_dir>/worker-<i>.sock); `vsan pool` commands go to the worker of the pool.
 
-Not yet with more than one worker (refused at start or by the command, with the reason): replicated volumes
-([cluster]), NBD over TLS (a TLS session cannot be handed over), and moving a volume to another worker."""
+A volume moves to another worker while serving (`vsan workers move`, Supervisor.move; and by itself when a
+change exports volumes of two workers together): its NBD connections, iSCSI sessions and NVMe controllers
+are suspended where they stand and go on in the other worker with their protocol state (node/node.py
+worker.release, the frontends' suspend()/resumed()).
+
+Not yet with more than one worker (refused at start, with the reason): replicated volumes ([cluster]) and
+NBD over TLS (a TLS session cannot be handed over)."""
 
 from __future__ import annotations
 
@@ -86,8 +91,8 @@ def _placed(cfg: NodeConfig, n: int, before: dict[str, int]) -> Placement:
         was = {before[v] for v in g if v in before}
         if len(was) > 1:
             raise ValueError(f"volumes {', '.join(sorted(g))} would be exported together but are served by "
-                             f"workers {', '.join(str(w) for w in sorted(was))}; moving a volume to another "
-                             "worker is not supported yet: export them apart, or restart the node")
+                             f"workers {', '.join(str(w) for w in sorted(was))}: move them to one worker first "
+                             "(vsan workers move)")
         w = was.pop() if was else min(range(n), key=lambda i: (load[i], i))
         for v in g:
             if v not in before:
@@ -110,10 +115,33 @@ def moved(where: Placement, cfg: NodeConfig, group: set[str], to: int) -> Placem
         {e.name: to if e.volume in group else where.nbd[e.name] for e in cfg.nbd_exports})
 
 
+def joins(desired: NodeConfig, now: NodeConfig, where: Placement) -> list[tuple[str, int]]:
+    """The moves (a volume of each group of `now`, and the worker it goes to) after which `desired` can be
+    placed: where a group of `desired` gathers volumes that two workers serve, they go to the worker that
+    serves most of them (the lowest index on a tie)."""
+    out: list[tuple[str, int]] = []
+    groups_now = _groups(now)
+    seen: set[int] = set()
+    for g in _groups(desired).values():
+        if id(g) in seen:
+            continue
+        seen.add(id(g))
+        on = [where.volumes[v] for v in g if v in where.volumes]
+        if len(set(on)) < 2:
+            continue
+        to = min(set(on), key=lambda w: (-on.count(w), w))
+        moving: set[str] = set()
+        for v in g:
+            if v in where.volumes and where.volumes[v] != to and v not in moving:
+                out.append((v, to))
+                moving.update(groups_now[v])
+    return out
+
+
 def place_again(cfg: NodeConfig, before: Placement) -> Placement:
     """The placement of a changed config: volumes stay on the worker they are on; a new group goes, as at
-    start, to the worker with the fewest volumes. A change that would put two volumes on different workers
-    into one target or subsystem is refused (ValueError: moving a volume between workers is not done yet)."""
+    start, to the worker with the fewest volumes. Volumes on different workers that one target or subsystem
+    would export together are refused (ValueError): Supervisor.apply moves them to one worker first (joins)."""
     names = {v.name for v in cfg.volumes}
     return _placed(cfg, before.workers, {v: w for v, w in before.volumes.items() if v in names})
 
@@ -542,6 +570,10 @@ class Supervisor:
                 return changes
             if (why := refusal(desired, self.workers)) is not None:
                 raise RequestError(why)
+            for volume, to in joins(desired, self.state.config, self.placement):
+                # volumes of two workers exported together from now on: one worker takes them all, first
+                done_move = await self._move(volume, to)
+                log.info("%s, to be exported with the others", done_move["message"])
             try:
                 where = place_again(desired, self.placement)
             except ValueError as e:
@@ -592,65 +624,69 @@ class Supervisor:
         finishes), closes the volumes and hands each connection over with its state; `to` opens the volumes,
         and the connections, parked there meanwhile, go on (node/node.py worker.release). Clients see a pause,
         no error. The placement lives as long as this supervisor: a restart places the volumes afresh."""
+
+        async with self._applying:
+            return await self._move(volume, to)
+
+    async def _move(self, volume: str, to: int) -> dict[str, Any]:
         from openvsan.frontend.handoff import tell
         from openvsan.node.control import RequestError
         from openvsan.node.node import NodeError
 
-        async with self._applying:
-            cfg = self.state.config
-            if volume not in self.placement.volumes:
-                raise RequestError(f"no volume named {volume!r} on this node")
-            if not 0 <= to < self.workers:
-                raise RequestError(f"no worker {to}: this node has workers 0 to {self.workers - 1}")
-            group = _groups(cfg)[volume]
-            src = self.placement.volumes[volume]
-            together = f" (with {', '.join(v for v in group if v != volume)}: exported together)" if len(group) > 1 else ""
-            if src == to:
-                return {"volumes": group, "from": src, "to": to, "connections": 0,
-                        "message": f"volume {volume}{together} is on worker {to} already"}
-            if not (self.procs[src].ready and self.procs[to].ready):
-                raise RequestError(f"worker {src if not self.procs[src].ready else to} is not serving now (starting "
-                                   "or restarting); try again")
-            where = moved(self.placement, cfg, set(group), to)
-            before = self.placement
-            mine = {d.name for d in part(cfg, where, to).devices} - {d.name for d in part(cfg, before, to).devices}
-            ram = sorted(n for n in mine if n in self.memfds)
-            if ram:
-                tell(self._pairs[to][1], {"memfds": ram}, [self.memfds[n] for n in ram])
-            await worker_call(self.data_dir, to, "worker.expect", memfds=ram)
-            try:
-                released = await self._send_part(cfg, where, src, cmd="worker.release", volumes=group, to=to)
-            except RuntimeError as e:
-                await self._put_back(cfg, before, [to])
-                raise RequestError(str(e).removeprefix(f"worker {src}: ")) from None
-            luns = released.get("luns") or {}
-            try:
-                await self._send_part(cfg, where, to, unpark=True, luns=luns)
-            except RuntimeError as e:
-                # `to` could not open them: they go back where they were, with their connections (sent on
-                # from `to`, where their exports are shells of `src` again)
-                await self._put_back(cfg, before, [src, to], luns)
-                raise NodeError(f"worker {to} could not take volumes {', '.join(group)} ({e}); they stay on worker "
-                                f"{src}") from None
-            self.placement = where
-            for w in range(self.workers):
-                if w not in (src, to):
-                    try:
-                        await self._send_part(cfg, where, w)
-                    except RuntimeError as e:
-                        log.error("worker %d: could not tell it volumes %s moved: %s (its connections for them "
-                                  "go to worker %d and on from there)", w, ", ".join(group), e, src)
-            log.info("moved volume(s) %s from worker %d to worker %d with %d connection(s)", ", ".join(group), src,
-                     to, released.get("connections", 0))
-            return {"volumes": group, "from": src, "to": to, "connections": released.get("connections", 0),
-                    "closed": released.get("closed", 0),
-                    "message": f"volume {volume}{together} moved from worker {src} to worker {to}"}
+        cfg = self.state.config
+        if volume not in self.placement.volumes:
+            raise RequestError(f"no volume named {volume!r} on this node")
+        if not 0 <= to < self.workers:
+            raise RequestError(f"no worker {to}: this node has workers 0 to {self.workers - 1}")
+        group = _groups(cfg)[volume]
+        src = self.placement.volumes[volume]
+        together = f" (with {', '.join(v for v in group if v != volume)}: exported together)" if len(group) > 1 else ""
+        if src == to:
+            return {"volumes": group, "from": src, "to": to, "connections": 0,
+                    "message": f"volume {volume}{together} is on worker {to} already"}
+        if not (self.procs[src].ready and self.procs[to].ready):
+            raise RequestError(f"worker {src if not self.procs[src].ready else to} is not serving now (starting "
+                               "or restarting); try again")
+        where = moved(self.placement, cfg, set(group), to)
+        before = self.placement
+        mine = {d.name for d in part(cfg, where, to).devices} - {d.name for d in part(cfg, before, to).devices}
+        ram = sorted(n for n in mine if n in self.memfds)
+        if ram:
+            tell(self._pairs[to][1], {"memfds": ram}, [self.memfds[n] for n in ram])
+        await worker_call(self.data_dir, to, "worker.expect", memfds=ram)
+        try:
+            released = await self._send_part(cfg, where, src, cmd="worker.release", volumes=group, to=to)
+        except RuntimeError as e:
+            await self._put_back(cfg, before, [to])
+            raise RequestError(str(e).removeprefix(f"worker {src}: ")) from None
+        luns, nvme = released.get("luns") or {}, released.get("nvme") or {}
+        try:
+            await self._send_part(cfg, where, to, unpark=True, luns=luns, nvme=nvme)
+        except RuntimeError as e:
+            # `to` could not open them: they go back where they were, with their connections (sent on
+            # from `to`, where their exports are shells of `src` again)
+            await self._put_back(cfg, before, [src, to], luns, nvme)
+            raise NodeError(f"worker {to} could not take volumes {', '.join(group)} ({e}); they stay on worker "
+                            f"{src}") from None
+        self.placement = where
+        for w in range(self.workers):
+            if w not in (src, to):
+                try:
+                    await self._send_part(cfg, where, w)
+                except RuntimeError as e:
+                    log.error("worker %d: could not tell it volumes %s moved: %s (its connections for them "
+                              "go to worker %d and on from there)", w, ", ".join(group), e, src)
+        log.info("moved volume(s) %s from worker %d to worker %d with %d connection(s)", ", ".join(group), src,
+                 to, released.get("connections", 0))
+        return {"volumes": group, "from": src, "to": to, "connections": released.get("connections", 0),
+                "closed": released.get("closed", 0),
+                "message": f"volume {volume}{together} moved from worker {src} to worker {to}"}
 
     async def _put_back(self, cfg: NodeConfig, at: Placement, workers: list[int],
-                        luns: dict[str, Any] | None = None) -> None:
+                        luns: dict[str, Any] | None = None, nvme: dict[str, Any] | None = None) -> None:
         for w in workers:
             try:
-                await self._send_part(cfg, at, w, unpark=True, luns=luns or {})
+                await self._send_part(cfg, at, w, unpark=True, luns=luns or {}, nvme=nvme or {})
             except RuntimeError:
                 log.exception("worker %d: putting back its part failed", w)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
+from typing import Any
 
 from openvsan.block.errors import BlockError
 from openvsan.protocol.nvme import ana
@@ -97,6 +98,39 @@ class Controller:
         self.on_async_event: Callable[[int, Completion], None] | None = None
         self.on_reset: Callable[[], None] | None = None
         self.discovery_source: Callable[[str], bytes] | None = None
+
+    # --- moving to another worker process with its subsystem (node/workers.py move) ----------------------
+    def moving_state(self) -> dict[str, object]:
+        """The controller as data: what the host set (properties, features), what it is owed (held events,
+        the Changed Namespace list, the error log) and its queues, for the worker that takes it over."""
+        return {"cntlid": self.cntlid, "hostnqn": self.hostnqn, "hostid": self.hostid.hex(),
+                "other_hostid_seen": self.other_hostid_seen, "kato_ms": self.kato_ms, "cc": self.cc,
+                "csts": self.csts, "io_queues": sorted(self.io_queues), "nr_io_queues": self.nr_io_queues,
+                "features": {str(k): v for k, v in self.features.items()}, "write_cache": self.write_cache,
+                "aer_cids": list(self.aer_cids), "pending_events": list(self.pending_events),
+                "masked_logs": sorted(self.masked_logs), "changed_nsids": list(self.changed_nsids),
+                "errors": [[e.count, e.sqid, e.cid, e.status, e.nsid, e.lba] for e in self.errors],
+                "error_count": self.error_count}
+
+    @classmethod
+    def moved(cls, subsystem: Subsystem, state: dict[str, Any], *, clock: Callable[[], float], in_capsule: int,
+              maxcmd: int, portal: Portal | None) -> Controller:
+        """The controller moving_state() described, on this worker's subsystem."""
+        c = cls(subsystem, int(state["cntlid"]), str(state["hostnqn"]), bytes.fromhex(str(state["hostid"])),
+                int(state["kato_ms"]), clock=clock, in_capsule=in_capsule, maxcmd=maxcmd, portal=portal)
+        c.other_hostid_seen = bool(state["other_hostid_seen"])
+        c.cc, c.csts = int(state["cc"]), int(state["csts"])
+        c.io_queues = {int(q) for q in state["io_queues"]}
+        c.nr_io_queues = int(state["nr_io_queues"])
+        c.features = {int(k): int(v) for k, v in dict(state["features"]).items()}
+        c.write_cache = bool(state["write_cache"])
+        c.aer_cids = [int(x) for x in state["aer_cids"]]
+        c.pending_events = [int(x) for x in state["pending_events"]]
+        c.masked_logs = {int(x) for x in state["masked_logs"]}
+        c.changed_nsids = [int(x) for x in state["changed_nsids"]]
+        c.errors = [LP.ErrorEntry(*map(int, e)) for e in state["errors"]]
+        c.error_count = int(state["error_count"])
+        return c
 
     # --- registers (properties) -------------------------------------------------------------------------
     @property

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from openvsan.protocol.nvme import logpages as LP
 from openvsan.protocol.nvme import status as S
@@ -149,6 +150,20 @@ class Fabric:
             res.completion = Completion(S.SUCCESS, res.completion.dw0 | CONNECT_ATR)
             res.auth = ControllerAuth(policy, ctrl.hostnqn, ctrl.subsystem.nqn, rng=self.rng)
         return res
+
+    def adopt(self, nqn: str, state: dict[str, Any], *, portal: Portal | None = None) -> Controller | str:
+        """A controller that moved here with its subsystem (Controller.moving_state on the worker it left):
+        registered under its own controller ID. A string says why it cannot be."""
+        sub = self.subsystems.get(nqn)
+        if sub is None or sub.elsewhere is not None:
+            return f"subsystem {nqn} is not served here"
+        cntlid = int(state["cntlid"])
+        if cntlid in sub.controllers:
+            return f"controller {cntlid} of {nqn} exists here already"
+        ctrl = Controller.moved(sub, state, clock=self.clock, in_capsule=self.in_capsule, maxcmd=self.maxcmd,
+                                portal=portal)
+        sub.controllers[cntlid] = ctrl
+        return ctrl
 
     def release(self, ctrl: Controller) -> None:
         """The controller's association ended (admin queue gone, keep-alive expired)."""

@@ -130,6 +130,10 @@ class PduReader:
         """Bytes of an unfinished PDU held from earlier reads."""
         return self._buf.size
 
+    def take_buffered(self) -> bytes:
+        """The bytes of the unfinished PDU held from earlier reads, as received; none are held afterwards."""
+        return self._buf.take()
+
     def receive_data(self, data: bytes | memoryview) -> list[Pdu]:
         """Whole PDUs in `data` and what was buffered before. Parsing stops after an ICReq: the digests it
         negotiates apply to the bytes behind it, so call again (with b"") once it is handled."""

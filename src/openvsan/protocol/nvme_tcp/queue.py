@@ -97,6 +97,23 @@ class TcpQueue:
         self._by_cccid: dict[int, int] = {}
         self._next_ttag = 0
 
+    # --- moving to another worker (node/workers.py move) ---------------------------------------------------
+    def moving_state(self) -> dict[str, int | bool]:
+        """What ICReq negotiated, for the worker that takes this queue over (no R2T may be outstanding)."""
+        if self.state is not State.READY or self._transfers:
+            raise RuntimeError("only an established queue with no R2T outstanding moves")
+        return {"hdgst": self.hdgst, "ddgst": self.ddgst, "hpda": self.hpda, "maxr2t": self.maxr2t,
+                "next_ttag": self._next_ttag}
+
+    def resume(self, state: dict[str, int | bool]) -> None:
+        """Established as moving_state() described: no ICReq is expected."""
+        self.hdgst, self.ddgst = bool(state["hdgst"]), bool(state["ddgst"])
+        self.hpda, self.maxr2t = int(state["hpda"]), int(state["maxr2t"])
+        self._next_ttag = int(state["next_ttag"])
+        self.reader.hdgst, self.reader.ddgst = self.hdgst, self.ddgst
+        self.reader.ic_req_only = False
+        self.state = State.READY
+
     # --- receiving ------------------------------------------------------------------------------------
     def receive_data(self, data: bytes | memoryview) -> list[Event]:
         if self.state is State.CLOSED:
