@@ -98,7 +98,7 @@ def test_nbd_clients_go_on_while_their_volume_moves_between_workers(node: Worker
 
     said = asyncio.run(go())
     for line in said:
-        assert re.fullmatch(r"volume v0 moved from worker \d to worker \d; 4 connection\(s\) went with it\n", line), line
+        assert re.fullmatch(r"volume v0 moved from worker \d to worker \d; 4 connection\(s\) went with it \(\d+ ms\)\n", line), line
     log = node.log_text()
     assert log.count("NBD export v0 (67108864 bytes): moved here with its volume") == 4 * MOVES, log[-3000:]
     assert "Traceback" not in log and "could not" not in log, log[-3000:]

@@ -365,7 +365,7 @@ def workers_move(
         _print_json(out)
         return
     typer.echo(out["message"] + (f"; {out['connections']} connection(s) went with it" if out.get("connections")
-                                 else ""))
+                                 else "") + (f" ({out['seconds'] * 1000:.0f} ms)" if "seconds" in out else ""))
     if out.get("closed"):
         typer.echo(f"{out['closed']} connection(s) could not move and were closed")
 

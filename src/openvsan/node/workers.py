@@ -649,6 +649,7 @@ class Supervisor:
                                "or restarting); try again")
         where = moved(self.placement, cfg, set(group), to)
         before = self.placement
+        t0 = time.monotonic()
         mine = {d.name for d in part(cfg, where, to).devices} - {d.name for d in part(cfg, before, to).devices}
         ram = sorted(n for n in mine if n in self.memfds)
         if ram:
@@ -676,10 +677,11 @@ class Supervisor:
                 except RuntimeError as e:
                     log.error("worker %d: could not tell it volumes %s moved: %s (its connections for them "
                               "go to worker %d and on from there)", w, ", ".join(group), e, src)
-        log.info("moved volume(s) %s from worker %d to worker %d with %d connection(s)", ", ".join(group), src,
-                 to, released.get("connections", 0))
+        took = time.monotonic() - t0
+        log.info("moved volume(s) %s from worker %d to worker %d with %d connection(s) in %.3f s", ", ".join(group),
+                 src, to, released.get("connections", 0), took)
         return {"volumes": group, "from": src, "to": to, "connections": released.get("connections", 0),
-                "closed": released.get("closed", 0),
+                "closed": released.get("closed", 0), "seconds": round(took, 3),
                 "message": f"volume {volume}{together} moved from worker {src} to worker {to}"}
 
     async def _put_back(self, cfg: NodeConfig, at: Placement, workers: list[int],
