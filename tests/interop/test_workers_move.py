@@ -380,3 +380,73 @@ def test_a_reservation_and_its_sessions_move_with_the_volume(tmp_path: Path) -> 
         assert "Traceback" not in node.log_text()
     finally:
         assert node.stop() == 0, node.log_text()[-3000:]
+
+
+def busy_pair(node: WorkerNode) -> list[str]:
+    """The volumes that share v0's worker at start (three volumes on two workers: two of them)."""
+    w = node.owner("v0")["worker"]
+    pair = [v for v in node.volumes if node.owner(v)["worker"] == w]
+    assert len(pair) == 2, {v: node.owner(v)["worker"] for v in node.volumes}
+    return pair
+
+
+def fio_reads(node: WorkerNode, volumes: list[str], seconds: int) -> list[subprocess.Popen[str]]:
+    require_tools("fio")
+    return [subprocess.Popen(["fio", f"--name={v}", "--ioengine=nbd", f"--uri={node.url('nbd', v)}", "--rw=randrw",
+                              "--rwmixread=70", "--bs=4k", "--iodepth=16", "--size=32M", "--time_based",
+                              f"--runtime={seconds}", "--verify=crc32c", "--verify_backlog=256", "--verify_fatal=1",
+                              "--verify_state_save=0"],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for v in volumes]
+
+
+def test_balance_moves_a_busy_volume_to_the_idle_worker(tmp_path: Path) -> None:
+    """Two volumes driven hard on one worker, the other idle: `vsan workers balance` sees it (each worker's
+    core, each volume's share) and moves one of them, under I/O, to the idle worker."""
+    node = WorkerNode(tmp_path / "node", backing="ram", volumes=("v0", "v1", "v2"), size_mib=64).start()
+    try:
+        pair = busy_pair(node)
+        src = int(node.owner(pair[0])["worker"])  # type: ignore[call-overload]
+        fios = fio_reads(node, pair, 12)
+        try:
+            time.sleep(2)
+            out = subprocess.run([str(VSAN), "workers", "balance", "--json", "--data-dir", str(node.data_dir)],
+                                 capture_output=True, text=True, timeout=120, check=True)
+            got = json.loads(out.stdout)
+            texts = [f.communicate(timeout=60)[0] for f in fios]
+        finally:
+            for f in fios:
+                if f.poll() is None:
+                    f.kill()
+        assert all(f.returncode == 0 for f in fios), texts
+        assert got["workers"][str(src)] > 0.25, got                         # the busy worker was seen busy
+        loads = {g["volumes"][0]: g["load"] for g in got["groups"]}
+        assert all(loads[v] > 0.05 for v in pair) and loads[next(v for v in node.volumes if v not in pair)] < 0.05, got
+        assert len(got["plan"]) == 1 and got["plan"][0]["volumes"][0] in pair, got
+        assert len(got["moved"]) == 1 and got["moved"][0]["connections"] == 1, got
+        assert len({node.owner(v)["worker"] for v in pair}) == 2           # now one on each worker
+    finally:
+        assert node.stop() == 0, node.log_text()[-3000:]
+
+
+def test_volumes_balance_themselves_when_asked_to(tmp_path: Path) -> None:
+    """[node] worker_balance_interval: the supervisor does the same by itself."""
+    node = WorkerNode(tmp_path / "node", backing="ram", volumes=("v0", "v1", "v2"), size_mib=64,
+                      node_extra=("worker_balance_interval = 10",)).start()
+    try:
+        assert "volumes are balanced over the workers by load every 10 s" in node.log_text()
+        pair = busy_pair(node)
+        fios = fio_reads(node, pair, 25)
+        try:
+            deadline = time.monotonic() + 40
+            while len({node.owner(v)["worker"] for v in pair}) < 2:
+                assert time.monotonic() < deadline, node.log_text()[-3000:]
+                time.sleep(0.5)
+            texts = [f.communicate(timeout=60)[0] for f in fios]
+        finally:
+            for f in fios:
+                if f.poll() is None:
+                    f.kill()
+        assert all(f.returncode == 0 for f in fios), texts
+        assert re.search(r"balance: volume v\d moved from worker \d to worker \d", node.log_text())
+    finally:
+        assert node.stop() == 0, node.log_text()[-3000:]

@@ -32,6 +32,7 @@ class WorkerNode:
     volumes: tuple[str, ...] = ("v0", "v1")
     size_mib: int = 8
     backing: str = "file"          # or "ram": memory the supervisor keeps across a worker's restart
+    node_extra: tuple[str, ...] = ()   # more [node] lines, e.g. 'worker_balance_interval = 10'
     proc: subprocess.Popen[bytes] | None = None
     ports: dict[str, int] = field(default_factory=dict)
 
@@ -41,7 +42,7 @@ class WorkerNode:
         self.config = self.workdir / "vsan.toml"
         self.data_dir = self.workdir / "data"
         self.log = self.workdir / "vsan.log"
-        lines = ["[node]", 'name = "workers"', f"workers = {self.workers}", ""]
+        lines = ["[node]", 'name = "workers"', f"workers = {self.workers}", *self.node_extra, ""]
         for v in self.volumes:
             where = [f'path = "{self.image(v)}"'] if self.backing == "file" else []
             lines += ["[[devices]]", f'name = "d{v}"', f'type = "{self.backing}"', *where,

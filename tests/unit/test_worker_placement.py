@@ -125,3 +125,34 @@ def test_a_move_takes_a_group_with_what_exports_it_and_a_join_moves_the_fewer_vo
     after = moved(p, cfg, {"v2"}, pair)
     assert place_again(joined, after).volumes["v2"] == pair
     assert joins(cfg, cfg, p) == []               # nothing joins: nothing moves
+
+
+def test_balance_moves_the_group_that_evens_the_workers_out_most() -> None:
+    from openvsan.node.workers import GroupLoad, plan_balance
+
+    def plan(busy: dict[int, float], groups: list[tuple[str, int, float]]) -> list[tuple[str, int]]:
+        return [(g.volumes[0], to) for g, to in plan_balance(busy, [GroupLoad([v], w, x) for v, w, x in groups])]
+
+    # three busy volumes on worker 0, an idle one on worker 1: the one that evens them out best goes
+    assert plan({0: 1.0, 1: 0.0}, [("a", 0, 0.5), ("b", 0, 0.3), ("c", 0, 0.2), ("d", 1, 0.0)]) == [("a", 1)]
+    assert plan({0: 1.0, 1: 0.0}, [("a", 0, 0.7), ("b", 0, 0.2), ("c", 0, 0.1)]) == [("a", 1)]
+    assert plan({0: 1.0, 1: 0.0}, [("a", 0, 0.8), ("b", 0, 0.1), ("c", 0, 0.1)]) == [("a", 1)]
+    assert plan({0: 1.0, 1: 0.0}, [("a", 0, 0.95), ("b", 0, 0.05)]) == []   # b gains too little, a nothing
+    # close enough: nothing moves (a move pauses I/O; it must be worth it)
+    assert plan({0: 0.5, 1: 0.3}, [("a", 0, 0.3), ("b", 0, 0.2), ("c", 1, 0.3)]) == []
+    # one volume is the whole load: moving it only moves the problem
+    assert plan({0: 0.9, 1: 0.0}, [("a", 0, 0.9)]) == []
+    # four workers: the busiest gives to the idlest, again while it pays, each group once
+    moves = plan({0: 1.0, 1: 0.9, 2: 0.0, 3: 0.1},
+                 [("a", 0, 0.5), ("b", 0, 0.5), ("c", 1, 0.45), ("d", 1, 0.45), ("e", 3, 0.1)])
+    assert moves[0] == ("a", 2) and ("c", 3) in moves or ("d", 3) in moves, moves
+    assert len({v for v, _ in moves}) == len(moves)
+    # idle volumes never move, whatever the gap
+    assert plan({0: 0.8, 1: 0.0}, [("a", 0, 0.0), ("b", 0, 0.0)]) == []
+
+
+def test_the_balance_interval_is_off_or_at_least_ten_seconds() -> None:
+    assert config().node.worker_balance_interval == 0
+    assert config(node={"name": "n", "worker_balance_interval": 30}).node.worker_balance_interval == 30
+    with pytest.raises(ValueError, match="use 0 \\(off\\) or 10 to 86400 seconds"):
+        config(node={"name": "n", "worker_balance_interval": 5})

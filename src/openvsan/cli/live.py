@@ -370,6 +370,33 @@ def workers_move(
         typer.echo(f"{out['closed']} connection(s) could not move and were closed")
 
 
+@workers_app.command("balance")
+def workers_balance(
+    seconds: Annotated[float, typer.Option("--seconds", min=0.5, max=60.0,
+                                           help="How long to watch the load before deciding.")] = 2.0,
+    dry_run: DryRun = False, data_dir: DataDir = None, config: ConfigOpt = None, as_json: JsonOpt = False,
+) -> None:
+    """Even out the workers' load: watch each worker's core and each volume's share of it for a while, then
+    move volumes (with what exports them) from the busiest workers to the least busy ones."""
+    out = _call(data_dir, config, "workers.balance", seconds=seconds, dry_run=dry_run)
+    if as_json:
+        _print_json(out)
+        return
+    t = Table("worker", "core busy", "volumes (share of the core)")
+    for w, busy in out["workers"].items():
+        mine = [g for g in out["groups"] if str(g["worker"]) == w]
+        t.add_row(w, f"{busy * 100:.0f} %", ", ".join(f"{'+'.join(g['volumes'])} ({g['load'] * 100:.0f} %)"
+                                                      for g in mine) or "-")
+    _console().print(t)
+    if not out["plan"]:
+        typer.echo("balanced: nothing to move")
+    for step in out["plan"]:
+        typer.echo(f"{'would move' if dry_run else 'move'} {'+'.join(step['volumes'])} "
+                   f"({step['load'] * 100:.0f} % of a core) to worker {step['to']}")
+    for m in out["moved"]:
+        typer.echo(m["message"] + (f"; {m['connections']} connection(s) went with it" if m.get("connections") else ""))
+
+
 @workers_app.callback()
 def workers(ctx: typer.Context, data_dir: DataDir = None, config: ConfigOpt = None, as_json: JsonOpt = False) -> None:
     """The worker processes of a running node: pid, core, what each serves, restarts."""

@@ -17,6 +17,8 @@ import importlib
 import logging
 import os
 import signal
+import socket
+import struct
 import uuid as uuidlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -39,6 +41,10 @@ from openvsan.volume import Volume
 from openvsan.volume.registry import build_stack
 
 log = logging.getLogger("openvsan.node")
+# struct tcp_info (linux/tcp.h): tcpi_bytes_acked, tcpi_bytes_received (u64) at byte 120, then tcpi_segs_out,
+# tcpi_segs_in (u32); the kernel fills what it has of the length asked
+_TCP_INFO_LEN = 144
+_TCP_COUNTERS = struct.Struct("=QQII")
 
 
 class NodeError(RuntimeError):
@@ -362,6 +368,8 @@ class Node:
             return self.geometry()
         if cmd == "worker.pool":
             return await self.pools.control(str(args["command"]), dict(args["args"]))
+        if cmd == "worker.load":
+            return [self._activity({str(v) for v in g}) for g in args.get("groups") or []]
         if cmd == "worker.expect":
             return self._expect_move([str(n) for n in args.get("memfds") or []])
         if cmd == "worker.release":
@@ -421,7 +429,25 @@ class Node:
         for a in parked or []:
             self._arrived(a)
 
-    def _moving_connections(self, group: set[str]) -> list[Any]:
+    def _activity(self, group: set[str]) -> float:
+        """What the connections to the volumes of `group` moved so far, from the kernel's TCP counters
+        (segments in and out, plus bytes in and out per 64 KiB): a load measure that costs the data path
+        nothing (Supervisor.sample_load)."""
+        total = 0.0
+        for c in self._moving_connections(group, close_logins=False):
+            sock = c.transport.get_extra_info("socket") if c.transport is not None else None
+            if sock is None:
+                continue
+            try:
+                info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, _TCP_INFO_LEN)
+            except OSError:
+                continue
+            if len(info) >= _TCP_INFO_LEN:
+                acked, received, segs_out, segs_in = _TCP_COUNTERS.unpack_from(info, 120)
+                total += segs_out + segs_in + (acked + received) / 65536
+        return total
+
+    def _moving_connections(self, group: set[str], *, close_logins: bool = True) -> list[Any]:
         """The connections to what exports the volumes of `group`: NBD connections, iSCSI sessions, NVMe
         queues. iSCSI connections still logging in to a target of the group are closed (they log in again,
         and reach the new worker)."""
@@ -437,7 +463,7 @@ class Node:
                 s = c.session
                 if s is not None and s.target is not None and s.target.iqn in iqns:
                     conns.append(c)
-                elif c.logging_in_to() in iqns:
+                elif close_logins and c.logging_in_to() in iqns:
                     c.dropped("logging in to a target that moves to another worker; it logs in again there")
                     c.close()
         if self.nvme_server is not None:

@@ -115,6 +115,8 @@ def config_document(cfg: NodeConfig) -> dict[str, Any]:
                             "auth_lockout_seconds": n.auth_lockout_seconds, "workers": n.workers}
     if n.worker_cpus:
         node["worker_cpus"] = list(n.worker_cpus)
+    if n.worker_balance_interval:
+        node["worker_balance_interval"] = n.worker_balance_interval
     if n.data_dir is not None:
         node["data_dir"] = str(n.data_dir)
     doc: dict[str, Any] = {"node": node}

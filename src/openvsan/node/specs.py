@@ -267,6 +267,9 @@ class NodeSettings:
     workers: Annotated[Int, _in_range(1, MAX_WORKERS, f"use 1 to {MAX_WORKERS} worker processes")] = 1
     # the cores they are pinned to, worker i on the i-th (round robin); (): every core the node may use
     worker_cpus: tuple[Annotated[Int, _in_range(0, 4095, "use a cpu number from 0 to 4095")], ...] = ()
+    # seconds between automatic rebalances of volumes over the workers by load (node/workers.py); 0: only
+    # `vsan workers balance` moves them
+    worker_balance_interval: Annotated[Number, _in_range(0, 86_400, "use 0 (off) or 10 to 86400 seconds")] = 0
 
     @field_validator("name")
     @classmethod
@@ -277,6 +280,13 @@ class NodeSettings:
     @classmethod
     def _data_dir(cls, v: object, info: ValidationInfo) -> object:
         return _path(v, info)
+
+    @field_validator("worker_balance_interval")
+    @classmethod
+    def _balance_interval(cls, v: float) -> float:
+        if 0 < v < 10:
+            raise ValueError("use 0 (off) or 10 to 86400 seconds: a volume that moves pauses its I/O a moment")
+        return v
 
     @model_validator(mode="before")
     @classmethod

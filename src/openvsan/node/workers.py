@@ -138,6 +138,57 @@ def joins(desired: NodeConfig, now: NodeConfig, where: Placement) -> list[tuple[
     return out
 
 
+@dataclass
+class GroupLoad:
+    """A group of volumes (what must share a worker), where it is, and its share of its worker's core."""
+
+    volumes: list[str]
+    worker: int
+    load: float          # fraction of a core
+
+
+BALANCE_GAP = 0.25       # busiest minus least busy worker, in cores, from which volumes move
+BALANCE_GAIN = 0.10      # a move must lower the busier of its two workers by this much (cores)
+
+
+def plan_balance(busy: dict[int, float], groups: list[GroupLoad], *, gap: float = BALANCE_GAP,
+                 gain: float = BALANCE_GAIN, most: int = 8) -> list[tuple[GroupLoad, int]]:
+    """The moves that even out the workers' load: repeatedly, the group of the busiest worker whose move to
+    the least busy one lowers the busier of the two the most, while the two differ by `gap` cores and the
+    move gains at least `gain`. Each group moves at most once. Pure: loads in, moves out."""
+    loads = dict(busy)
+    moved: set[int] = set()
+    out: list[tuple[GroupLoad, int]] = []
+    for _ in range(most):
+        hi = max(loads, key=lambda w: (loads[w], -w))
+        lo = min(loads, key=lambda w: (loads[w], w))
+        if loads[hi] - loads[lo] < gap:
+            break
+        best: tuple[float, GroupLoad] | None = None
+        for g in groups:
+            if g.worker != hi or id(g) in moved or g.load <= 0:
+                continue
+            after = max(loads[hi] - g.load, loads[lo] + g.load)
+            if best is None or after < best[0]:
+                best = (after, g)
+        if best is None or loads[hi] - best[0] < gain:
+            break
+        g = best[1]
+        loads[hi] -= g.load
+        loads[lo] += g.load
+        moved.add(id(g))
+        out.append((g, lo))
+        g.worker = lo
+    return out
+
+
+def cpu_seconds(pid: int) -> float:
+    """User and system CPU time of a process so far (/proc/<pid>/stat utime, stime)."""
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        fields = f.read().rsplit(b")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def place_again(cfg: NodeConfig, before: Placement) -> Placement:
     """The placement of a changed config: volumes stay on the worker they are on; a new group goes, as at
     start, to the worker with the fewest volumes. Volumes on different workers that one target or subsystem
@@ -375,6 +426,7 @@ class Supervisor:
         self._keep_memfds(self.state.config)
         self.geometry: dict[str, list[int]] = {}   # volume -> [blocks, block size], from the workers
         self._applying = asyncio.Lock()
+        self._balancer: asyncio.Task[None] | None = None
 
     async def run(self, stop: asyncio.Event, started: Callable[[], None] | None = None) -> None:
         from openvsan.frontend.handoff import inbox_pairs
@@ -395,6 +447,10 @@ class Supervisor:
                          f", cpu {w.cpu}" if w.cpu is not None else "",
                          ", ".join(self.placement.of_worker(w.index)) or "no volumes")
             log.info("serving with %d worker processes", self.workers)
+            interval = self.state.config.node.worker_balance_interval
+            if interval:
+                self._balancer = asyncio.get_running_loop().create_task(self._balance_now_and_then(interval))
+                log.info("volumes are balanced over the workers by load every %g s", interval)
             if started is not None:
                 started()
             await stop.wait()
@@ -485,6 +541,10 @@ class Supervisor:
     async def stop(self) -> None:
         """Every worker drains, flushes and closes (SIGTERM); the supervisor waits for all of them."""
         self.stopping = True
+        if self._balancer is not None:
+            self._balancer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._balancer
         if self._control is not None:
             await self._control.stop()
             self._control = None
@@ -532,6 +592,8 @@ class Supervisor:
             return self.report()
         if cmd == "workers.move":
             return await self.move(str(args["volume"]), int(args["to"]))
+        if cmd == "workers.balance":
+            return await self.balance(float(args.get("seconds") or 2.0), dry_run=bool(args.get("dry_run")))
         if cmd.startswith("pool."):
             return await self._pool(cmd, args)
         handler = live.COMMANDS.get(cmd)
@@ -683,6 +745,77 @@ class Supervisor:
         return {"volumes": group, "from": src, "to": to, "connections": released.get("connections", 0),
                 "closed": released.get("closed", 0), "seconds": round(took, 3),
                 "message": f"volume {volume}{together} moved from worker {src} to worker {to}"}
+
+    # ---- load: what each worker's core does, and each group's share of it
+
+    async def sample_load(self, seconds: float) -> tuple[dict[int, float], list[GroupLoad]]:
+        """Each worker's CPU use (cores) over `seconds`, and each group's share of it: its worker's use split
+        by what the group's connections moved meanwhile (the kernel's TCP counters of each connection,
+        TCP_INFO: segments and bytes; nothing is counted on the data path)."""
+        groups = list({id(g): g for g in _groups(self.state.config).values()}.values())
+
+        async def counters() -> tuple[dict[int, float], dict[int, list[float]]]:
+            cpu: dict[int, float] = {}
+            activity: dict[int, list[float]] = {}
+            for w in self.procs:
+                if w.proc is None or w.proc.returncode is not None or not w.ready:
+                    continue
+                mine = [g for g in groups if self.placement.volumes[g[0]] == w.index]
+                try:
+                    cpu[w.index] = cpu_seconds(w.proc.pid)
+                    activity[w.index] = [float(x) for x in await worker_call(self.data_dir, w.index, "worker.load",
+                                                                              groups=mine)]
+                except (OSError, RuntimeError) as e:
+                    log.info("worker %d: no load sample: %s", w.index, e)
+            return cpu, activity
+
+        cpu0, act0 = await counters()
+        t0 = time.monotonic()
+        await asyncio.sleep(seconds)
+        cpu1, act1 = await counters()
+        dt = max(time.monotonic() - t0, 1e-3)
+        busy = {w: max(0.0, (cpu1[w] - cpu0[w]) / dt) for w in cpu1 if w in cpu0}
+        out: list[GroupLoad] = []
+        for w, cores in busy.items():
+            mine = [g for g in groups if self.placement.volumes[g[0]] == w]
+            a0, a1 = act0.get(w, []), act1.get(w, [])
+            deltas = [max(0.0, y - x) for x, y in zip(a0, a1, strict=False)] if len(a0) == len(a1) == len(mine) \
+                else [0.0] * len(mine)
+            total = sum(deltas)
+            for g, d in zip(mine, deltas, strict=True):
+                out.append(GroupLoad(list(g), w, cores * d / total if total else 0.0))
+        return busy, out
+
+    async def balance(self, seconds: float = 2.0, *, dry_run: bool = False) -> dict[str, Any]:
+        """Sample the load for `seconds`, then move the groups plan_balance() picks (`vsan workers balance`,
+        and every [node] worker_balance_interval seconds when set)."""
+        busy, groups = await self.sample_load(seconds)
+        plan = plan_balance(busy, [GroupLoad(g.volumes, g.worker, g.load) for g in groups])
+        done: list[dict[str, Any]] = []
+        if not dry_run:
+            async with self._applying:
+                for g, to in plan:
+                    try:
+                        done.append(await self._move(g.volumes[0], to))
+                    except (RuntimeError, ValueError, OSError) as e:   # NodeError, RequestError: their line
+                        log.error("balance: moving %s to worker %d failed: %s", ", ".join(g.volumes), to, e)
+                        break
+        return {"workers": {str(w): round(b, 3) for w, b in sorted(busy.items())},
+                "groups": [{"volumes": g.volumes, "worker": g.worker, "load": round(g.load, 3)} for g in groups],
+                "plan": [{"volumes": g.volumes, "to": to, "load": round(g.load, 3)} for g, to in plan],
+                "moved": done, "dry_run": dry_run}
+
+    async def _balance_now_and_then(self, interval: float) -> None:
+        while not self.stopping:
+            await asyncio.sleep(interval)
+            if self.stopping:
+                return
+            try:
+                out = await self.balance(min(5.0, interval / 4))
+                if out["moved"]:
+                    log.info("balance: %s", "; ".join(m["message"] for m in out["moved"]))
+            except Exception:
+                log.exception("balance failed")
 
     async def _put_back(self, cfg: NodeConfig, at: Placement, workers: list[int],
                         luns: dict[str, Any] | None = None, nvme: dict[str, Any] | None = None) -> None:
