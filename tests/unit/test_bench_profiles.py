@@ -54,3 +54,19 @@ def test_bad_options_are_profile_errors(bad: object) -> None:
 
 def test_sizes() -> None:
     assert [parse_size(s) for s in ("4k", "64K", "1m", "1MiB", "2g", "4096")] == [4096, 65536, MiB, MiB, 2 << 30, 4096]
+
+
+def test_one_target_s_load_is_spread_over_the_cores_by_default() -> None:
+    from openvsan.bench.profiles import PROFILES, spread
+
+    qd32 = PROFILES["4k-randread"]
+    assert (qd32.threads, qd32.qd) == (1, 32)
+    assert (spread(qd32, 1).threads, spread(qd32, 1).qd) == (1, 32)       # one core: as it is
+    assert (spread(qd32, 2).threads, spread(qd32, 2).qd) == (2, 16)       # the same 32 in flight, two processes
+    assert (spread(qd32, 16).threads, spread(qd32, 16).qd) == (8, 4)      # at most 8, at least 4 each
+    qd1 = resolve(None, rw="randread", qd=1)[0]
+    assert spread(qd1, 8) == qd1                                           # nothing to share
+    odd = resolve(None, rw="randread", qd=12)[0]
+    assert (spread(odd, 8).threads, spread(odd, 8).qd) == (3, 4)          # shared evenly or not at all
+    two = resolve(None, rw="randread", qd=8, threads=2)[0]
+    assert spread(two, 8) == two                                           # --threads given: kept

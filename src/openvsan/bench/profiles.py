@@ -148,3 +148,20 @@ def resolve(profile: str | None, *, rw: str | None = None, bs: str | None = None
         known = ", ".join([*PROFILES, *SUITES])
         raise ProfileError(f"unknown profile {profile!r}: want one of {known}")
     return [replace(j, threads=threads or j.threads, qd=qd or j.qd) for j in jobs]
+
+
+SPREAD_MAX = 8        # worker processes one job spreads over by default
+SPREAD_QD = 4         # requests each of them keeps in flight, at least
+
+
+def spread(job: Job, cores: int) -> Job:
+    """A one-worker job over several processes, one per core this process may use (up to SPREAD_MAX), its
+    queue depth shared out between them (SPREAD_QD at least each): the same requests in flight in all, and
+    the client's work on several cores. The job as it is where there is one core, a queue too shallow to
+    share, or a depth the workers cannot share evenly."""
+    if job.threads != 1 or cores < 2:
+        return job
+    n = min(cores, SPREAD_MAX, job.qd // SPREAD_QD)
+    while n > 1 and job.qd % n:
+        n -= 1
+    return replace(job, threads=n, qd=job.qd // n) if n > 1 else job

@@ -10,6 +10,7 @@ command line.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -71,8 +72,11 @@ def bench(
     rw: Annotated[str | None, typer.Option(help="randread, randwrite, randrw, read, write, rw (fio's words).")] = None,
     bs: Annotated[str | None, typer.Option(help="Request size: 4k, 64k, 1m ... (default 4k).")] = None,
     threads: Annotated[int | None, typer.Option(
-        "--threads", "-t", help="Workers; more than one: a process each, with its own connection(s).")] = None,
-    qd: Annotated[int | None, typer.Option("--qd", "-q", help="Requests each worker keeps in flight.")] = None,
+        "--threads", "-t", help="Workers; more than one: a process each, with its own connection(s). Default: "
+                                "the queue depth shared out over the cores this process may use (taskset), up "
+                                "to 8, at least 4 requests each; --threads 1 keeps one.")] = None,
+    qd: Annotated[int | None, typer.Option("--qd", "-q", help="Requests each worker keeps in flight (with "
+                                                               "--threads; without, in all).")] = None,
     mix: Annotated[int | None, typer.Option(help="% reads of randrw/rw (fio's rwmixread); 70 = 70/30.")] = None,
     duration: Annotated[float, typer.Option("--duration", "-d", help="Measured seconds per run.")] = 10.0,
     warmup: Annotated[float, typer.Option(help="Seconds run, but not measured, before each run.")] = 1.0,
@@ -101,7 +105,7 @@ def bench(
 ) -> None:
     """Benchmark TARGET: IOPS, MB/s, latency percentiles and CPU, as a table, JSON or an HTML report."""
     from openvsan.bench.engine import Plan
-    from openvsan.bench.profiles import ProfileError, parse_size, resolve
+    from openvsan.bench.profiles import ProfileError, parse_size, resolve, spread
     from openvsan.bench.report import document, print_tables
     from openvsan.bench.runner import BenchError, RunResult, run
     from openvsan.block.errors import BlockError
@@ -123,6 +127,10 @@ def bench(
                     EXIT_USAGE)
     try:
         jobs = resolve(profile, rw=rw, bs=bs, threads=threads, qd=qd, mix=mix)
+        if threads is None:
+            # one target's load over several processes and cores where this process may use them
+            cores = len(os.sched_getaffinity(0))
+            jobs = [spread(j, cores) for j in jobs]
         size_b = parse_size(size) if size else None
     except ProfileError as e:
         raise _fail(str(e), EXIT_USAGE) from None
