@@ -241,3 +241,44 @@ def test_pool_commands_reach_the_worker_of_the_pool(tmp_path: Path) -> None:
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0, log.read_text()[-3000:]
+
+
+def test_nbd_over_tls_runs_in_worker_0_and_connections_go_there_at_starttls(tmp_path: Path) -> None:
+    """[nbd] tls with two workers: worker 0 serves every NBD export (and what is exported with them); a TLS
+    client the kernel gives to worker 1 is handed over at NBD_OPT_STARTTLS, before the TLS handshake, and
+    its session runs in worker 0. Such a volume does not move off worker 0."""
+    require_tools("nbdinfo", "nbdcopy")
+    from tls_pki import make_pki
+
+    pki = make_pki(tmp_path / "pki")
+    d = pki.server
+    tls = (f'tls = {{ cert = "{d / "server-cert.pem"}", key = "{d / "server-key.pem"}", ca = "{d / "ca-cert.pem"}", '
+           "verify_client = true }")
+    node = WorkerNode(tmp_path / "node", volumes=("v0", "v1", "v2"), nbd_extra=(tls,))
+    text = node.config.read_text()
+    for v in node.volumes:    # the LUNs and namespaces beside exports that check certificates: open on purpose
+        text = text.replace(f'luns = [{{ lun = 0, volume = "{v}" }}]',
+                            f'luns = [{{ lun = 0, volume = "{v}" }}]\nallow_unauthenticated = true')
+        text = text.replace(f'namespaces = [{{ nsid = 1, volume = "{v}" }}]',
+                            f'namespaces = [{{ nsid = 1, volume = "{v}" }}]\nallow_unauthenticated = true')
+    node.config.write_text(text)
+    node.start()
+    try:
+        assert all(node.owner(v)["worker"] == 0 for v in node.volumes), node.workers_report()
+        src = tmp_path / "src.img"
+        src.write_bytes(os.urandom(1 << 20))
+        port = node.ports["nbd"]
+        for i in range(ROUNDS):      # connections land on either worker
+            v = node.volumes[i % 3]
+            url = f"nbds://127.0.0.1:{port}/{v}?tls-certificates={pki.client}"
+            subprocess.run(["nbdcopy", "--flush", str(src), url], check=True, timeout=60, capture_output=True)
+            back = tmp_path / "back.img"
+            subprocess.run(["nbdcopy", url, str(back)], check=True, timeout=60, capture_output=True)
+            assert back.read_bytes()[:1 << 20] == src.read_bytes(), (i, v)
+        log = node.log_text()
+        assert re.search(r"w1 frontend: [^\n]*: NBD over TLS is served by worker 0: handed to worker 0", log), log[-3000:]
+        assert "NBD TLS" in log and "Traceback" not in log
+        refused = vsan(node, "workers", "move", "v0", "--to", "1", ok=False)
+        assert "worker 0 serves every NBD export: it stays on worker 0" in refused.stderr, refused
+    finally:
+        assert node.stop() == 0, node.log_text()[-3000:]

@@ -33,6 +33,7 @@ class WorkerNode:
     size_mib: int = 8
     backing: str = "file"          # or "ram": memory the supervisor keeps across a worker's restart
     node_extra: tuple[str, ...] = ()   # more [node] lines, e.g. 'worker_balance_interval = 10'
+    nbd_extra: tuple[str, ...] = ()    # more [nbd] lines, e.g. 'tls = { cert = ..., key = ... }'
     proc: subprocess.Popen[bytes] | None = None
     ports: dict[str, int] = field(default_factory=dict)
 
@@ -53,7 +54,7 @@ class WorkerNode:
         lines += ["[nvme]", f'portals = ["127.0.0.1:{self.ports["nvme"]}"]', ""]
         for v in self.volumes:
             lines += ["[[nvme.subsystems]]", f'nqn = "{nqn(v)}"', f'namespaces = [{{ nsid = 1, volume = "{v}" }}]', ""]
-        lines += ["[nbd]", f'portals = ["127.0.0.1:{self.ports["nbd"]}"]', ""]
+        lines += ["[nbd]", f'portals = ["127.0.0.1:{self.ports["nbd"]}"]', *self.nbd_extra, ""]
         for v in self.volumes:
             lines += ["[[nbd.exports]]", f'name = "{v}"', f'volume = "{v}"', ""]
         self.config.write_text("\n".join(lines))

@@ -156,3 +156,40 @@ def test_the_balance_interval_is_off_or_at_least_ten_seconds() -> None:
     assert config(node={"name": "n", "worker_balance_interval": 30}).node.worker_balance_interval == 30
     with pytest.raises(ValueError, match="use 0 \\(off\\) or 10 to 86400 seconds"):
         config(node={"name": "n", "worker_balance_interval": 5})
+
+
+def test_with_nbd_over_tls_worker_0_serves_every_nbd_export_and_what_goes_with_it(tmp_path: Any) -> None:
+    from openvsan.node.workers import joins, moved, pinned, place_again
+
+    for f in ("c.pem", "k.pem"):
+        (tmp_path / f).write_text("x")
+    tls = {"portals": ["127.0.0.1:10809"], "tls": {"cert": str(tmp_path / "c.pem"), "key": str(tmp_path / "k.pem")},
+           "exports": [{"name": "e1", "volume": "v1"}, {"name": "e3", "volume": "v3"}]}
+    cfg = config(nbd=tls)
+    assert pinned(cfg, 1) == set() and pinned(config(), 2) == set()
+    assert pinned(cfg, 2) == {"v0", "v1", "v3"}                  # v0: exported with v1 by t01
+    p = place(cfg, 2)
+    assert {v: p.volumes[v] for v in ("v0", "v1", "v3")} == {"v0": 0, "v1": 0, "v3": 0} and p.volumes["v2"] == 1
+    assert refusal(cfg, 2) is None
+    # an NBD export added for v2 (on worker 1): v2 goes to worker 0 first
+    more = config(nbd={**tls, "exports": [*tls["exports"], {"name": "e2", "volume": "v2"}]})
+    with pytest.raises(ValueError, match="worker 0 serves with NBD over TLS"):
+        place_again(more, p)
+    assert joins(more, cfg, p) == [("v2", 0)]
+    assert place_again(more, moved(p, cfg, {"v2"}, 0)).volumes["v2"] == 0
+
+
+def test_starttls_on_a_worker_that_runs_no_tls_hands_the_connection_over_unanswered() -> None:
+    import struct
+
+    from openvsan.protocol.nbd.connection import NbdServerConnection
+    from openvsan.protocol.nbd.events import ExportInfo, Send
+    from openvsan.protocol.routing import Elsewhere
+
+    option = struct.pack(">QII", 0x49484156454F5054, 5, 0)        # NBD_OPT_STARTTLS
+    for elsewhere, handed in ((None, False), (0, True)):
+        conn = NbdServerConnection([ExportInfo("e", 1 << 20)], tls_offered=True, tls_elsewhere=elsewhere)
+        events = conn.receive_data(struct.pack(">I", 3) + option)
+        assert any(isinstance(e, Elsewhere) and e.worker == 0 for e in events) == handed
+        sent = b"".join(bytes(b) for e in events if isinstance(e, Send) for b in e.data)
+        assert (sent == b"") == handed                             # handed over: not acknowledged here

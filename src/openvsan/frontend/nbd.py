@@ -168,6 +168,8 @@ class NbdServer(PortalServer):
         self.lane = True   # connections take the request lane once negotiated (False: tests compare the two)
         self.ssl_context = ssl_context
         self.tasks: set[asyncio.Task[None]] = set()
+        # a worker of several that does not run TLS sessions: the one that does (it serves every NBD export)
+        self.tls_worker: int | None = None
 
     def portals(self) -> list[tuple[str, int]]:
         seen: dict[tuple[str, int], None] = {}
@@ -244,7 +246,8 @@ class Connection(BatchedConnection, asyncio.BufferedProtocol):
         self.server = server
         self.portal = portal
         offered, tls_only = server.tls_on(portal)
-        self.conn = NbdServerConnection(server.exports_on(portal), tls_offered=offered, tls_only=tls_only)
+        self.conn = NbdServerConnection(server.exports_on(portal), tls_offered=offered, tls_only=tls_only,
+                                        tls_elsewhere=server.tls_worker)
         self.export: NbdExportConfig | None = None
         self.inflight = 0
         self.inflight_bytes = 0

@@ -301,6 +301,8 @@ class Node:
         self.nbd_server = factory(self.nbd_exports, **self._nbd_tls())
         self.nbd_server.busy_poll = self.busy_poll
         self.nbd_server.exchange = self._exchange()
+        if self.worker is not None and self.worker.index != 0 and self.state.config.nbd_tls is not None:
+            self.nbd_server.tls_worker = 0   # with NBD over TLS, worker 0 serves every NBD export (workers.py)
         self.nbd_server.limits = self.limits
         await self.nbd_server.start()
 

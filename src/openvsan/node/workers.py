@@ -21,8 +21,10 @@ change exports volumes of two workers together): its NBD connections, iSCSI sess
 are suspended where they stand and go on in the other worker with their protocol state (node/node.py
 worker.release, the frontends' suspend()/resumed()).
 
-Not yet with more than one worker (refused at start, with the reason): replicated volumes ([cluster]) and
-NBD over TLS (a TLS session cannot be handed over)."""
+With NBD over TLS ([nbd] tls), worker 0 serves every NBD export (`pinned`): a TLS session cannot be handed
+over, so a connection goes to worker 0 at NBD_OPT_STARTTLS, before the TLS handshake.
+
+Not yet with more than one worker (refused at start, with the reason): replicated volumes ([cluster])."""
 
 from __future__ import annotations
 
@@ -83,6 +85,7 @@ def place(cfg: NodeConfig, n: int) -> Placement:
 
 def _placed(cfg: NodeConfig, n: int, before: dict[str, int]) -> Placement:
     groups = list({id(g): g for g in _groups(cfg).values()}.values())   # config order
+    tls = pinned(cfg, n)
     load = [0] * n
     for v, w in before.items():
         load[w] += 1
@@ -93,7 +96,10 @@ def _placed(cfg: NodeConfig, n: int, before: dict[str, int]) -> Placement:
             raise ValueError(f"volumes {', '.join(sorted(g))} would be exported together but are served by "
                              f"workers {', '.join(str(w) for w in sorted(was))}: move them to one worker first "
                              "(vsan workers move)")
-        w = was.pop() if was else min(range(n), key=lambda i: (load[i], i))
+        if tls & set(g) and was and was != {0}:
+            raise ValueError(f"volumes {', '.join(sorted(g))} have NBD exports, which worker 0 serves with NBD over "
+                             "TLS: move them to worker 0 first (vsan workers move)")
+        w = 0 if tls & set(g) else was.pop() if was else min(range(n), key=lambda i: (load[i], i))
         for v in g:
             if v not in before:
                 load[w] += 1
@@ -121,15 +127,19 @@ def joins(desired: NodeConfig, now: NodeConfig, where: Placement) -> list[tuple[
     serves most of them (the lowest index on a tie)."""
     out: list[tuple[str, int]] = []
     groups_now = _groups(now)
+    tls = pinned(desired, where.workers)
     seen: set[int] = set()
     for g in _groups(desired).values():
         if id(g) in seen:
             continue
         seen.add(id(g))
         on = [where.volumes[v] for v in g if v in where.volumes]
-        if len(set(on)) < 2:
+        if tls & set(g):
+            to = 0          # NBD over TLS: worker 0 serves what has an NBD export
+        elif len(set(on)) < 2:
             continue
-        to = min(set(on), key=lambda w: (-on.count(w), w))
+        else:
+            to = min(set(on), key=lambda w: (-on.count(w), w))
         moving: set[str] = set()
         for v in g:
             if v in where.volumes and where.volumes[v] != to and v not in moving:
@@ -291,10 +301,17 @@ def refusal(cfg: NodeConfig, n: int) -> str | None:
     if cfg.cluster is not None:
         return (f"workers = {n}: a node in a cluster (replicated volumes) runs one worker for now; "
                 "set workers = 1")
-    if cfg.nbd_tls is not None:
-        return f"workers = {n}: NBD over TLS runs in one worker for now (a TLS session cannot be handed over); " \
-               "set workers = 1 or remove [nbd] tls"
     return None
+
+
+def pinned(cfg: NodeConfig, n: int) -> set[str]:
+    """Volumes that worker 0 must serve: with NBD over TLS ([nbd] tls) and several workers, every volume an
+    NBD export serves (a TLS session cannot be handed over, and one may name any export: worker 0 runs them
+    all, taking the connections at NBD_OPT_STARTTLS), with the volumes exported together with them."""
+    if n < 2 or cfg.nbd_tls is None:
+        return set()
+    groups = _groups(cfg)
+    return {v for e in cfg.nbd_exports for v in groups[e.volume]}
 
 
 def parse_cpus(text: str) -> list[int]:
@@ -702,6 +719,9 @@ class Supervisor:
             raise RequestError(f"no worker {to}: this node has workers 0 to {self.workers - 1}")
         group = _groups(cfg)[volume]
         src = self.placement.volumes[volume]
+        if to != 0 and pinned(cfg, self.workers) & set(group):
+            raise RequestError(f"volume {volume} has an NBD export (or is exported with one), and with NBD over TLS "
+                               "worker 0 serves every NBD export: it stays on worker 0")
         together = f" (with {', '.join(v for v in group if v != volume)}: exported together)" if len(group) > 1 else ""
         if src == to:
             return {"volumes": group, "from": src, "to": to, "connections": 0,
@@ -790,7 +810,9 @@ class Supervisor:
         """Sample the load for `seconds`, then move the groups plan_balance() picks (`vsan workers balance`,
         and every [node] worker_balance_interval seconds when set)."""
         busy, groups = await self.sample_load(seconds)
-        plan = plan_balance(busy, [GroupLoad(g.volumes, g.worker, g.load) for g in groups])
+        stay = pinned(self.state.config, self.workers)     # NBD over TLS: on worker 0, counted, never moved
+        plan = plan_balance(busy, [GroupLoad(g.volumes, g.worker, 0.0 if stay & set(g.volumes) else g.load)
+                                   for g in groups])
         done: list[dict[str, Any]] = []
         if not dry_run:
             async with self._applying:

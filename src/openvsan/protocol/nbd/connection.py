@@ -78,8 +78,9 @@ class Phase(Enum):
 
 class NbdServerConnection:
     def __init__(self, exports: Sequence[ExportInfo], *, default: str | None = None, tls_offered: bool = False,
-                 tls_only: Collection[str] = ()) -> None:
-        self.handshake = Handshake(exports, default, tls_offered=tls_offered, tls_only=tls_only)
+                 tls_only: Collection[str] = (), tls_elsewhere: int | None = None) -> None:
+        self.handshake = Handshake(exports, default, tls_offered=tls_offered, tls_only=tls_only,
+                                   tls_elsewhere=tls_elsewhere)
         self.phase = Phase.CLIENT_FLAGS
         self.session: Negotiated | None = None
         self._acc = bytearray()        # a header (or option data) being gathered

@@ -89,9 +89,12 @@ class OptionResult:
 
 class Handshake:
     def __init__(self, exports: Sequence[ExportInfo], default: str | None = None, *, tls_offered: bool = False,
-                 tls_only: Collection[str] = ()) -> None:
+                 tls_only: Collection[str] = (), tls_elsewhere: int | None = None) -> None:
         self.exports = {e.name: e for e in exports}
         self.tls_offered = tls_offered         # the server can run NBD_OPT_STARTTLS (it has credentials)
+        # TLS sessions are run by that worker process of this node (it serves every NBD export then):
+        # NBD_OPT_STARTTLS hands the connection over before it is acknowledged
+        self.tls_elsewhere = tls_elsewhere
         self.tls_only = frozenset(tls_only)    # exports served only inside TLS
         if self.tls_only - set(self.exports):
             raise ValueError(f"TLS-only exports that are not exports: {sorted(self.tls_only - set(self.exports))}")
@@ -199,6 +202,8 @@ class Handshake:
             # proto.md NBD_OPT_STARTTLS: the client MUST NOT send data with it (e.g. NBD_REP_ERR_INVALID)
             r.out.append(error_reply(opt, Rep.ERR_INVALID, "NBD_OPT_STARTTLS takes no data"))
         else:
+            if self.tls_elsewhere is not None:
+                raise Elsewhere(self.tls_elsewhere, "NBD over TLS")
             r.out.append(option_reply(opt, Rep.ACK))
             r.start_tls = True
 
