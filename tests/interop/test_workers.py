@@ -279,6 +279,6 @@ def test_nbd_over_tls_runs_in_worker_0_and_connections_go_there_at_starttls(tmp_
         assert re.search(r"w1 frontend: [^\n]*: NBD over TLS is served by worker 0: handed to worker 0", log), log[-3000:]
         assert "NBD TLS" in log and "Traceback" not in log
         refused = vsan(node, "workers", "move", "v0", "--to", "1", ok=False)
-        assert "worker 0 serves every NBD export: it stays on worker 0" in refused.stderr, refused
+        assert "stays on worker 0: with NBD over TLS worker 0 serves every NBD export" in refused.stderr, refused
     finally:
         assert node.stop() == 0, node.log_text()[-3000:]

@@ -41,7 +41,7 @@ def vsan(*args: str, timeout: float = 30, lab: Any = None, ns: str = "") -> subp
 class ReplicaNode:
     def __init__(self, name: str, workdir: Path, etcd: Sequence[str], nodes: Sequence[str], *, size: str,
                  host: str = "127.0.0.1", lab: Any = None, lease_ttl: int = 3, suspend: float = 5.0,
-                 ram: bool = False, ports: Sequence[int] = ()) -> None:
+                 ram: bool = False, ports: Sequence[int] = (), workers: int = 1, log_level: str = "") -> None:
         self.name, self.host, self.lab = name, host, lab
         self.dir = workdir / name
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -53,8 +53,9 @@ class ReplicaNode:
         # on loopback every node needs ports of its own: picked together (free_ports), not one by one
         self.repl_port, self.iscsi_port, self.nvme_port = (ports or free_ports(3)) if same else (4430, 3260, 4420)
         self.proc: subprocess.Popen[bytes] | None = None
+        self.log_level = log_level
         self.config.write_text("\n".join([
-            "[node]", f'name = "{name}"', f'data_dir = "{self.data_dir}"', "",
+            "[node]", f'name = "{name}"', f'data_dir = "{self.data_dir}"', f"workers = {workers}", "",
             "[cluster]", f'id = "{CLUSTER_ID}"', f"etcd = {json.dumps(list(etcd))}",
             f'replication = "{host}:{self.repl_port}"', f"lease_ttl = {lease_ttl}", f"suspend_seconds = {suspend}", "",
             "[[devices]]", 'name = "d0"', *(['type = "ram"'] if ram else ['type = "file"', f'path = "{self.image}"']),
@@ -77,7 +78,7 @@ class ReplicaNode:
 
     def start(self) -> None:
         assert self.proc is None or self.proc.poll() is not None, f"{self.name} is running"
-        argv = [*VSAN, "serve", "--config", str(self.config)]
+        argv = [*VSAN, "serve", "--config", str(self.config), *(["--log-level", self.log_level] if self.log_level else [])]
         with open(self.log, "ab") as log:
             if self.lab is None:
                 self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)

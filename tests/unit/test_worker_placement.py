@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from openvsan.node.config import parse_config
-from openvsan.node.workers import parse_cpus, part, place, refusal
+from openvsan.node.workers import parse_cpus, part, pinned, place
 
 
 def config(volumes: int = 4, **extra: Any) -> Any:
@@ -61,10 +61,22 @@ def test_each_worker_gets_its_volumes_devices_exports_and_a_share_of_the_caps() 
     assert sum(len(x.nbd_exports) for x in parts) == 1
 
 
-def test_what_workers_cannot_serve_yet_is_refused_with_the_reason() -> None:
-    assert refusal(config(), 1) is None and refusal(config(), 2) is None
-    cluster = config(cluster={"id": "c1", "etcd": ["127.0.0.1:2379"], "replication": "127.0.0.1:7000"})
-    assert "cluster" in (refusal(cluster, 2) or "") and refusal(cluster, 1) is None
+def test_in_a_cluster_worker_0_serves_the_replicated_volumes_and_holds_the_membership() -> None:
+    doc = {"id": "c1", "etcd": ["127.0.0.1:2379"], "replication": "127.0.0.1:7000"}
+    cluster = config(cluster=doc, volumes=4)
+    assert pinned(cluster, 2) == set()                              # nothing replicated: nothing pinned
+    replicated = parse_config({
+        "node": {"name": "n"}, "cluster": doc,
+        "devices": [{"name": f"d{i}", "type": "ram", "size": "1MiB"} for i in range(3)],
+        "volumes": [{"name": "r", "device": "d0", "replicas": 2, "nodes": ["n", "m"]},
+                    {"name": "a", "device": "d1"}, {"name": "b", "device": "d2"}],
+        "iscsi": {"portals": ["127.0.0.1:3260"], "targets": [
+            {"iqn": "iqn.2026-12.org.x:rb", "luns": [{"lun": 0, "volume": "r"}, {"lun": 1, "volume": "b"}]},
+            {"iqn": "iqn.2026-12.org.x:a", "luns": [{"lun": 0, "volume": "a"}]}]}})
+    assert pinned(replicated, 1) == set() and pinned(replicated, 2) == {"r", "b"}
+    p = place(replicated, 2)
+    assert (p.volumes["r"], p.volumes["b"], p.volumes["a"]) == (0, 0, 1)
+    assert part(replicated, p, 0).cluster is not None and part(replicated, p, 1).cluster is None
 
 
 def test_cpu_lists() -> None:
@@ -170,10 +182,9 @@ def test_with_nbd_over_tls_worker_0_serves_every_nbd_export_and_what_goes_with_i
     assert pinned(cfg, 2) == {"v0", "v1", "v3"}                  # v0: exported with v1 by t01
     p = place(cfg, 2)
     assert {v: p.volumes[v] for v in ("v0", "v1", "v3")} == {"v0": 0, "v1": 0, "v3": 0} and p.volumes["v2"] == 1
-    assert refusal(cfg, 2) is None
     # an NBD export added for v2 (on worker 1): v2 goes to worker 0 first
     more = config(nbd={**tls, "exports": [*tls["exports"], {"name": "e2", "volume": "v2"}]})
-    with pytest.raises(ValueError, match="worker 0 serves with NBD over TLS"):
+    with pytest.raises(ValueError, match="belong on worker 0 \\(NBD over TLS, or replicated\\)"):
         place_again(more, p)
     assert joins(more, cfg, p) == [("v2", 0)]
     assert place_again(more, moved(p, cfg, {"v2"}, 0)).volumes["v2"] == 0

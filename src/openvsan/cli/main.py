@@ -138,8 +138,6 @@ def serve(
                 return
             from openvsan.node import workers as wk
 
-            if (why := wk.refusal(state.config, n)) is not None:
-                fail(why, EXIT_USAGE)
             try:
                 pinned = (wk.parse_cpus(cpus) if cpus is not None
                           else list(state.config.node.worker_cpus) or wk.usable_cpus())

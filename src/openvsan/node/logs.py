@@ -27,3 +27,6 @@ def setup_logging(level: str | int = "info", stream: TextIO | None = None, *, ta
         root.removeHandler(h)
     root.addHandler(handler)
     root.setLevel(level.upper() if isinstance(level, str) else level)
+    # the etcd client's gRPC says at debug level, with a traceback, that each call it cancels at shutdown was
+    # cancelled: its warnings and errors still show, not that
+    logging.getLogger("grpc").setLevel(max(logging.INFO, root.level))

@@ -370,6 +370,14 @@ class Node:
             return self.geometry()
         if cmd == "worker.pool":
             return await self.pools.control(str(args["command"]), dict(args["args"]))
+        if cmd == "worker.live":
+            from openvsan.node import live
+            from openvsan.node.workers import REPLICATION_COMMANDS
+
+            name = str(args["command"])
+            if name not in REPLICATION_COMMANDS:
+                raise RequestError(f"{name} is the supervisor's to answer")
+            return await live.COMMANDS[name](self, dict(args["args"]))
         if cmd == "worker.load":
             return [self._activity({str(v) for v in g}) for g in args.get("groups") or []]
         if cmd == "worker.expect":

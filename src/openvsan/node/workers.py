@@ -24,7 +24,8 @@ worker.release, the frontends' suspend()/resumed()).
 With NBD over TLS ([nbd] tls), worker 0 serves every NBD export (`pinned`): a TLS session cannot be handed
 over, so a connection goes to worker 0 at NBD_OPT_STARTTLS, before the TLS handshake.
 
-Not yet with more than one worker (refused at start, with the reason): replicated volumes ([cluster])."""
+In a cluster, worker 0 is the node's member (its lease, the replication portal) and serves every replicated
+volume (`pinned` too); `vsan volume status|move-primary|force-in-sync` reach it through the supervisor."""
 
 from __future__ import annotations
 
@@ -97,8 +98,8 @@ def _placed(cfg: NodeConfig, n: int, before: dict[str, int]) -> Placement:
                              f"workers {', '.join(str(w) for w in sorted(was))}: move them to one worker first "
                              "(vsan workers move)")
         if tls & set(g) and was and was != {0}:
-            raise ValueError(f"volumes {', '.join(sorted(g))} have NBD exports, which worker 0 serves with NBD over "
-                             "TLS: move them to worker 0 first (vsan workers move)")
+            raise ValueError(f"volumes {', '.join(sorted(g))} belong on worker 0 (NBD over TLS, or replicated): "
+                             "move them to worker 0 first (vsan workers move)")
         w = 0 if tls & set(g) else was.pop() if was else min(range(n), key=lambda i: (load[i], i))
         for v in g:
             if v not in before:
@@ -146,6 +147,10 @@ def joins(desired: NodeConfig, now: NodeConfig, where: Placement) -> list[tuple[
                 out.append((v, to))
                 moving.update(groups_now[v])
     return out
+
+
+# live commands (node/live.py) about a replicated volume, answered by the worker that serves it
+REPLICATION_COMMANDS = ("volume.status", "volume.move_primary", "volume.force_in_sync")
 
 
 @dataclass
@@ -290,28 +295,26 @@ def part(cfg: NodeConfig, where: Placement, i: int) -> NodeConfig:
                                                               if where.subsystems[x.nqn] == i))
     return dataclasses.replace(
         cfg, node=node, devices=devices, volumes=volumes, pools=pools,
+        cluster=cfg.cluster if i == 0 else None,     # worker 0 is the node's member of the cluster (pinned)
         targets=tuple(t for t in cfg.targets if where.targets[t.iqn] == i), nvme=nvme,
         nbd_exports=tuple(e for e in cfg.nbd_exports if where.nbd[e.name] == i))
 
 
-def refusal(cfg: NodeConfig, n: int) -> str | None:
-    """Why this config cannot be served by n workers yet, or None."""
-    if n == 1:
-        return None
-    if cfg.cluster is not None:
-        return (f"workers = {n}: a node in a cluster (replicated volumes) runs one worker for now; "
-                "set workers = 1")
-    return None
-
-
 def pinned(cfg: NodeConfig, n: int) -> set[str]:
-    """Volumes that worker 0 must serve: with NBD over TLS ([nbd] tls) and several workers, every volume an
-    NBD export serves (a TLS session cannot be handed over, and one may name any export: worker 0 runs them
-    all, taking the connections at NBD_OPT_STARTTLS), with the volumes exported together with them."""
-    if n < 2 or cfg.nbd_tls is None:
+    """Volumes that worker 0 must serve, with the volumes exported together with them, when there are several
+    workers: with NBD over TLS ([nbd] tls), every volume an NBD export serves (a TLS session cannot be handed
+    over, and one may name any export: worker 0 runs them all, taking the connections at NBD_OPT_STARTTLS);
+    in a cluster, every replicated volume (worker 0 is the node's member of the cluster: its lease, the
+    replication portal, the replicas and their peers)."""
+    if n < 2:
         return set()
     groups = _groups(cfg)
-    return {v for e in cfg.nbd_exports for v in groups[e.volume]}
+    out: set[str] = set()
+    if cfg.nbd_tls is not None:
+        out |= {v for e in cfg.nbd_exports for v in groups[e.volume]}
+    if cfg.cluster is not None:
+        out |= {v for vol in cfg.volumes if vol.replicated for v in groups[vol.name]}
+    return out
 
 
 def parse_cpus(text: str) -> list[int]:
@@ -613,6 +616,12 @@ class Supervisor:
             return await self.balance(float(args.get("seconds") or 2.0), dry_run=bool(args.get("dry_run")))
         if cmd.startswith("pool."):
             return await self._pool(cmd, args)
+        if cmd in REPLICATION_COMMANDS:
+            # a replicated volume's role, switchover, forced sync: the worker that serves it (worker 0) answers
+            w = self.placement.volumes.get(str(args.get("name")))
+            if w is None:
+                raise RequestError(f"no volume named {args.get('name')!r} on this node")
+            return await worker_call(self.data_dir, w, "worker.live", command=cmd, args=args)
         handler = live.COMMANDS.get(cmd)
         if handler is None:
             raise RequestError(f"unknown command {cmd!r}")
@@ -620,7 +629,7 @@ class Supervisor:
 
     # ---- what node/live.py asks of "the node"
 
-    replication: Any = None      # replicated volumes run in one process for now (refusal())
+    replication: Any = None      # the replicated volumes' role is worker 0's (REPLICATION_COMMANDS go there)
 
     async def volume_stats(self, name: str) -> dict[str, Any] | None:
         w = self.placement.volumes.get(name)
@@ -647,8 +656,6 @@ class Supervisor:
             changes = plan(self.state.config, desired)
             if dry_run or not changes:
                 return changes
-            if (why := refusal(desired, self.workers)) is not None:
-                raise RequestError(why)
             for volume, to in joins(desired, self.state.config, self.placement):
                 # volumes of two workers exported together from now on: one worker takes them all, first
                 done_move = await self._move(volume, to)
@@ -720,8 +727,8 @@ class Supervisor:
         group = _groups(cfg)[volume]
         src = self.placement.volumes[volume]
         if to != 0 and pinned(cfg, self.workers) & set(group):
-            raise RequestError(f"volume {volume} has an NBD export (or is exported with one), and with NBD over TLS "
-                               "worker 0 serves every NBD export: it stays on worker 0")
+            raise RequestError(f"volume {volume} stays on worker 0: with NBD over TLS worker 0 serves every NBD "
+                               "export, and in a cluster every replicated volume (and what is exported with them)")
         together = f" (with {', '.join(v for v in group if v != volume)}: exported together)" if len(group) > 1 else ""
         if src == to:
             return {"volumes": group, "from": src, "to": to, "connections": 0,
