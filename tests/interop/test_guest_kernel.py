@@ -26,6 +26,14 @@ pytestmark = [pytest.mark.interop, pytest.mark.slow]
 
 GUEST = SHARED_PEERS / "linux-guest" / "run-guest-test.sh"
 
+# Busybox sh in the guest: the first target SendTargets lists, as a node record ($IQN).
+ISCSI_NODE = r"""
+iscsiadm -m discovery -t sendtargets -p $PORTAL > /tmp/disc || fail discovery
+IQN=$(awk '{print $2; exit}' /tmp/disc)
+[ -n "$IQN" ] || fail "no target discovered"
+iscsiadm -m node -T "$IQN" -p $PORTAL >/dev/null 2>&1 || iscsiadm -m node -o new -T "$IQN" -p $PORTAL >/dev/null
+"""
+
 # Busybox sh in the guest: header and data digests (libiscsi never offers DataDigest, so only this
 # initiator checks them), then fio writing with verification through the raw disk, then a clean logout.
 DIGEST_SCRIPT = r"""
@@ -33,11 +41,7 @@ fail() { echo "@@FAIL $*"; exit 1; }
 modprobe -a iscsi_tcp sd_mod crc32c_generic || fail modprobe
 mkdir -p /run/lock/iscsi
 iscsid || fail iscsid
-iscsiadm -m discovery -t sendtargets -p $PORTAL > /tmp/disc || fail discovery
-IQN=$(awk '{print $2; exit}' /tmp/disc)
-[ -n "$IQN" ] || fail "no target discovered"
-iscsiadm -m node -T "$IQN" -p $PORTAL >/dev/null 2>&1 || iscsiadm -m node -o new -T "$IQN" -p $PORTAL >/dev/null
-for k in HeaderDigest DataDigest; do
+""" + ISCSI_NODE.lstrip("\n") + r"""for k in HeaderDigest DataDigest; do
     iscsiadm -m node -T "$IQN" -p $PORTAL -o update -n "node.conn[0].iscsi.$k" -v CRC32C || fail "set $k"
 done
 iscsiadm -m node -T "$IQN" -p $PORTAL --login || fail login
@@ -94,6 +98,25 @@ def run_guest(
         pytest.fail(f"guest test failed (exit {rc}); log {out_path}:\n{text[-8000:]}", pytrace=False)
     check_target_log(target_log)
     return text
+
+
+def guest_reached(guest_log: Path, mark: str, timeout: float = 900) -> bool:
+    """Wait until the guest's serial log shows `mark` (True) or "@@FAIL" (False: run_guest reports it)."""
+    deadline = time.monotonic() + timeout
+    serial: Path | None = None
+    while True:
+        if time.monotonic() > deadline:
+            pytest.fail(f"the guest never said {mark}", pytrace=False)
+        if serial is None:
+            m = re.search(r"serial log: (\S+)", guest_log.read_text(errors="replace"))
+            serial = Path(m.group(1)) if m else None
+        if serial is not None and serial.exists():
+            text = serial.read_text(errors="replace")
+            if "@@FAIL" in text:
+                return False
+            if mark in text:
+                return True
+        time.sleep(0.2)
 
 
 @pytest.mark.timeout(1200)
@@ -158,21 +181,8 @@ def test_linux_kernel_initiator_rides_through_a_restart(vsan: Callable[..., Vsan
     script.write_text(RESTART_SCRIPT)
 
     def restart_when_ready(guest_log: Path, target_log: Path) -> None:
-        deadline = time.monotonic() + 600
-        serial: Path | None = None
-        while True:
-            if time.monotonic() > deadline:
-                pytest.fail("the guest never got ready for the restart", pytrace=False)
-            if serial is None:
-                m = re.search(r"serial log: (\S+)", guest_log.read_text(errors="replace"))
-                serial = Path(m.group(1)) if m else None
-            if serial is not None and serial.exists():
-                text = serial.read_text(errors="replace")
-                if "@@FAIL" in text:
-                    return  # the guest failed before the restart; run_guest reports it
-                if "@@READY_FOR_RESTART" in text:
-                    break
-            time.sleep(0.2)
+        if not guest_reached(guest_log, "@@READY_FOR_RESTART"):
+            return  # the guest failed before the restart; run_guest reports it
         time.sleep(5)  # fio is writing now
         wrapper = re.search(r"@@WRAPPER pid=(\d+)", target_log.read_text())
         assert wrapper, target_log.read_text()

@@ -16,7 +16,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from test_guest_kernel import run_guest
+from test_guest_kernel import ISCSI_NODE, guest_reached, run_guest
 from vsan_harness import VSAN, free_port
 
 pytestmark = [pytest.mark.interop, pytest.mark.slow]
@@ -30,11 +30,7 @@ fail() { echo "@@FAIL $*"; dmesg | tail -40; exit 1; }
 modprobe -a iscsi_tcp sd_mod nvme_tcp crc32c_generic || fail modprobe
 mkdir -p /run/lock/iscsi
 iscsid || fail iscsid
-iscsiadm -m discovery -t sendtargets -p $PORTAL > /tmp/disc || fail discovery
-IQN=$(awk '{print $2; exit}' /tmp/disc)
-[ -n "$IQN" ] || fail "no target discovered"
-iscsiadm -m node -T "$IQN" -p $PORTAL >/dev/null 2>&1 || iscsiadm -m node -o new -T "$IQN" -p $PORTAL >/dev/null
-iscsiadm -m node -T "$IQN" -p $PORTAL --login || fail login
+""" + ISCSI_NODE.lstrip("\n") + r"""iscsiadm -m node -T "$IQN" -p $PORTAL --login || fail login
 for i in $(seq 100); do
     for b in /sys/class/iscsi_session/session*/device/target*/*/block/*; do [ -e "$b" ] && break 2; done
     sleep 0.1
@@ -111,21 +107,8 @@ def test_the_kernel_initiators_see_nothing_while_their_volumes_move(tmp_path: Pa
     said: list[str] = []
 
     def move_while_fio_runs(guest_log: Path, target_log: Path) -> None:
-        deadline = time.monotonic() + 900
-        serial: Path | None = None
-        while True:
-            if time.monotonic() > deadline:
-                pytest.fail("the guest never got ready for the moves", pytrace=False)
-            if serial is None:
-                m = re.search(r"serial log: (\S+)", guest_log.read_text(errors="replace"))
-                serial = Path(m.group(1)) if m else None
-            if serial is not None and serial.exists():
-                text = serial.read_text(errors="replace")
-                if "@@FAIL" in text:
-                    return  # run_guest reports it
-                if "@@READY_FOR_MOVES" in text:
-                    break
-            time.sleep(0.2)
+        if not guest_reached(guest_log, "@@READY_FOR_MOVES"):
+            return  # run_guest reports it
         time.sleep(4)   # fio is writing on both
         for i in range(MOVES):
             volume = ("v0", "v1")[i % 2]

@@ -105,3 +105,20 @@ async def nvme_controller(srv: NvmeTcpServer, portal: tuple[str, int], nqn: str,
     io.data_received(capsule(connect_cmd(1, 1, 63, cattr=4 if sq_flow_off else 0), connect_data(nqn, cntlid=cntlid)))
     assert last_response(iw).status == 0 and io.ctrl is not None
     return admin, io, aw, iw
+
+
+def chunks(data: bytes, sizes: list[int]) -> list[bytes]:
+    """`data` cut into receives of `sizes` bytes (cycled)."""
+    out, pos, i = [], 0, 0
+    while pos < len(data):
+        out.append(data[pos:pos + sizes[i % len(sizes)]])
+        pos, i = pos + sizes[i % len(sizes)], i + 1
+    return out
+
+
+async def spin(turns: int = 6) -> None:
+    """Let what the last receive started run its course (tasks a few loop turns deep)."""
+    import asyncio
+
+    for _ in range(turns):
+        await asyncio.sleep(0)

@@ -12,7 +12,7 @@ import struct
 import uuid
 from typing import Any
 
-from fastpath_fakes import Wire
+from fastpath_fakes import Wire, chunks, spin
 from test_iscsi_fastpath import BLOCKS, BS, IQN, cmd, nop_out, rw
 
 from openvsan.block.ram import RamDevice
@@ -77,19 +77,6 @@ def logged_in(srv: IscsiServer, t: IscsiTargetConfig, wire: Wire) -> Connection:
     c.reader.max_dsl = st.params.target_mrdsl = 65536   # what login would have set
     c._lane = True
     return c
-
-
-def chunks(data: bytes, sizes: list[int]) -> list[bytes]:
-    out, pos, i = [], 0, 0
-    while pos < len(data):
-        out.append(data[pos:pos + sizes[i % len(sizes)]])
-        pos, i = pos + sizes[i % len(sizes)], i + 1
-    return out
-
-
-async def spin() -> None:
-    for _ in range(6):
-        await asyncio.sleep(0)
 
 
 def answers(wire: bytes) -> tuple[dict[int, tuple[int, bytes]], list[int]]:

@@ -12,7 +12,7 @@ import random
 import uuid
 from typing import Any
 
-from fastpath_fakes import Wire, nvme_controller
+from fastpath_fakes import Wire, chunks, nvme_controller, spin
 from nvme_host import HostReader, capsule, sqe
 from test_nvme_fastpath import BLOCKS, BS, NQN, PORTAL, rw
 
@@ -41,19 +41,6 @@ def stream(rnd: random.Random, n: int) -> bytes:
         else:
             out.append(rw(0x01, cid, 1, lba, nlb, data=rnd.randbytes(nlb * BS)))
     return b"".join(out)
-
-
-def chunks(data: bytes, sizes: list[int]) -> list[bytes]:
-    out, pos, i = [], 0, 0
-    while pos < len(data):
-        out.append(data[pos:pos + sizes[i % len(sizes)]])
-        pos, i = pos + sizes[i % len(sizes)], i + 1
-    return out
-
-
-async def spin() -> None:
-    for _ in range(6):
-        await asyncio.sleep(0)
 
 
 async def controller(dev: RamDevice, flow_off: bool) -> tuple[NvmeTcpServer, Connection, Connection, Wire, Wire]:
