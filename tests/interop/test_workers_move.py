@@ -164,7 +164,7 @@ def clients_through_moves(node: WorkerNode, proto: str, clients: int, big: int, 
             i = 0
             while not stop.is_set():
                 blocks = 8 if i % 3 else big
-                lba = k * 40000 + (i % 16) * 1024
+                lba = k * 30000 + (i % 16) * 1024
                 data = f"{proto} client {k} write {i}".encode().ljust(blocks * BS, bytes([k + 1]))
                 await dev.write(lba, data, fua=i % 5 == 0)
                 assert bytes(await dev.read(lba, blocks)) == data, (k, i)
