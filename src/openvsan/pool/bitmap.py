@@ -128,7 +128,9 @@ class WriteIntentBitmap:
             content = bytes(self.bits[span])
             await self._store(block, content, fua)
             if fua:
-                self.durable[span] = content
+                # on disk now, but only the bits still wanted count: one a lazy clear took away meanwhile is
+                # about to be written clear (its write waits for this one), so a writer must not trust it
+                self.durable[span] = bytes(a & b for a, b in zip(content, self.bits[span], strict=True))
             else:
                 # not durable yet: only bits that are clear in both may be counted as clear on disk
                 self.durable[span] = bytes(a & b for a, b in zip(self.durable[span], content, strict=True))
