@@ -549,12 +549,8 @@ class Connection(BatchedConnection):
         name = str(state.get("target"))
         t = self.server.targets.get(name)
         if t is None or t.elsewhere is not None:
-            if t is not None and t.elsewhere is not None and self.server.exchange is not None:
-                self.hand_over(self.server.exchange, t.elsewhere, state, self._replay)   # it moved on again
-                self._replay = b""
-            else:
-                self.dropped("moved here for a target this worker does not serve", name)
-                self.close()
+            self.moved_on(t.elsewhere if t is not None else None, self.server.exchange, state,
+                          "moved here for a target this worker does not serve", name)
             return False
         fields = dict(state["params"])
         params = Params(**{**fields, "negotiated": set(fields.get("negotiated") or ())})

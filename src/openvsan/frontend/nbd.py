@@ -454,13 +454,8 @@ class Connection(BatchedConnection, asyncio.BufferedProtocol):
         name = str(state.get("export"))
         e = self.server.exports.get(name)
         if e is None or e.volume is None:
-            w = e.elsewhere if e is not None else None
-            if w is not None and self.server.exchange is not None:
-                self.hand_over(self.server.exchange, w, state, self._replay)   # it moved on again
-                self._replay = b""
-            else:
-                self.dropped("moved here for an export this worker does not serve", name)
-                self.close()
+            self.moved_on(e.elsewhere if e is not None else None, self.server.exchange, state,
+                          "moved here for an export this worker does not serve", name)
             return
         info = export_info(e)
         session = Negotiated(info, bool(state.get("structured")), int(state.get("flags") or 0),

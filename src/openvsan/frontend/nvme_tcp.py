@@ -666,8 +666,12 @@ class Connection(BatchedConnection):
         held, self._holding = self._holding or [], None
         self._lane = lane
         if held:
-            rest = self.queue.reader.take_buffered()
-            self.answer_at_once(self.received, b"".join(held) + rest)
+            self._buffered_first(b"".join(held))
+
+    def _buffered_first(self, data: bytes) -> None:
+        """Run `data` as if received now, ahead of what the reader holds of a PDU not yet whole."""
+        rest = self.queue.reader.take_buffered()
+        self.answer_at_once(self.received, data + rest)
 
     def detach_for_move(self) -> None:
         """Out of the server's books; the controller stays (the node drops it from the subsystem once every
@@ -699,8 +703,7 @@ class Connection(BatchedConnection):
         if self.transport is not None and not self._closed:
             self.transport.resume_reading()
         if received:
-            rest = self.queue.reader.take_buffered()
-            self.answer_at_once(self.received, received + rest)
+            self._buffered_first(received)
 
     def _resume_from(self, state: dict[str, Any]) -> bool:
         """Take over the queue suspend() described; the admin queue brings its controller (state
@@ -709,12 +712,8 @@ class Connection(BatchedConnection):
         nqn = str(state.get("subsystem"))
         sub = srv.fabric.subsystems.get(nqn)
         if sub is None or sub.elsewhere is not None:
-            if sub is not None and sub.elsewhere is not None and srv.exchange is not None:
-                self.hand_over(srv.exchange, sub.elsewhere, state, self._replay)   # it moved on again
-                self._replay = b""
-            else:
-                self.dropped("moved here for a subsystem this worker does not serve", nqn)
-                self.close()
+            self.moved_on(sub.elsewhere if sub is not None else None, srv.exchange, state,
+                          "moved here for a subsystem this worker does not serve", nqn)
             return False
         qid, cntlid = int(state["qid"]), int(state["cntlid"])
         if qid == 0:

@@ -171,6 +171,17 @@ class BatchedConnection(asyncio.BaseProtocol):
         t.abort()  # type: ignore[attr-defined]   # our descriptor only: the socket lives on in the other worker
         return True
 
+    def moved_on(self, worker: int | None, exchange: Exchange | None, state: dict[str, Any], why: str,
+                 name: str) -> None:
+        """A connection that moved here names what this worker does not serve: on to `worker`, which serves it
+        now (it moved on again), or closed with `why` when none does."""
+        if worker is not None and exchange is not None:
+            self.hand_over(exchange, worker, state, self._replay)
+            self._replay = b""
+        else:
+            self.dropped(why, name)
+            self.close()
+
     def replay(self) -> None:
         """Subclasses call this last in connection_made: run what the other worker received."""
         data, self._replay = self._replay, b""
