@@ -18,7 +18,7 @@ from openvsan.block.ram import RamDevice
 from openvsan.frontend import nbd, nvme_tcp
 from openvsan.frontend.config import NbdExportConfig, NvmeNamespaceConfig, NvmeSubsystemConfig
 from openvsan.frontend.handoff import Elsewhere
-from openvsan.protocol.nbd.wire import IHAVEOPT, REQUEST_MAGIC, Opt
+from openvsan.protocol.nbd.wire import IHAVEOPT, REQUEST_MAGIC, Opt, Rep
 from openvsan.volume import Volume
 
 PORTAL = ("127.0.0.1", 10809)
@@ -102,8 +102,11 @@ def served(make: Any, chunks: list[bytes], handing: Any | None = None, owner: An
         c2.route(Inbox())
         c2.adopted(received, answered)
         c2.connection_made(w2)
+        await asyncio.sleep(0)  # the replay runs in the loop's next turn (BatchedConnection.replay)
         for ch in rest:
             c2.data_received(ch)
+            await asyncio.sleep(0)
+        for _ in range(3):
             await asyncio.sleep(0)
         return bytes(w.out) + bytes(w2.out)
 
@@ -205,6 +208,7 @@ async def _test_a_replay_answered_differently_closes_the_connection() -> None:
     c2, w2 = nbd.Connection(nbd_server({1}, vols, Inbox()), PORTAL), HandWire()
     c2.adopted(received, forged)
     c2.connection_made(w2)  # type: ignore[arg-type]
+    await asyncio.sleep(0)   # the replay: in the loop's next turn
     assert w2.closed and not w2.out
 
 
@@ -234,12 +238,69 @@ async def _test_a_connection_is_not_handed_over_twice_for_what_it_asked_before()
     c0.route(inbox0)  # type: ignore[arg-type]
     c0.adopted(inbox.sent[0][2], inbox.sent[0][3])
     c0.connection_made(w0)  # type: ignore[arg-type]
+    await asyncio.sleep(0)   # the replay: in the loop's next turn
     assert inbox0.sent and inbox0.sent[0][0] == 1
     c1, w1 = nbd.Connection(unknown({1}, Inbox()), PORTAL), HandWire()  # worker 1 again: replaying INFO a
     c1.route(Inbox())  # type: ignore[arg-type]
     c1.adopted(inbox0.sent[0][2], inbox0.sent[0][3])
     c1.connection_made(w1)  # type: ignore[arg-type]
+    await asyncio.sleep(0)   # the replay: in the loop's next turn
     assert w1.closed
+
+
+class UvloopWire(HandWire):
+    """A transport that starts reading when connection_made returns, whatever the protocol asked in it, as
+    uvloop's does (basetransport.pyx _call_connection_made): a pause_reading() there does not hold."""
+
+    def made(self, c: Any) -> None:
+        c.connection_made(self)
+        self.paused = False
+
+
+def test_an_nbd_client_handed_over_at_starttls_is_not_read_in_clear_text_before_tls_takes_the_socket(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A TLS client that worker 1 hands to worker 0 at NBD_OPT_STARTTLS: worker 0 replays the option and sends
+    the ACK, and the client answers it with its ClientHello at once. Reading must stay paused from the ACK
+    until the TLS layer takes the socket, or the ClientHello is read as clear-text NBD and the handshake
+    stalls (seen in CI: one of nbdcopy's connections in a run of twenty)."""
+    asyncio.run(_starttls_handed_over(monkeypatch))
+
+
+async def _starttls_handed_over(monkeypatch: pytest.MonkeyPatch) -> None:
+    vols = {0: volume(0), 1: volume(1)}
+    seen: list[tuple[bool, bytes]] = []
+
+    async def upgrade(self: nbd.Connection, raw: UvloopWire) -> None:   # where start_tls takes the socket
+        seen.append((raw.paused, bytes(raw.out)))
+
+    monkeypatch.setattr(nbd.Connection, "_upgrade", upgrade)
+
+    def server(mine: set[int], inbox: Inbox, tls_worker: int | None) -> nbd.NbdServer:
+        srv = nbd_server(mine, vols, inbox)
+        srv.ssl_context = object()  # type: ignore[assignment]   # offered; the handshake itself is not run here
+        for e in srv.exports.values():
+            e.tls = "require"
+        srv.tls_worker = tls_worker
+        return srv
+
+    inbox = Inbox()
+    c, w = nbd.Connection(server({1}, inbox, 0), PORTAL), HandWire()   # worker 1: TLS is worker 0's
+    c.route(inbox)  # type: ignore[arg-type]
+    c.connection_made(w)  # type: ignore[arg-type]
+    c.data_received(struct.pack(">I", 3) + option(Opt.STARTTLS))
+    await asyncio.sleep(0)
+    assert inbox.sent and w.aborted, "not handed over at NBD_OPT_STARTTLS"
+    _, _, received, answered = inbox.sent[0]
+    c0, w0 = nbd.Connection(server({0, 1}, Inbox(), None), PORTAL), UvloopWire()   # worker 0: serves TLS
+    c0.route(Inbox())  # type: ignore[arg-type]
+    c0.adopted(received, answered)
+    w0.made(c0)
+    for _ in range(3):
+        await asyncio.sleep(0)
+    assert len(seen) == 1, "the TLS handshake was not started"
+    paused, out = seen[0]
+    assert out == struct.pack(">QII", 0x3E889045565A9, Opt.STARTTLS, Rep.ACK) + struct.pack(">I", 0), out
+    assert paused, "reading went on between NBD_OPT_STARTTLS's ACK and the TLS layer"
 
 
 # --- NVMe/TCP: ICResp answered, then the Connect names a subsystem of the other worker -------------------

@@ -334,7 +334,7 @@ class Connection(BatchedConnection, asyncio.BufferedProtocol):
         """Where the transport receives next: the rest of a large write's payload when one is being read (no
         copy of it here), else the receive buffer every NBD connection of this process shares (received
         bytes are copied out of it in buffer_updated, before any other connection can receive)."""
-        if self._lane and not self.conn.tls:
+        if self._lane and not self.conn.tls and not self._replay:
             window = self.conn.payload_window(DIRECT_PAYLOAD)
             if window is not None:
                 self._into_payload = True

@@ -183,10 +183,18 @@ class BatchedConnection(asyncio.BaseProtocol):
             self.close()
 
     def replay(self) -> None:
-        """Subclasses call this last in connection_made: run what the other worker received."""
+        """Subclasses call this last in connection_made: what the other worker received runs in the loop's next
+        turn, once connection_made has returned. uvloop starts reading when connection_made returns, whatever
+        it asked, so a pause_reading() there does not hold, and the replay may pause (NBD_OPT_STARTTLS stops
+        reading until the TLS layer takes the socket: the client's ClientHello read in clear text before that
+        stalled the handshake). Bytes that come before the replay has run wait for it (data_received)."""
+        if self._replay and not self._closed:
+            asyncio.get_running_loop().call_soon(self._replayed)
+
+    def _replayed(self) -> None:
         data, self._replay = self._replay, b""
         if data and not self._closed:
-            self.data_received(data)
+            self.answer_at_once(self.received, data)
 
     def settle(self) -> None:
         """It named what this worker serves (or recorded too much to be handed off): stop recording."""
@@ -384,6 +392,8 @@ class BatchedConnection(asyncio.BaseProtocol):
                 self.busy_poll.arrived()
 
     def data_received(self, data: bytes) -> None:
+        if self._replay:
+            self._replayed()     # what came before, from the worker that handed this connection over (replay())
         self.answer_at_once(self.received, data)
 
     def eof_received(self) -> bool | None:
