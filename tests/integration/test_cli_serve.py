@@ -86,14 +86,45 @@ def test_serve_starts_and_stops_on_sigterm(config: tuple[Path, int], tmp_path: P
     assert (tmp_path / "data" / "state-kv.db").exists()
 
 
-def test_serve_port_in_use(config: tuple[Path, int], tmp_path: Path) -> None:
+@pytest.mark.parametrize("workers", [["--workers", "1"], ["--workers", "2"], []])
+def test_serve_port_in_use(config: tuple[Path, int], tmp_path: Path, workers: list[str]) -> None:
+    """One process, two workers, and the default (one per core): the same one line, naming the portal."""
     path, port = config
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", port))
         busy.listen()
-        proc = vsan("serve", "--config", str(path), "--data-dir", str(tmp_path / "data"))
+        proc = vsan("serve", "--config", str(path), "--data-dir", str(tmp_path / "data"), *workers)
         _, err = proc.communicate(timeout=30)
     assert proc.returncode == 1, err
     lines = [x for x in err.splitlines() if x.startswith("vsan: ")]
     assert len(lines) == 1 and "Traceback" not in err, err
     assert "127.0.0.1" in lines[0] and str(port) in lines[0]
+
+
+@pytest.mark.parametrize("delay", [0.0, 0.3, 0.8])
+def test_sigterm_to_the_process_group_while_workers_start_is_a_clean_stop(config: tuple[Path, int], tmp_path: Path,
+                                                                         delay: float) -> None:
+    """systemd and a terminal's ^C signal the whole process group: a worker may stop (exit 0) before the
+    supervisor's own handler has run, at any point of the start. That is a stop, not a worker that could not
+    start: exit 0."""
+    path, _ = config
+    proc = subprocess.Popen([sys.executable, "-m", "openvsan.cli.main", "serve", "--config", str(path),
+                             "--data-dir", str(tmp_path / "data"), "--workers", "2"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert proc.stderr is not None
+        first = []
+        for line in proc.stderr:       # a worker's first line: the supervisor has its signal handlers
+            first.append(line)
+            if " w0 " in line or " w1 " in line:
+                break
+        time.sleep(delay)
+        os.killpg(proc.pid, signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+        err = "".join(first) + err
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 0, err
+    assert "could not start" not in err and "Traceback" not in err, err

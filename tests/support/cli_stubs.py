@@ -17,6 +17,7 @@ from openvsan.node import node as node_mod
 GOOD = """
 [node]
 name = "n1"
+workers = 1   # the stand-in servers replace the node's own in this process: no worker processes
 
 [[devices]]
 name = "ram0"

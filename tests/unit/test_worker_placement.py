@@ -8,7 +8,8 @@ from typing import Any
 import pytest
 
 from openvsan.node.config import parse_config
-from openvsan.node.workers import parse_cpus, part, pinned, place
+from openvsan.node.render import config_document
+from openvsan.node.workers import parse_cpus, part, pinned, place, worker_count
 
 
 def config(volumes: int = 4, **extra: Any) -> Any:
@@ -54,8 +55,12 @@ def test_each_worker_gets_its_volumes_devices_exports_and_a_share_of_the_caps() 
         assert {d.name for d in x.devices} - {"spare"} == used
         assert all(p.targets[t.iqn] == parts.index(x) for t in x.targets)
         assert x.nvme is not None and x.nvme.portals == cfg.nvme.portals   # every worker answers discovery
-        assert x.node.max_connections == 500 and x.node.max_unauthenticated == 51
-        assert x.node.max_unauthenticated_per_source == 50
+        assert x.node.max_connections == 500
+    # the node's caps split so that the workers' shares add up to them (101 = 51 + 50)
+    assert [x.node.max_unauthenticated for x in parts] == [51, 50]
+    assert [x.node.max_unauthenticated_per_source for x in parts] == [25, 25]
+    tiny = config(node={"name": "n", "max_unauthenticated_per_source": 1})
+    assert [part(tiny, place(tiny, 3), i).node.max_unauthenticated_per_source for i in range(3)] == [1, 1, 1]
     # a device no volume or pool uses stays with worker 0
     assert "spare" in {d.name for d in parts[0].devices} and "spare" not in {d.name for d in parts[1].devices}
     assert sum(len(x.nbd_exports) for x in parts) == 1
@@ -89,13 +94,27 @@ def test_cpu_lists() -> None:
 
 
 def test_workers_in_the_config_are_checked_and_kept() -> None:
-    from openvsan.node.render import config_document
 
     cfg = config(node={"name": "n", "workers": 4, "worker_cpus": [0, 1]})
     assert cfg.node.workers == 4 and cfg.node.worker_cpus == (0, 1)
     assert parse_config(config_document(cfg)).node == cfg.node
     with pytest.raises(ValueError, match="1 to 256 worker processes"):
         config(node={"name": "n", "workers": 0})
+    for bad in ("many", 2.0, True):
+        with pytest.raises(ValueError, match='expected "auto" or an integer'):
+            config(node={"name": "n", "workers": bad})
+
+
+def test_workers_default_to_one_per_core_the_node_may_use() -> None:
+    """The issue's default: one worker per core; `taskset -c 0 vsan serve` (one core) is one process."""
+    cfg = config(node={"name": "n"})
+    assert cfg.node.workers == "auto"
+    assert parse_config(config_document(cfg)).node.workers == "auto"
+    assert worker_count("auto", [0, 1, 2, 3]) == 4
+    assert worker_count("auto", [5]) == 1
+    assert worker_count("auto", [0, 0, 1]) == 2
+    assert worker_count("auto", list(range(1000))) == 256
+    assert worker_count(3, [0]) == 3 and worker_count(1, [0, 1]) == 1
 
 
 def test_a_new_supervisor_waits_until_the_workers_of_the_old_one_are_gone(tmp_path: Any) -> None:

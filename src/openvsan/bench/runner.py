@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing as mp
-import os
 import queue
 import time
 import traceback
@@ -25,6 +24,7 @@ from openvsan.bench.target import open_target, redact
 from openvsan.block.device import BlockDevice
 from openvsan.block.errors import BlockError
 from openvsan.malloc import keep_large_buffers
+from openvsan.procstat import tree_cpu_seconds
 
 
 class BenchError(RuntimeError):
@@ -53,16 +53,6 @@ class Progress:
 ProgressFn = Callable[[Progress], None]
 
 
-def proc_cpu_seconds(pid: int) -> float | None:
-    """utime + stime of every thread of pid (proc(5): /proc/PID/stat fields 14 and 15), or None if gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rpartition(")")[2].split()
-    except OSError:
-        return None
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 class Collector:
     def __init__(self, workers: int, target_pid: int | None, on_progress: ProgressFn | None) -> None:
         self.workers = workers
@@ -77,7 +67,7 @@ class Collector:
 
     def _sample_target(self) -> None:
         if self.target_pid is not None:
-            c = proc_cpu_seconds(self.target_pid)
+            c = tree_cpu_seconds(self.target_pid)   # with the worker processes of a vsan serve
             if c is not None:
                 self.t_cpu.append((time.perf_counter(), c))
 

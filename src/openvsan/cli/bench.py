@@ -96,7 +96,8 @@ def bench(
         help="Write PNG plots, index.html and results.json into this directory (needs openvsan[bench]).")]
     = None,
     target_pid: Annotated[int | None, typer.Option(
-        help="PID of a local vsan serve: report its CPU % over each measured phase, from /proc.")] = None,
+        help="PID of a local vsan serve: report its CPU % (with its worker processes) over each measured "
+             "phase, from /proc.")] = None,
     compare: Annotated[bool, typer.Option(
         "--compare", help="Run the same job(s) on each TARGET, interleaved, and print ratios to the first.")]
     = False,

@@ -93,8 +93,8 @@ def serve(
     log_level: Annotated[str, typer.Option("--log-level", help="debug, info, warning or error.")] = "info",
     workers: Annotated[int | None, typer.Option(
         "--workers", "-w", min=1, max=256,
-        help="Worker processes, each serving its share of the volumes on its own core. Default: [node] "
-             "workers (1: one process).")] = None,
+        help="Worker processes, each serving its share of the volumes on its own core (1: one process). "
+             "Default: [node] workers, whose default is one per core the node may use (--cpus).")] = None,
     cpus: Annotated[str | None, typer.Option(
         "--cpus", help="Cores to pin the workers to, e.g. 0-3 or 0,2 (worker i on the i-th, round robin). "
                        "Default: [node] worker_cpus, else every core this process may use.")] = None,
@@ -132,10 +132,6 @@ def serve(
             log.info("node %s: %s, data dir %s", state.config.node.name,
                      f"config {config}" if config is not None else "the desired state stored there", data)
             raise_fd_limit(state.config.node.max_connections)
-            n = workers if workers is not None else state.config.node.workers
-            if n == 1:
-                run(Node(state, data))
-                return
             from openvsan.node import workers as wk
 
             try:
@@ -145,6 +141,10 @@ def serve(
                 fail(f"--cpus: {e}", EXIT_USAGE)
             if pinned is not None and (bad := sorted(set(pinned) - set(wk.usable_cpus()))):
                 fail(f"--cpus: cpu {bad[0]} is not one this process may run on ({wk.usable_cpus()})", EXIT_USAGE)
+            n = wk.worker_count(workers if workers is not None else state.config.node.workers, pinned)
+            if n == 1:
+                run(Node(state, data))
+                return
             try:
                 wk.serve_workers(state, data, n, pinned, log_level)
             except wk.WorkerSetupError as e:

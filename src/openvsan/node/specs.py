@@ -17,7 +17,7 @@ import socket
 from collections.abc import Callable
 from dataclasses import field
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import (
     AfterValidator,
@@ -120,6 +120,17 @@ def expect(value: object, *kinds: type) -> None:
     """Refuse a value of another type than `kinds`, as a strict field would (a bool is not a number here)."""
     if (isinstance(value, bool) and bool not in kinds) or not isinstance(value, kinds):
         raise SpecError(f"expected {_names(kinds)}, found {fmt(value)}")
+
+
+def _workers(v: object) -> object:
+    """[node] workers: "auto" or 1..MAX_WORKERS."""
+    if v == "auto":
+        return v
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise SpecError(f'expected "auto" or an integer, found {fmt(v)}')
+    if not 1 <= v <= MAX_WORKERS:
+        raise SpecError(f'{v} is out of range; use "auto" (one per core) or 1 to {MAX_WORKERS} worker processes')
+    return v
 
 
 def _check(fn: Callable[[Any], T]) -> AfterValidator:
@@ -263,8 +274,9 @@ class NodeSettings:
     auth_lockout_seconds: Annotated[Int, _in_range(1, 86_400, "use 1 to 86400 seconds (default "
                                                    f"{DEFAULT_AUTH_LOCKOUT_SECONDS}; auth_lockout_failures = 0 turns "
                                                    "lockouts off)")] = DEFAULT_AUTH_LOCKOUT_SECONDS
-    # worker processes, one per core (node/workers.py); 1: the whole node in one process
-    workers: Annotated[Int, _in_range(1, MAX_WORKERS, f"use 1 to {MAX_WORKERS} worker processes")] = 1
+    # worker processes (node/workers.py): "auto" is one per core the node may use (worker_cpus, else every
+    # core the process may run on: one core gives one process); 1: the whole node in one process
+    workers: Annotated[Literal["auto"] | Int, BeforeValidator(_workers)] = "auto"
     # the cores they are pinned to, worker i on the i-th (round robin); (): every core the node may use
     worker_cpus: tuple[Annotated[Int, _in_range(0, 4095, "use a cpu number from 0 to 4095")], ...] = ()
     # seconds between automatic rebalances of volumes over the workers by load (node/workers.py); 0: only

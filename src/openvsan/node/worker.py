@@ -49,14 +49,19 @@ def main() -> None:
         sys.stdout.write(f"ready {json.dumps(node.geometry())}\n")
         sys.stdout.flush()
 
+    def failed(why: str) -> None:
+        # the line the supervisor ends `vsan serve` with, as one process would (cli/main.py serve)
+        log.error("worker %d: %s", index, why)
+        sys.stdout.write(f"failed {json.dumps(why)}\n")
+        sys.stdout.flush()
+        sys.exit(1)
+
     try:
         run(node, started=ready)
     except NodeError as e:
-        log.error("worker %d: %s", index, e)
-        sys.exit(1)
+        failed(str(e))
     except OSError as e:
-        log.error("worker %d: %s", index, e.strerror or e)
-        sys.exit(1)
+        failed((f"{e.filename}: {e.strerror}" if e.filename else e.strerror) if e.strerror else str(e))
 
 
 if __name__ == "__main__":

@@ -36,7 +36,6 @@ import dataclasses
 import fcntl
 import json
 import logging
-import math
 import os
 import pickle
 import signal
@@ -47,8 +46,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
-from openvsan.node.specs import NodeConfig
+from openvsan.node.specs import MAX_WORKERS, NodeConfig
 from openvsan.node.store import StoredState
+from openvsan.procstat import cpu_seconds
 
 log = logging.getLogger("openvsan.node.workers")
 
@@ -197,13 +197,6 @@ def plan_balance(busy: dict[int, float], groups: list[GroupLoad], *, gap: float 
     return out
 
 
-def cpu_seconds(pid: int) -> float:
-    """User and system CPU time of a process so far (/proc/<pid>/stat utime, stime)."""
-    with open(f"/proc/{pid}/stat", "rb") as f:
-        fields = f.read().rsplit(b")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def place_again(cfg: NodeConfig, before: Placement) -> Placement:
     """The placement of a changed config: volumes stay on the worker they are on; a new group goes, as at
     start, to the worker with the fewest volumes. Volumes on different workers that one target or subsystem
@@ -285,10 +278,16 @@ def part(cfg: NodeConfig, where: Placement, i: int) -> NodeConfig:
     devices = tuple(d for d in cfg.devices if d.name in used or (i == 0 and cfg.device_user(d.name) is None))
     n = where.workers
     s = cfg.node
-    total = math.ceil(s.max_connections / n)
-    unauth = min(total, math.ceil(s.max_unauthenticated / n))
+
+    def share(cap: int) -> int:
+        # worker i's share of a node-wide cap: the shares add up to the cap (each at least 1), so a flood
+        # meets the node's limit whichever workers the kernel gives its connections to
+        return max(1, cap // n + (1 if i < cap % n else 0))
+
+    total = share(s.max_connections)
+    unauth = min(total, share(s.max_unauthenticated))
     node = dataclasses.replace(s, max_connections=total, max_unauthenticated=unauth,
-                               max_unauthenticated_per_source=min(unauth, s.max_unauthenticated_per_source))
+                               max_unauthenticated_per_source=min(unauth, share(s.max_unauthenticated_per_source)))
     nvme = None
     if cfg.nvme is not None:
         nvme = dataclasses.replace(cfg.nvme, subsystems=tuple(x for x in cfg.nvme.subsystems
@@ -340,6 +339,14 @@ def usable_cpus() -> list[int]:
     return sorted(os.sched_getaffinity(0))
 
 
+def worker_count(setting: int | str, cpus: list[int]) -> int:
+    """How many worker processes: `setting` ([node] workers or --workers), where "auto" is one per core of
+    `cpus` (the cores the workers may use), at most MAX_WORKERS."""
+    if setting == "auto":
+        return max(1, min(len(set(cpus)), MAX_WORKERS))
+    return int(setting)
+
+
 @dataclass
 class WorkerRole:
     """What a worker's Node needs to know beyond its own part: who it is, the whole desired state and its
@@ -363,6 +370,8 @@ class WorkerProc:
     ready: bool = False
     watcher: asyncio.Task[None] | None = None
     last_exit: str = ""
+    failure: str = ""        # the one line a worker that could not start said why with ("failed ...")
+    spoke: asyncio.Event = field(default_factory=asyncio.Event)   # its first line (or end of output) was read
 
 
 WORKERS_LOCK = "workers.lock"
@@ -457,7 +466,9 @@ class Supervisor:
         try:
             for w in self.procs:
                 await self._spawn(w)
-            await self._wait_ready()
+            await self._wait_ready(stop)
+            if stop.is_set():
+                return      # SIGTERM or SIGINT while starting: the workers stop as they would serving (below)
             self.up = True
             self._tell_geometry(range(self.workers))
             self._control = ControlServer(socket_path(self.data_dir), self.control)
@@ -501,14 +512,20 @@ class Supervisor:
         w.proc.stdin.close()
         w.started = time.monotonic()
         w.ready = False
+        w.failure = ""
+        w.spoke = asyncio.Event()
         w.watcher = asyncio.get_running_loop().create_task(self._watch(w, w.proc))
 
     async def _watch(self, w: WorkerProc, proc: asyncio.subprocess.Process) -> None:
         """Read the worker's "ready" line, then wait for it to exit; restart it unless the node is stopping."""
         assert proc.stdout is not None
         line = await proc.stdout.readline()
+        w.spoke.set()
         word, _, geometry = line.decode(errors="replace").strip().partition(" ")
-        if word == "ready":
+        if word == "failed":
+            with contextlib.suppress(ValueError):
+                w.failure = str(json.loads(geometry))
+        elif word == "ready":
             with contextlib.suppress(ValueError):
                 self.geometry.update(json.loads(geometry or "{}"))
             w.ready = True
@@ -547,11 +564,22 @@ class Supervisor:
             except OSError as e:
                 log.warning("worker %d: could not tell it the NBD export sizes: %s", i, e)
 
-    async def _wait_ready(self) -> None:
+    async def _wait_ready(self, stop: asyncio.Event) -> None:
+        """Until every worker serves; return at once when the node is told to stop meanwhile."""
         deadline = time.monotonic() + READY_TIMEOUT
-        while not all(w.ready for w in self.procs):
+        while not all(w.ready for w in self.procs) and not stop.is_set():
             for w in self.procs:
                 if w.proc is not None and w.proc.returncode is not None:
+                    # a signal to the process group (systemd, a terminal's ^C) reaches the workers too, and
+                    # one may be gone before the supervisor's own handler has run: not a failure to start
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(stop.wait(), 1.0 if w.proc.returncode == 0 else 0.1)
+                    if stop.is_set():
+                        return
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(w.spoke.wait(), 5.0)
+                    if w.failure:       # what it could not do, as one process would say it
+                        raise WorkerSetupError(w.failure)
                     raise WorkerSetupError(f"worker {w.index} could not start ({_exit_text(w.proc.returncode)}); "
                                            "its log lines above say why")
             if time.monotonic() > deadline:
