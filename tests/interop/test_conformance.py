@@ -46,7 +46,10 @@ def test_libiscsi_conformance(vsan: Callable[..., VsanServer], tmp_path: Path) -
     target_log = tmp_path / "target.log"
     vsan_cmd = server.command()
     vsan_cmd[vsan_cmd.index("--data-dir") + 1] = "{data}"  # a fresh data dir per suite: no reservation carries over
-    target_cmd = shlex.join(
+    # `exec`: the suite runs this through sh (dash, which does not exec a lone command) and waits for that
+    # process after SIGTERM; without it the wait ended with sh, while the target was still stopping, and the
+    # next suite's first logins could reach the old target's workers still listening on the port
+    target_cmd = "exec " + shlex.join(
         [
             sys.executable,
             str(RUN_TARGET),

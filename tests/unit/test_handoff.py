@@ -342,3 +342,54 @@ def test_discovery_names_subsystems_of_other_workers() -> None:
 def test_elsewhere_names_the_worker() -> None:
     e = Elsewhere(3, "NBD export x")
     assert e.worker == 3 and "worker 3" in str(e)
+
+
+# --- a name moving to another worker (node/workers.py move): its connections go there at once ---------------
+@pytest.mark.parametrize("served_here", [True, False])
+def test_an_nbd_client_naming_an_export_that_moves_goes_to_where_it_moves(served_here: bool) -> None:
+    """While export b moves to worker 0, NBD_OPT_GO b goes there, whether this worker still serves b or, at
+    that instant of the move, knows nothing of it (its volume closed, its shell not yet up)."""
+    asyncio.run(_nbd_moving(served_here))
+
+
+async def _nbd_moving(served_here: bool) -> None:
+    vols = {0: volume(0), 1: volume(1)}
+    inbox = Inbox()
+    srv = nbd_server({1}, vols, inbox)
+    if not served_here:
+        del srv.exports["b"]
+    srv.moving["b"] = 0
+    c, w = nbd.Connection(srv, PORTAL), HandWire()
+    c.route(inbox)  # type: ignore[arg-type]
+    c.connection_made(w)  # type: ignore[arg-type]
+    c.data_received(struct.pack(">I", 3) + option(Opt.INFO, struct.pack(">I", 1) + b"a" + struct.pack(">H", 0))
+                    + option(Opt.GO, struct.pack(">I", 1) + b"b" + struct.pack(">H", 0)))
+    await asyncio.sleep(0)
+    assert inbox.sent and inbox.sent[0][0] == 0 and w.aborted
+    srv.moving.clear()                   # the move is over: b is what the exports say again
+    inbox2 = Inbox()
+    srv.exchange = inbox2  # type: ignore[assignment]
+    c, w = nbd.Connection(srv, PORTAL), HandWire()
+    c.route(inbox2)  # type: ignore[arg-type]
+    c.connection_made(w)  # type: ignore[arg-type]
+    c.data_received(struct.pack(">I", 3) + option(Opt.GO, struct.pack(">I", 1) + b"b" + struct.pack(">H", 0)))
+    await asyncio.sleep(0)
+    assert not inbox2.sent and not w.aborted       # served here, or unknown here: answered here either way
+
+
+def test_an_nvme_connect_naming_a_subsystem_that_moves_goes_to_where_it_moves() -> None:
+    asyncio.run(_nvme_moving())
+
+
+async def _nvme_moving() -> None:
+    vols = {0: volume(0), 1: volume(1)}
+    inbox = Inbox()
+    srv = nvme_server({1}, vols, inbox)
+    srv.moving["nqn.2026-12.org.openvsan.test:s1"] = 0
+    c, w = nvme_tcp.Connection(srv, PORTAL), HandWire()
+    c.route(inbox)  # type: ignore[arg-type]
+    c.connection_made(w)  # type: ignore[arg-type]
+    c.data_received(nvme_stream())
+    await asyncio.sleep(0)
+    assert inbox.sent and inbox.sent[0][0] == 0 and w.aborted
+    assert srv.fabric.moving is srv.moving

@@ -348,8 +348,9 @@ class Connection(BatchedConnection):
     # --- login ------------------------------------------------------------------------------------
     def _lookup(self, name: str) -> IscsiTargetConfig | None:
         t = self.server.target_on_portal(name, self.portal)
-        if t is not None and t.elsewhere is not None:
-            self.elsewhere(t.elsewhere, f"iSCSI target {name}")   # hands the connection over, if it still can
+        w = self.server.moving.get(name, t.elsewhere if t is not None else None)
+        if w is not None:
+            self.elsewhere(w, f"iSCSI target {name}")   # hands the connection over, if it still can
             return None
         return t
 

@@ -247,7 +247,7 @@ class Connection(BatchedConnection, asyncio.BufferedProtocol):
         self.portal = portal
         offered, tls_only = server.tls_on(portal)
         self.conn = NbdServerConnection(server.exports_on(portal), tls_offered=offered, tls_only=tls_only,
-                                        tls_elsewhere=server.tls_worker)
+                                        tls_elsewhere=server.tls_worker, moving=server.moving)
         self.export: NbdExportConfig | None = None
         self.inflight = 0
         self.inflight_bytes = 0
@@ -530,10 +530,20 @@ class Connection(BatchedConnection, asyncio.BufferedProtocol):
             self.close()
 
     def _negotiated(self, ev: Negotiated, moved: bool = False) -> None:
+        live = self.server.exports.get(ev.export.name)
+        if live is None or live.volume is None:
+            # the export moved to another worker (or went) since this connection listed the exports it
+            # negotiates with (exports_on, made when it connected): on to where it is now, if it still can go
+            if live is not None and live.elsewhere is not None and self.record is not None:
+                self.hand_off(Elsewhere(live.elsewhere, f"NBD export {ev.export.name}"))
+            else:
+                self.dropped("NBD export is no longer served here", ev.export.name)
+                self.close()
+            return
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        self.export = self.server.exports[ev.export.name]
+        self.export = live
         self.logged_in()
         self.settle()
         self._lane = self.server.lane

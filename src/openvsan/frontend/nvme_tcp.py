@@ -96,6 +96,7 @@ class NvmeTcpServer(PortalServer):
         self._relisten()
         self.fabric = Fabric(subs, placement, clock=time.monotonic, in_capsule=in_capsule,
                              maxcmd=MAX_QUEUE_ENTRIES)
+        self.fabric.moving = self.moving    # one dict: the node changes it, Connect reads it
         self.queues_of: dict[Controller, set[Connection]] = {}
         self._ka_timer: asyncio.TimerHandle | None = None
         # failed DH-HMAC-CHAP per (host NQN, source address): late answers, then a lockout (set by the node)

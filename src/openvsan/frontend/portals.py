@@ -432,6 +432,10 @@ class PortalServer:
         # a worker of a node with several: portals are shared (SO_REUSEPORT) and connections that name what
         # another worker serves go there (frontend/handoff.py)
         self.exchange: Exchange | None = None
+        # what moves to another worker with its volumes right now (node/workers.py move): target IQN, subsystem
+        # NQN or export name -> the worker that serves it next. A connection that names one goes there at once
+        # (parked until that worker serves it), so there is no instant where the name is unknown to the node
+        self.moving: dict[str, int] = {}
         self._adopting: set[asyncio.Task[None]] = set()
 
     def portals(self) -> list[tuple[str, int]]:

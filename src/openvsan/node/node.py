@@ -45,6 +45,7 @@ log = logging.getLogger("openvsan.node")
 # tcpi_segs_in (u32); the kernel fills what it has of the length asked
 _TCP_INFO_LEN = 144
 _TCP_COUNTERS = struct.Struct("=QQII")
+LOGIN_WAIT = 2.0   # seconds a move waits for iSCSI logins under way to its targets to finish (_release_to)
 
 
 class NodeError(RuntimeError):
@@ -381,7 +382,8 @@ class Node:
         if cmd == "worker.load":
             return [self._activity({str(v) for v in g}) for g in args.get("groups") or []]
         if cmd == "worker.expect":
-            return self._expect_move([str(n) for n in args.get("memfds") or []])
+            return self._expect_move([str(n) for n in args.get("memfds") or []],
+                                     {str(v) for v in args.get("volumes") or []})
         if cmd == "worker.release":
             return await self._release(args)
         if cmd != "worker.apply":
@@ -423,21 +425,43 @@ class Node:
 
     # ---- moving volumes between workers (node/workers.py Supervisor.move)
 
-    def _expect_move(self, memfds: list[str]) -> dict[str, Any]:
+    def _expect_move(self, memfds: list[str], group: set[str]) -> dict[str, Any]:
         """Volumes are about to move here: connections handed here wait (parked) until this worker serves
-        them (worker.apply with unpark). The RAM devices' memory the supervisor sent is in the inbox."""
+        them (worker.apply with unpark), and so do new ones that name what exports them (sent to this
+        worker's own inbox: _moving). The RAM devices' memory the supervisor sent is in the inbox."""
         self.worker.exchange.poll()
         missing = [n for n in memfds if n not in self.worker.memfds]
         if missing:
             raise RequestError(f"the memory of RAM devices {', '.join(missing)} did not arrive")
         if self._parked is None:
             self._parked = []
+        self._moving(group, self.worker.index)
         return {"parked": len(self._parked)}
 
     def _unpark(self) -> None:
+        self._moving(set(), None)     # served here now (or back where they were): names mean what they say
         parked, self._parked = self._parked, None
         for a in parked or []:
             self._arrived(a)
+
+    def _names(self, group: set[str]) -> tuple[set[str], set[str], set[str]]:
+        """The iSCSI targets, NVMe subsystems and NBD exports that export volumes of `group`."""
+        whole = self.worker.whole
+        return ({t.iqn for t in whole.targets if any(x.volume in group for x in t.luns)},
+                {x.nqn for x in whole.subsystems if any(ns.volume in group for ns in x.namespaces)},
+                {e.name for e in whole.nbd_exports if e.volume in group})
+
+    def _moving(self, group: set[str], to: int | None) -> None:
+        """While the volumes of `group` move to worker `to` (None: no move), a new connection naming what
+        exports them goes to `to` at once, where it waits until they are served: on the worker they leave,
+        from before their connections are suspended until the shells are up; on the one they come to, from
+        worker.expect until it serves them. So no connection finds the name unknown in between."""
+        iqns, nqns, names = self._names(group)
+        for server, these in ((self.server, iqns), (self.nvme_server, nqns), (self.nbd_server, names)):
+            if server is not None:
+                server.moving.clear()
+                if to is not None:
+                    server.moving.update(dict.fromkeys(these, to))
 
     def _activity(self, group: set[str]) -> float:
         """What the connections to the volumes of `group` moved so far, from the kernel's TCP counters
@@ -461,14 +485,12 @@ class Node:
         """The connections to what exports the volumes of `group`: NBD connections, iSCSI sessions, NVMe
         queues. iSCSI connections still logging in to a target of the group are closed (they log in again,
         and reach the new worker)."""
-        whole = self.worker.whole
+        iqns, nqns, names = self._names(group)
         conns: list[Any] = []
         if self.nbd_server is not None:
-            names = {e.name for e in whole.nbd_exports if e.volume in group}
             conns += [c for c in self.nbd_server.connections if getattr(c, "export", None) is not None
                       and c.export.name in names]
         if self.server is not None:
-            iqns = {t.iqn for t in whole.targets if any(x.volume in group for x in t.luns)}
             for c in list(self.server.connections):
                 s = c.session
                 if s is not None and s.target is not None and s.target.iqn in iqns:
@@ -477,7 +499,6 @@ class Node:
                     c.dropped("logging in to a target that moves to another worker; it logs in again there")
                     c.close()
         if self.nvme_server is not None:
-            nqns = {x.nqn for x in whole.subsystems if any(ns.volume in group for ns in x.namespaces)}
             # a queue not connected yet goes where its Connect names: to the new worker once the shells say so
             conns += [c for c in self.nvme_server.connections if c.ctrl is not None and c.ctrl.subsystem.nqn in nqns]
         return conns
@@ -489,6 +510,22 @@ class Node:
         (the client sees a pause). If applying fails, the connections go on here and nothing moved."""
         group = {str(v) for v in args["volumes"]}
         to = int(args["to"])
+        self._moving(group, to)
+        try:
+            return await self._release_to(group, to, args)
+        finally:
+            self._moving(set(), None)   # served by `to` now, and a shell here says so (or back: still here)
+
+    async def _release_to(self, group: set[str], to: int, args: dict[str, Any]) -> dict[str, Any]:
+        # an iSCSI login to one of the group's targets that is under way here cannot be suspended half done:
+        # let it finish (new ones go to `to` meanwhile: _moving), so its session moves with the others; one
+        # that takes longer than LOGIN_WAIT is closed below and logs in again
+        iqns = self._names(group)[0]
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + LOGIN_WAIT
+        while (self.server is not None and loop.time() < deadline
+               and any(c.logging_in_to() in iqns for c in self.server.connections)):
+            await asyncio.sleep(0.002)
         conns = self._moving_connections(group)
         results = await asyncio.gather(*(c.suspend() for c in conns))
         moving = []

@@ -372,6 +372,7 @@ class WorkerProc:
     last_exit: str = ""
     failure: str = ""        # the one line a worker that could not start said why with ("failed ...")
     spoke: asyncio.Event = field(default_factory=asyncio.Event)   # its first line (or end of output) was read
+    terminated: bool = False   # it was sent the first SIGTERM (Supervisor.terminate)
 
 
 WORKERS_LOCK = "workers.lock"
@@ -514,6 +515,7 @@ class Supervisor:
         w.ready = False
         w.failure = ""
         w.spoke = asyncio.Event()
+        w.terminated = False
         w.watcher = asyncio.get_running_loop().create_task(self._watch(w, w.proc))
 
     async def _watch(self, w: WorkerProc, proc: asyncio.subprocess.Process) -> None:
@@ -589,6 +591,7 @@ class Supervisor:
     async def stop(self) -> None:
         """Every worker drains, flushes and closes (SIGTERM); the supervisor waits for all of them."""
         self.stopping = True
+        self.terminate()
         if self._balancer is not None:
             self._balancer.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -596,11 +599,12 @@ class Supervisor:
         if self._control is not None:
             await self._control.stop()
             self._control = None
-        self.interrupt()
         for w in self.procs:
             if w.proc is not None:
                 rc = await w.proc.wait()
-                if rc not in (0, None):
+                if rc == -signal.SIGTERM:
+                    log.info("worker %d: stopped before it could drain (SIGTERM while starting)", w.index)
+                elif rc not in (0, None):
                     log.error("worker %d: %s", w.index, _exit_text(rc))
             if w.watcher is not None:
                 w.watcher.cancel()
@@ -610,6 +614,16 @@ class Supervisor:
             r.close()
             s.close()
         self._pairs = []
+
+    def terminate(self) -> None:
+        """The first SIGTERM to every worker, once: each stops accepting at once, drains and stops. Sent from
+        the supervisor's signal handler itself, so the portals close as soon as one process would close them
+        (a harness that starts the next node on the same port must not reach the workers of this one)."""
+        for w in self.procs:
+            if w.proc is not None and w.proc.returncode is None and not w.terminated:
+                w.terminated = True
+                with contextlib.suppress(ProcessLookupError):
+                    w.proc.send_signal(signal.SIGTERM)
 
     def interrupt(self) -> None:
         """SIGTERM to every worker: the first drains and stops it; a second (SIGTERM/SIGINT to vsan serve
@@ -771,7 +785,7 @@ class Supervisor:
         ram = sorted(n for n in mine if n in self.memfds)
         if ram:
             tell(self._pairs[to][1], {"memfds": ram}, [self.memfds[n] for n in ram])
-        await worker_call(self.data_dir, to, "worker.expect", memfds=ram)
+        await worker_call(self.data_dir, to, "worker.expect", memfds=ram, volumes=group)
         try:
             released = await self._send_part(cfg, where, src, cmd="worker.release", volumes=group, to=to)
         except RuntimeError as e:
@@ -921,6 +935,7 @@ def serve_workers(state: StoredState, data_dir: Path, workers: int, cpus: list[i
             if not stop.is_set():
                 log.info("%s: shutting down the workers", sig.name)
                 stop.set()
+                sup.terminate()
             else:
                 log.warning("%s again: the workers stop waiting for in-flight commands", sig.name)
                 sup.interrupt()

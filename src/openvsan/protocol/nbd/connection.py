@@ -14,7 +14,7 @@ live here; option answers in handshake.py, request checks and reply layouts in t
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from enum import Enum, auto
 
 from openvsan.protocol.nbd.events import (
@@ -78,9 +78,10 @@ class Phase(Enum):
 
 class NbdServerConnection:
     def __init__(self, exports: Sequence[ExportInfo], *, default: str | None = None, tls_offered: bool = False,
-                 tls_only: Collection[str] = (), tls_elsewhere: int | None = None) -> None:
+                 tls_only: Collection[str] = (), tls_elsewhere: int | None = None,
+                 moving: Mapping[str, int] | None = None) -> None:
         self.handshake = Handshake(exports, default, tls_offered=tls_offered, tls_only=tls_only,
-                                   tls_elsewhere=tls_elsewhere)
+                                   tls_elsewhere=tls_elsewhere, moving=moving)
         self.phase = Phase.CLIENT_FLAGS
         self.session: Negotiated | None = None
         self._acc = bytearray()        # a header (or option data) being gathered

@@ -12,7 +12,7 @@ NOTLS mode, and TLS-only exports stay closed to it.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -89,8 +89,12 @@ class OptionResult:
 
 class Handshake:
     def __init__(self, exports: Sequence[ExportInfo], default: str | None = None, *, tls_offered: bool = False,
-                 tls_only: Collection[str] = (), tls_elsewhere: int | None = None) -> None:
+                 tls_only: Collection[str] = (), tls_elsewhere: int | None = None,
+                 moving: Mapping[str, int] | None = None) -> None:
         self.exports = {e.name: e for e in exports}
+        # exports moving to another worker of this node right now (node/workers.py move), by name: the worker
+        # that serves them next; a client that asks to use one goes there (the server's dict, kept current)
+        self.moving: Mapping[str, int] = moving if moving is not None else {}
         self.tls_offered = tls_offered         # the server can run NBD_OPT_STARTTLS (it has credentials)
         # TLS sessions are run by that worker process of this node (it serves every NBD export then):
         # NBD_OPT_STARTTLS hands the connection over before it is acknowledged
@@ -145,7 +149,10 @@ class Handshake:
         """The export a name means. Elsewhere (protocol/routing.py) when another worker of this node serves
         it and the client asks to use it (`serve`: NBD_OPT_GO, NBD_OPT_EXPORT_NAME), or asks about it and its
         size is not known here (size < 0): the connection is handed over before anything is answered."""
-        found = self.exports.get(self.default) if name == "" and self.default is not None else self.exports.get(name)
+        key = self.default if name == "" and self.default is not None else name
+        if serve and key in self.moving:    # even if it is not listed here at this instant of the move
+            raise Elsewhere(self.moving[key], f"NBD export {key}")
+        found = self.exports.get(key)
         if found is not None and found.elsewhere is not None and (serve or found.size < 0):
             raise Elsewhere(found.elsewhere, f"NBD export {found.name}")
         return found

@@ -61,6 +61,9 @@ class Fabric:
         self.discovery = Subsystem(DISCOVERY_NQN, discovery=True, model="openvsan discovery")
         self.subsystems = {s.nqn: s for s in subsystems}
         self.placement = placement            # subsystem NQN -> ports advertised in the discovery log
+        # subsystems moving to another worker process of this node right now, by NQN: the worker that serves
+        # them next; a Connect naming one is answered as for a shell of that worker (handed over)
+        self.moving: dict[str, int] = {}
         self.clock = clock
         self.in_capsule = in_capsule
         self.maxcmd = maxcmd
@@ -96,12 +99,15 @@ class Fabric:
         subnqn = connect_subnqn(data)
         hostnqn = _nqn(data[512:768])
         sub = self.subsystem(subnqn)
-        if sub is None or not reachable(sub):
+        if sub is not None and not reachable(sub):
             return _invalid(256, True)
-        if sub.elsewhere is not None:
+        elsewhere = self.moving.get(subnqn, sub.elsewhere if sub is not None else None)
+        if elsewhere is not None:
             res = _invalid(256, True)     # the answer where the queue cannot be handed over
-            res.elsewhere = sub.elsewhere
+            res.elsewhere = elsewhere
             return res
+        if sub is None:
+            return _invalid(256, True)
         # an empty Host NQN (SPDK's perf tool sends one by default) is a host like any other: admitted where
         # any host is (Linux nvmet and SPDK's target do the same), refused by a host list or DH-HMAC-CHAP
         if not sub.allows(hostnqn):
