@@ -603,7 +603,7 @@ class Supervisor:
             if w.proc is not None:
                 rc = await w.proc.wait()
                 if rc == -signal.SIGTERM:
-                    log.info("worker %d: stopped before it could drain (SIGTERM while starting)", w.index)
+                    log.info("worker %d: ended by SIGTERM while the node stopped", w.index)
                 elif rc not in (0, None):
                     log.error("worker %d: %s", w.index, _exit_text(rc))
             if w.watcher is not None:
