@@ -106,7 +106,7 @@ def serve(
     from openvsan.node import access
     from openvsan.node.config import exposed_secrets
     from openvsan.node.logs import setup_logging
-    from openvsan.node.node import DataDirLock, Node, NodeError, run
+    from openvsan.node.node import DataDirLock, Node, NodeError, os_error_line, run
     from openvsan.node.store import Store, StoreError
 
     if log_level.lower() not in LOG_LEVELS:
@@ -152,10 +152,7 @@ def serve(
     except (NodeError, StoreError) as e:
         fail(str(e))
     except OSError as e:
-        # binding a portal (the server names the address) or making the data dir
-        if e.strerror:
-            fail(f"{e.filename}: {e.strerror}" if e.filename else e.strerror)
-        fail(str(e))
+        fail(os_error_line(e))   # binding a portal (the server names the address) or making the data dir
     except KeyboardInterrupt:
         fail("interrupted", 130)
 

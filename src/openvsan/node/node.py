@@ -52,6 +52,14 @@ class NodeError(RuntimeError):
     """The node cannot be assembled or served; str() is one line for the user."""
 
 
+def os_error_line(e: OSError) -> str:
+    """The one line `vsan serve` ends with for an OSError while starting (binding a portal, which names the
+    address in its message, or making the data dir), in one process or in a worker (node/worker.py)."""
+    if e.strerror:
+        return f"{e.filename}: {e.strerror}" if e.filename else e.strerror
+    return str(e)
+
+
 def open_device(spec: DeviceSpec, *, trust_foreign: bool = False, memfd: int | None = None) -> BlockDevice:
     """Open a config device. Its file (or RAM backing) must not be a symlink, another user's, or writable by
     others, unless `trust_foreign` ([node] trust_foreign_files): block/file.py open_backing. `memfd`: a RAM

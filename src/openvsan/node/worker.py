@@ -31,7 +31,7 @@ def main() -> None:
         except OSError as e:
             log.warning("worker %d: cannot pin to cpu %d: %s; running unpinned", index, cpu, e)
     from openvsan.frontend.handoff import Exchange
-    from openvsan.node.node import Node, NodeError, run
+    from openvsan.node.node import Node, NodeError, os_error_line, run
     from openvsan.node.workers import WorkerRole, hold_workers_lock, part
 
     hold_workers_lock(Path(args["data_dir"]))
@@ -61,7 +61,7 @@ def main() -> None:
     except NodeError as e:
         failed(str(e))
     except OSError as e:
-        failed((f"{e.filename}: {e.strerror}" if e.filename else e.strerror) if e.strerror else str(e))
+        failed(os_error_line(e))
 
 
 if __name__ == "__main__":
