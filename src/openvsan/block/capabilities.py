@@ -19,6 +19,8 @@ class Capabilities:
     volatile_cache: bool = False    # a write without FUA may be lost until flush() (SBC-4 WCE, NVMe VWC)
     resizable: bool = False         # resize(num_blocks) can grow (or shrink) the device while it serves
     write_window: bool = False      # write_window lends its own memory to receive a write into (WriteWindow)
+    thin: bool = False              # space is allocated on first write (a thin volume): writes may fail NoSpace,
+    #                                 allocated_blocks() says how much is allocated (SBC-4 LBPME, NVMe THINP)
 
     def but(self, **changes: Any) -> Capabilities:
         """The same capabilities with some changed: what a layer states over the device below it."""

@@ -1,0 +1,116 @@
+"""LogicalVolume: one volume (or snapshot) of a volume group as a block device (group.py does the work).
+
+Reads and writes that stay in one cluster take the device's fast path when the device below has one: a read
+looks its cluster up and reads there in the caller's turn; a write goes in place when its cluster is mapped,
+owned by this volume alone and its mapping already committed (then it is as durable on return as a FUA
+write). Anything else (a cluster to allocate or copy, a mapping not yet committed) declines to the normal path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from openvsan.block.capabilities import Capabilities
+from openvsan.block.device import Buffer
+
+if TYPE_CHECKING:
+    from openvsan.volume.thin.group import VolumeGroup, _Vol
+
+
+class LogicalVolume:
+    def __init__(self, group: VolumeGroup, vol: _Vol) -> None:
+        self.group = group
+        self.vol = vol
+        self.block_size = group.block_size
+        self.closed = False
+        self.in_use = False     # served (the node sets it): delete refuses it unless forced
+        self.on_change: Callable[[], None] | None = None   # the size or contents changed (resize, rollback)
+        below = group.dev.capabilities
+        self._read_now = getattr(group.dev, "read_now", None) if below.sync_read else None
+        self._write_now = getattr(group.dev, "write_now", None) if below.sync_write else None
+        self.capabilities = Capabilities(
+            sync_read=self._read_now is not None, sync_write=self._write_now is not None,
+            unmap_reads_zero=True, write_zeroes=True, extents=True,
+            max_transfer=below.max_transfer, atomic_write=0, volatile_cache=True, resizable=True,
+            thin=vol.thin)
+
+    @property
+    def name(self) -> str:
+        return self.vol.rec.name
+
+    @property
+    def num_blocks(self) -> int:
+        return self.vol.rec.blocks
+
+    @property
+    def thin(self) -> bool:
+        return self.vol.thin
+
+    @property
+    def read_only(self) -> bool:
+        return not self.vol.writable
+
+    def changed(self) -> None:
+        if self.on_change is not None:
+            self.on_change()
+
+    # ---- BlockDevice
+
+    async def read(self, lba: int, blocks: int) -> Buffer:
+        return await self.group.read(self.vol, lba, blocks)
+
+    async def write(self, lba: int, data: Buffer, *, fua: bool = False) -> None:
+        await self.group.write(self.vol, lba, data, fua)
+
+    async def flush(self) -> None:
+        await self.group.commit()
+
+    async def unmap(self, lba: int, blocks: int) -> None:
+        await self.group.unmap(self.vol, lba, blocks)
+
+    async def write_zeroes(self, lba: int, blocks: int) -> None:
+        await self.group.unmap(self.vol, lba, blocks)
+
+    async def lba_status(self, lba: int, blocks: int) -> list[tuple[int, int, int]]:
+        return self.group.extents(self.vol, lba, blocks)
+
+    def allocated_blocks(self) -> int:
+        """Blocks of this volume that have a cluster (NVMe NUSE; a shared cluster counts for each sharer)."""
+        return min(self.vol.rec.blocks, self.vol.mapped * self.group.cluster_blocks)
+
+    async def resize(self, num_blocks: int) -> None:
+        await self.group.resize(self.name, num_blocks * self.block_size)
+
+    def read_now(self, lba: int, blocks: int) -> Buffer | None:
+        g = self.group
+        cb = g.cluster_blocks
+        vc, off = divmod(lba, cb)
+        if off + blocks > cb or self._read_now is None:
+            return None
+        p = self.vol.map[vc]
+        if p < 0:
+            return bytes(blocks * self.block_size)
+        data = self._read_now(g.data_lba + p * cb + off, blocks)
+        # a lent view could outlive the cluster's time in this volume (unmapped and given to another before
+        # the send is done): the bytes go out as a copy
+        return bytes(data) if isinstance(data, memoryview) else data
+
+    def write_now(self, lba: int, data: Buffer) -> bool:
+        g = self.group
+        v = self.vol
+        cb = g.cluster_blocks
+        vc, off = divmod(lba, cb)
+        if off + len(data) // self.block_size > cb or self._write_now is None or v.hold is not None:
+            return False
+        p = v.map[vc]
+        if p < 0 or g.ref[p] != 1 or p in g._fresh or vc in v.provisioning or not v.writable:
+            return False
+        return bool(self._write_now(g.data_lba + p * cb + off, data))
+
+    async def close(self) -> None:
+        """The volume stays in its group; the group closes with the node."""
+        self.closed = True
+
+    def to_config(self) -> dict[str, Any]:
+        return {"type": "lv", "name": self.name, "group": str(self.group.sb.uuid)}
