@@ -153,6 +153,12 @@ class VsanServer:
     allowed_initiators: list[str] | None = None
     probe_initiator: str = PROBE_INITIATOR
     nbd: bool = False  # also export disk0 over NBD, as export "disk0" on nbd_port
+    # disk0 carved from dev0 (volume/thin) at this size instead of being all of it; thin unless thick
+    carve: str | None = None
+    thick: bool = False
+    # more volumes carved from dev0: (name, size, thin), LUN 1, 2... and NBD exports of their names
+    carved: list[tuple[str, str, bool]] = field(default_factory=list)
+    cluster: str | None = None  # dev0's cluster size when carved
     proc: subprocess.Popen[bytes] | None = None
     starts: int = 0
     killed: bool = False  # the test killed it with SIGKILL on purpose
@@ -171,18 +177,23 @@ class VsanServer:
     def write_config(self) -> None:
         lines = ["# written by tests/interop/vsan_harness.py", "[node]", 'name = "test-node"', ""]
         lines += self.device.toml()
+        if self.cluster is not None:
+            lines.append(f'cluster = "{self.cluster}"')
+        lines += ["", "[[volumes]]", 'name = "disk0"', 'device = "dev0"']
+        if self.carve is not None:
+            lines += [f'size = "{self.carve}"', f"thin = {'false' if self.thick else 'true'}"]
+        for name, size, thin in self.carved:
+            lines += ["", "[[volumes]]", f'name = "{name}"', 'device = "dev0"', f'size = "{size}"',
+                      f"thin = {'true' if thin else 'false'}"]
+        luns = ", ".join(f'{{ lun = {i}, volume = "{v}" }}' for i, v in enumerate(self.volume_names))
         lines += [
-            "",
-            "[[volumes]]",
-            'name = "disk0"',
-            'device = "dev0"',
             "",
             "[iscsi]",
             f'portals = ["127.0.0.1:{self.port}"]',
             "",
             "[[iscsi.targets]]",
             f"iqn = {json.dumps(self.iqn)}",
-            'luns = [{ lun = 0, volume = "disk0" }]',
+            f"luns = [{luns}]",
         ]
         if self.allowed_initiators is not None:
             lines.append(f"allowed_initiators = {json.dumps(self.allowed_initiators)}")
@@ -192,17 +203,15 @@ class VsanServer:
             u, s = self.mutual_chap
             lines.append(f"mutual_chap = {{ user = {json.dumps(u)}, secret = {json.dumps(s)} }}")
         if self.nbd:
-            lines += [
-                "",
-                "[nbd]",
-                f'portals = ["127.0.0.1:{self.nbd_port}"]',
-                "",
-                "[[nbd.exports]]",
-                'name = "disk0"',
-                'volume = "disk0"',
-            ]
+            lines += ["", "[nbd]", f'portals = ["127.0.0.1:{self.nbd_port}"]']
+            for v in self.volume_names:
+                lines += ["", "[[nbd.exports]]", f'name = "{v}"', f'volume = "{v}"']
         self.config.write_text("\n".join(lines) + "\n")
         self.config.chmod(0o600)  # it may hold CHAP secrets: serve warns about a config others can read
+
+    @property
+    def volume_names(self) -> list[str]:
+        return ["disk0", *(name for name, _, _ in self.carved)]
 
     def write_example(self, text: str) -> None:
         """Serve a config written for the well-known ports (examples/single-node.toml: iSCSI 3260, NVMe/TCP

@@ -88,13 +88,18 @@ def volume_create(
     device: Annotated[str | None, typer.Option("--device", help="Put it on this existing device instead.")] = None,
     pool: Annotated[str | None, typer.Option("--pool", help="Put it on this pool instead.")] = None,
     read_only: Annotated[bool, typer.Option("--read-only", help="Initiators may read, not write.")] = False,
+    thin: Annotated[bool, typer.Option("--thin/--thick", help="With --device/--pool and --size: carved from it, "
+                                       "space allocated on first write (thin) or all at once (thick).")] = True,
+    snapshot: Annotated[bool, typer.Option("--snapshot", help="With --device/--pool: serve the snapshot NAME of "
+                                           "its volume group, read-only.")] = False,
     dry_run: DryRun = False, as_json: JsonOpt = False, data_dir: DataDir = None, config: ConfigOpt = None,
 ) -> None:
-    """Create a volume on a running node; it can be exported at once (`vsan export add`)."""
+    """Create a volume on a running node; it can be exported at once (`vsan export add`). With --device or --pool
+    and --size, it is carved from that device or pool along with other volumes (thin unless --thick)."""
     if device is None and pool is None and size is None:
         _bad("--size: missing; give the volume's size (e.g. --size 256MiB), or --device/--pool to put it there")
     args: dict[str, Any] = {"name": name, "backing": backing, "block_size": block_size, "read_only": read_only,
-                            "device": device, "pool": pool, "dry_run": dry_run,
+                            "device": device, "pool": pool, "dry_run": dry_run, "thin": thin, "snapshot": snapshot,
                             "path": str(path.absolute()) if path else None}
     if size is not None:
         args["size"] = _size(size)
@@ -160,6 +165,15 @@ def volume_show(name: VolumeArg, as_json: JsonOpt = False, data_dir: DataDir = N
               soft_wrap=True)
     caps = v.get("capabilities") or {}
     out.print(f"{'capabilities':>12}: " + ", ".join(k for k, x in caps.items() if x is True), soft_wrap=True)
+    carved = v.get("carved")
+    if carved:
+        out.print(f"{'carved':>12}: {'thin' if carved['thin'] else 'thick'}, {_fmt_size(carved['mapped'])} mapped "
+                  f"({_fmt_size(carved['exclusive'])} its own)" + (f", from {carved['origin']}" if carved["origin"]
+                                                                   else ""), soft_wrap=True)
+    if v.get("volume_group"):
+        from openvsan.cli.pool import print_group
+
+        print_group(v["volume_group"], out)
 
 
 # ---- exports

@@ -22,6 +22,7 @@ from openvsan.cli.cluster import cluster_app
 from openvsan.cli.initiator import initiator_app
 from openvsan.cli.live import config_apply, export_app, qos_app, volume_app, workers_app
 from openvsan.cli.pool import pool_app
+from openvsan.cli.snapshot import snapshot_app
 from openvsan.node.paths import effective_data_dir
 
 if TYPE_CHECKING:
@@ -36,6 +37,7 @@ app = typer.Typer(name="vsan", help="openvsan: a virtual SAN. Serve block volume
 config_app = typer.Typer(help="Work with config files.", no_args_is_help=True)
 app.add_typer(config_app, name="config")
 app.add_typer(initiator_app, name="initiator")  # cli/initiator.py: discover, inquiry/identify, read, write, attach
+app.add_typer(snapshot_app, name="snapshot")  # cli/snapshot.py: create, list, delete, rollback, clone
 app.add_typer(pool_app, name="pool")  # cli/pool.py: list, status, scrub, fail, replace, add-spare; create, inspect
 app.command("bench")(bench)  # cli/bench.py: IOPS, MB/s, latency of a target (docs/benchmarks.md)
 app.add_typer(volume_app, name="volume")  # cli/live.py: a running node's volumes, exports and QoS

@@ -126,6 +126,23 @@ def print_status(st: dict[str, Any], out: Console) -> None:
     out.print(t)
     if st["spares"]:
         out.print("spares: " + ", ".join(st["spares"]), soft_wrap=True, highlight=False)
+    if st.get("volume_group"):
+        print_group(st["volume_group"], out)
+
+
+def print_group(g: dict[str, Any], out: Console) -> None:
+    """The volume group carved from a pool or device (volume/thin): space, then its volumes and snapshots."""
+    used = g["used"] / g["capacity"] * 100 if g["capacity"] else 0.0
+    out.print(f"volume group: {_size(g['used'])} of {_size(g['capacity'])} in use ({used:.1f} %), "
+              f"{_size(g['free'])} free; {g['volumes']} volumes, {g['snapshots']} snapshots; provisioned "
+              f"{_size(g['provisioned'])} (over-commit {g['overcommit']:.2f}x); cluster {_size(g['cluster_size'])}; "
+              f"metadata {g['metadata_used'] * 100:.1f} % used; soft threshold {g.get('soft_threshold', '-')} %",
+              soft_wrap=True, highlight=False)
+    t = Table("name", "kind", "size", "provisioning", "mapped", "exclusive", "origin")
+    for v in g.get("listing", []):
+        t.add_row(v["name"], v["kind"], _size(v["size"]), "thin" if v["thin"] else "thick", _size(v["mapped"]),
+                  _size(v["exclusive"]), v["origin"] or "")
+    out.print(t)
 
 
 @pool_app.command()

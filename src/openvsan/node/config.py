@@ -264,28 +264,37 @@ def _check_volumes(volumes: tuple[VolumeSpec, ...], devices: tuple[DeviceSpec, .
     known_devices, known_pools = set(device_names), set(pool_names)
     in_pool = {d: p.name for p in pools for d in (*p.members, *p.spares)}
     user: dict[tuple[str, str], str] = {}      # ("device" or "pool", name) -> the volume on it
+    carved: dict[tuple[str, str], bool] = {}   # and whether its volumes are carved from it
     for i, v in enumerate(volumes):
         if v.pool is not None:
             if v.pool not in known_pools:
                 known = f"use one of: {', '.join(pool_names)}" if pool_names else "none is defined"
                 raise ConfigError(f"volumes[{i}].pool: unknown pool {fmt(v.pool)}; define it under [[pools]] or {known}")
-            if ("pool", v.pool) in user:
-                raise ConfigError(f"volumes[{i}].pool: pool {fmt(v.pool)} is already used by volume "
-                                  f"{fmt(user['pool', v.pool])}; give each volume its own pool")
-            user["pool", v.pool] = v.name
+            _one_user(user, carved, ("pool", v.pool), v, i)
             continue
         assert v.device is not None   # a VolumeSpec has one of them
         if v.device not in known_devices:
             known = f"use one of: {', '.join(device_names)}" if device_names else "none is defined"
             raise ConfigError(f"volumes[{i}].device: unknown device {fmt(v.device)}; define it under [[devices]] "
                               f"or {known}")
-        if ("device", v.device) in user:
-            raise ConfigError(f"volumes[{i}].device: device {fmt(v.device)} is already used by volume "
-                              f"{fmt(user['device', v.device])}; give each volume its own device")
         if v.device in in_pool:
             raise ConfigError(f"volumes[{i}].device: device {fmt(v.device)} is in pool {fmt(in_pool[v.device])}; a "
                               f"volume on the pool names it: pool = {fmt(in_pool[v.device])}")
-        user["device", v.device] = v.name
+        _one_user(user, carved, ("device", v.device), v, i)
+
+
+def _one_user(user: dict[tuple[str, str], str], carved: dict[tuple[str, str], bool], where: tuple[str, str],
+              v: VolumeSpec, i: int) -> None:
+    """A device or pool holds one whole volume, or any number of volumes carved from it (with a size), not both."""
+    kind, name = where
+    if where in user and not (carved[where] and v.carved):
+        other = user[where]
+        mend = (f"give each volume its own {kind}, or a size to both to carve them from it" if not carved[where]
+                and not v.carved else f"{fmt(other) if not carved[where] else fmt(v.name)} has no size: give it one "
+                f"(volumes carved from a {kind} all have one)")
+        raise ConfigError(f"volumes[{i}].{kind}: {kind} {fmt(name)} is already used by volume {fmt(other)}; {mend}")
+    user[where] = v.name
+    carved[where] = v.carved
 
 
 def _volume_ref(key: str, volume: str, known: set[str], names: list[str]) -> None:

@@ -100,6 +100,11 @@ async def volume_create(node: Node, args: R.VolumeCreate) -> Any:
         volume["pool"] = args.pool
     elif args.device is not None:
         volume["device"] = args.device
+    if args.pool is not None or args.device is not None:
+        if args.snapshot:    # a snapshot of the group there, served read-only
+            volume.update(snapshot=True, read_only=True)
+        elif args.size is not None:    # carved from it, with the other volumes there (volume/thin)
+            volume.update(size=args.size, thin=args.thin)
     else:
         if any(d["name"] == name for d in doc.get("devices", [])):
             raise RequestError(f"a device named {name} exists; give the volume another name, or put it on that "
@@ -124,6 +129,11 @@ async def volume_resize(node: Node, args: R.VolumeResize) -> Any:
     name = args.name
     doc = _doc(node)
     v = _volume_entry(doc, name)
+    if v.get("snapshot"):
+        raise RequestError(f"volume {name} serves a snapshot, which keeps the size it was taken with")
+    if "size" in v:    # carved from its device or pool: the group resizes it
+        v["size"] = args.size
+        return {"changes": await _apply(node, doc, dry_run=args.dry_run), "volume": await _describe(node, name)}
     if "pool" in v:
         raise RequestError(f"volume {name} is its pool's whole size; grow the pool instead")
     dev = next(d for d in doc["devices"] if d["name"] == v["device"])

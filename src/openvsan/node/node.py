@@ -30,6 +30,7 @@ from openvsan.frontend.busypoll import BusyPoll
 from openvsan.frontend.limits import ConnectionLimits, soft_fd_limit
 from openvsan.malloc import keep_large_buffers
 from openvsan.node.control import ControlServer, RequestError, socket_path
+from openvsan.node.groups import GroupSetupError, ServedGroups, snapshot_command
 from openvsan.node.plane import DataPlane
 from openvsan.node.pools import PoolSetupError, ServedPools, flush_and_close, why
 from openvsan.node.reconcile import Change, plan
@@ -150,6 +151,7 @@ class Node:
     nbd_exports: list[Any] = field(default_factory=list)     # NbdExportConfig
     nbd_server: Any = None
     pools: ServedPools = field(init=False)                   # pool name -> ServedPool (node/pools.py)
+    groups: ServedGroups = field(init=False)                 # volume groups: "device X" / "pool X" (groups.py)
     plane: DataPlane = field(init=False)                     # the owner of the above, driven by changes
     control_server: ControlServer | None = None
     busy_poll: BusyPoll | None = None
@@ -160,6 +162,7 @@ class Node:
 
     def __post_init__(self) -> None:
         self.pools = ServedPools(self.state, self.data_dir, self.devices)
+        self.groups = ServedGroups()
         self.plane = DataPlane(self)
         self._applying = asyncio.Lock()
         self._parked: list[Any] | None = None   # connections handed here while volumes move here (worker.expect)
@@ -195,10 +198,14 @@ class Node:
                     shared = await self.replication.join()
                 except ReplicationSetupError as e:
                     raise NodeError(str(e)) from None
-            for vspec in cfg.volumes:
-                base = self.pools[vspec.pool].pool if vspec.pool is not None else self.devices[str(vspec.device)]
-                identity = shared.get(vspec.name) or self.state.identities[vspec.name]
-                self.volumes[vspec.name] = open_volume(vspec, base, identity)
+            try:
+                await self.groups.open(cfg, self.base_of)
+                for vspec in cfg.volumes:
+                    base = await self.volume_base(vspec)
+                    identity = shared.get(vspec.name) or self.state.identities[vspec.name]
+                    self.volumes[vspec.name] = open_volume(vspec, base, identity)
+            except GroupSetupError as e:
+                raise NodeError(str(e)) from None
             if self.replication is not None:
                 await self.replication.start()      # replicas standby, then served to the primary
             (self.data_dir / "pr").mkdir(mode=0o700, exist_ok=True)
@@ -289,6 +296,17 @@ class Node:
         if not cfg.exports_anything():
             log.warning("no iSCSI targets, NVMe subsystems or NBD exports are configured; nothing is exported")
 
+    def base_of(self, where: str) -> BlockDevice:
+        """"device X" / "pool X": the device or pool itself."""
+        kind, name = where.split(" ", 1)
+        return self.pools[name].pool if kind == "pool" else self.devices[name]
+
+    async def volume_base(self, spec: VolumeSpec) -> BlockDevice:
+        """What a volume's stack stands on: its device or pool, or its place in their volume group (carved)."""
+        if spec.carved:
+            return await self.groups.volume(spec)
+        return self.base_of(f"pool {spec.pool}" if spec.pool is not None else f"device {spec.device}")
+
     async def start_nvme(self, subsystems: list[Any], factory: Callable[..., Any] | None = None) -> None:
         """Start the NVMe/TCP server (at start, or when a running node gets its first subsystem: then the
         discovery portals are those of the state being applied)."""
@@ -378,7 +396,10 @@ class Node:
         if cmd == "worker.geometry":
             return self.geometry()
         if cmd == "worker.pool":
-            return await self.pools.control(str(args["command"]), dict(args["args"]))
+            return self._with_groups(str(args["command"]), await self.pools.control(str(args["command"]),
+                                                                                   dict(args["args"])))
+        if cmd == "worker.snapshot":
+            return await snapshot_command(self, str(args["command"]), dict(args["args"]))
         if cmd == "worker.live":
             from openvsan.node import live
             from openvsan.node.workers import REPLICATION_COMMANDS
@@ -801,6 +822,7 @@ class Node:
         await self._stop_control()
         for vol in self.volumes.values():
             await vol.close()   # its layers; the devices below are closed next
+        await self.groups.close()   # their metadata committed before the pools and devices close
         closed = await self.pools.close()
         for name, dev in reversed(list(self.devices.items())):
             if id(dev) in closed:
@@ -862,13 +884,26 @@ class Node:
         """The control socket's commands (node/control.py): what `vsan pool ...`, `vsan volume ...`,
         `vsan export ...`, `vsan qos ...`, `vsan config apply` and later the REST API call."""
         if cmd.startswith("pool."):
-            return await self.pools.control(cmd, args)
+            return self._with_groups(cmd, await self.pools.control(cmd, args))
+        if cmd.startswith("snapshot."):
+            return await snapshot_command(self, cmd, args)
         from openvsan.node import live
 
         handler = live.COMMANDS.get(cmd)
         if handler is None:
             raise RequestError(f"unknown command {cmd!r}")
         return await handler(self, args)
+
+
+    def _with_groups(self, cmd: str, out: Any) -> Any:
+        """pool.status and pool.list answers, with the space of the volume group carved from each pool."""
+        if cmd in ("pool.status", "pool.list"):
+            for entry in out if isinstance(out, list) else [out]:
+                if isinstance(entry, dict) and "name" in entry:
+                    space = self.groups.space(f"pool {entry['name']}")
+                    if space is not None:
+                        entry["volume_group"] = space
+        return out
 
 
 class DataDirLock:

@@ -53,11 +53,24 @@ class DataPlane:
     async def commit(self) -> None:
         """The plan is done and stored (or undone): close what it removed for good, and what undoing it
         set aside (objects it had added)."""
+        leaving = {f"device {name}" for kind, name in self._set_aside if kind == "device"}
+        for (kind, name), obj in self._set_aside.items():
+            if kind == "volume":
+                await obj.close()
+                lv = obj.device
+                if getattr(lv, "in_use", False):
+                    lv.in_use = False
+                    # a carved volume deleted from the desired state goes from its group (its space returns);
+                    # one whose device leaves this process with it (a move to another worker) stays whole
+                    where = next((w for w, sg in self.node.groups.items() if sg.group is lv.group), None)
+                    if where is not None and where not in leaving and name not in self.node.volumes \
+                            and not lv.read_only:   # a served snapshot stops being served; it stays a snapshot
+                        await lv.group.delete(lv.name)
+                        log.info("%s: volume %s deleted from its volume group", where, name)
         for (kind, name), obj in self._set_aside.items():
             if kind == "device":
+                await self.node.groups.close_one(f"device {name}")   # its volume group committed first
                 await flush_and_close(obj, name)
-            elif kind == "volume":
-                await obj.close()
         for stack in self._old_stacks:
             await Volume(stack, name="old").close()
         self._set_aside.clear()
@@ -77,6 +90,13 @@ class DataPlane:
             "stack": [type(d).__name__ for d in vol.layers], "layers": vol.to_config()["layers"],
             "capabilities": dataclasses.asdict(vol.capabilities),
             "naa": vol.naa.hex(), "eui64": vol.eui64.hex(), "nguid": vol.nguid.hex()}
+        group = getattr(vol.device, "group", None)
+        if group is not None:   # carved from a device or pool (volume/thin)
+            out["carved"] = group.info(vol.device.name)
+            from openvsan.node.groups import home_of
+
+            spec = next((v for v in self.config.volumes if v.name == name), None)
+            out["volume_group"] = self.node.groups.space(home_of(spec)) if spec is not None else group.space()
         for layer in vol.layers:
             report = getattr(layer, "stats", None)
             if callable(report):
@@ -128,7 +148,9 @@ class DataPlane:
             return
         from openvsan.node.node import open_volume
 
-        base = self.node.pools[spec.pool].pool if spec.pool is not None else self.node.devices[str(spec.device)]
+        if spec.carved:
+            await self.node.groups.open(self.config, self.node.base_of)
+        base = await self.node.volume_base(spec)
         self.node.volumes[spec.name] = open_volume(spec, base, self.identity(spec.name))
 
     async def _remove_volume(self, c: Change) -> None:
@@ -159,6 +181,9 @@ class DataPlane:
                 if kept is not None:
                     qos.set_limits(kept)      # the swap changed nothing, so neither do the limits
                 raise
+        if old.size != new.size and new.size is not None:
+            # a carved volume's size (volume/thin): the group grows it, or shrinks it if nothing is mapped beyond
+            await vol.resize(new.size // vol.block_size, timeout=self.swap_timeout)
         if old.read_only != new.read_only:
             self._set_read_only(c.key, new.read_only)
 

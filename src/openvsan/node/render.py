@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from openvsan.node.specs import (
+    DEFAULT_CLUSTER,
     DHCHAP_DHGROUPS,
     DHCHAP_HASHES,
     DeviceSpec,
@@ -36,7 +37,16 @@ def _device(d: DeviceSpec) -> dict[str, Any]:
         out["path"] = str(d.path)
     if d.type == "file":
         out["direct"] = d.direct
+    _group_keys(out, d)
     return out
+
+
+def _group_keys(out: dict[str, Any], x: DeviceSpec | PoolSpec) -> None:
+    """A volume group's settings, when not the defaults (so a document of an older node reads the same)."""
+    if x.cluster != DEFAULT_CLUSTER:
+        out["cluster"] = x.cluster
+    if x.soft_threshold != 80:
+        out["soft_threshold"] = x.soft_threshold
 
 
 def _pool(p: PoolSpec) -> dict[str, Any]:
@@ -45,6 +55,7 @@ def _pool(p: PoolSpec) -> dict[str, Any]:
         out["spares"] = list(p.spares)
     if p.rebuild_rate is not None:
         out["rebuild_rate"] = p.rebuild_rate
+    _group_keys(out, p)
     return out
 
 
@@ -59,6 +70,11 @@ def _volume(v: VolumeSpec) -> dict[str, Any]:
     if v.replicated:
         out["replicas"] = v.replicas
         out["nodes"] = list(v.nodes)
+    if v.size is not None:
+        out["size"] = v.size
+        out["thin"] = v.thin
+    if v.snapshot:
+        out["snapshot"] = True
     return out
 
 

@@ -38,6 +38,8 @@ class VolumeCreate:
     pool: Str | None = None
     read_only: Bool = False
     dry_run: Bool = False
+    thin: Bool = True              # with device or pool and size: carved from it (volume/thin), thin or thick
+    snapshot: Bool = False         # with device or pool: serve that group's snapshot named `name`, read-only
 
 
 @dataclass(frozen=True, config=REQUEST)

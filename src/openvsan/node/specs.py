@@ -327,6 +327,16 @@ class NodeSettings:
         return self
 
 
+DEFAULT_CLUSTER = 64 << 10
+
+
+def _cluster(v: int) -> int:
+    """The cluster of a volume group (volume/thin): the unit thin volumes are allocated and snapshots copied in."""
+    if v & (v - 1) or not 4096 <= v <= 4 << 20:
+        raise SpecError(f'{v} bytes; use a power of two from 4KiB to 4MiB, e.g. cluster = "64KiB"')
+    return v
+
+
 _TYPE_HINT = Hint(f'add type = "ram" (one of: {", ".join(DEVICE_TYPES)})')
 _LEVEL_HINT = Hint(f'add level = "raid5" (one of: {", ".join(POOL_LEVELS)})')
 
@@ -340,6 +350,9 @@ class DeviceSpec:
     backing: Path | None = None     # ram: a file (in /dev/shm) that keeps the contents across restarts
     path: Path | None = None        # file: the file or block device
     direct: Bool = False            # file: O_DIRECT
+    # a volume group carved from it (volumes with a size): its cluster and fill level for the soft threshold
+    cluster: Annotated[Size, AfterValidator(_cluster)] = DEFAULT_CLUSTER
+    soft_threshold: Annotated[Int, _in_range(1, 100, "use 1 to 100 (% of the group in use; default 80)")] = 80
 
     @model_validator(mode="before")
     @classmethod
@@ -387,6 +400,8 @@ class PoolSpec:
     spares: tuple[Str, ...] = ()
     chunk: Size = DEFAULT_CHUNK      # bytes
     rebuild_rate: Annotated[int, BeforeValidator(_rate)] | None = None  # bytes/s of member data; None: no cap
+    cluster: Annotated[Size, AfterValidator(_cluster)] = DEFAULT_CLUSTER   # as a device's
+    soft_threshold: Annotated[Int, _in_range(1, 100, "use 1 to 100 (% of the group in use; default 80)")] = 80
 
     @field_validator("level", mode="after")
     @classmethod
@@ -464,6 +479,28 @@ class VolumeSpec:
     # them. 1: a volume of this node alone
     replicas: Annotated[Int, _in_range(1, MAX_REPLICAS, f"use 1 (not replicated), 2 or {MAX_REPLICAS}")] = 1
     nodes: Annotated[tuple[Name, ...], AfterValidator(_unique)] = ()
+    # carved from its device or pool (volume/thin, with other volumes there): its size, thin (clusters on
+    # first write) or thick (all at creation); None: the volume is the whole device or pool
+    size: Size | None = None
+    thin: Bool = True
+    snapshot: Bool = False          # a snapshot of the device's or pool's group, served read-only by its name
+
+    @model_validator(mode="after")
+    def _carved(self) -> VolumeSpec:
+        if self.snapshot and self.size is not None:
+            raise SpecError("a snapshot keeps the size it was taken with; remove size", "size")
+        if not self.thin and self.size is None and not self.snapshot:
+            raise SpecError('thin = false is for a volume carved from its device or pool; give it a size, e.g. '
+                            'size = "10GiB"', "thin")
+        if self.carved and self.replicated:
+            raise SpecError("a carved volume (size or snapshot) cannot be replicated yet; give it a device or pool "
+                            "of its own", "replicas")
+        return self
+
+    @property
+    def carved(self) -> bool:
+        """One of many volumes of its device's or pool's volume group (volume/thin)."""
+        return self.size is not None or self.snapshot
 
     @model_validator(mode="after")
     def _replica_nodes(self) -> VolumeSpec:

@@ -215,8 +215,12 @@ def _groups(cfg: NodeConfig) -> dict[str, list[str]]:
             x = parent[x]
         return x
 
+    carved: dict[str, list[str]] = {}    # volumes carved from one device or pool: one process owns its group
+    for v in cfg.volumes:
+        if v.carved:
+            carved.setdefault(f"{v.pool!r}/{v.device!r}", []).append(v.name)
     for names in [[lun.volume for lun in t.luns] for t in cfg.targets] + \
-            [[ns.volume for ns in x.namespaces] for x in cfg.subsystems]:
+            [[ns.volume for ns in x.namespaces] for x in cfg.subsystems] + list(carved.values()):
         for a in names[1:]:
             ra, rb = find(a), find(names[0])
             if ra != rb:
@@ -658,6 +662,11 @@ class Supervisor:
             return await self.balance(float(args.get("seconds") or 2.0), dry_run=bool(args.get("dry_run")))
         if cmd.startswith("pool."):
             return await self._pool(cmd, args)
+        if cmd.startswith("snapshot."):
+            w = self.placement.volumes.get(str(args.get("volume")))
+            if w is None:
+                raise RequestError(f"no volume named {args.get('volume')!r} on this node")
+            return await worker_call(self.data_dir, w, "worker.snapshot", command=cmd, args=args)
         if cmd in REPLICATION_COMMANDS:
             # a replicated volume's role, switchover, forced sync: the worker that serves it (worker 0) answers
             w = self.placement.volumes.get(str(args.get("name")))

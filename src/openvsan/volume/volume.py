@@ -16,7 +16,7 @@ import contextlib
 import hashlib
 import logging
 import uuid as uuidlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from openvsan.block.capabilities import Capabilities
@@ -251,6 +251,23 @@ class Volume:
             await self.stack.resize(num_blocks)  # type: ignore[attr-defined]
             self.num_blocks = self.stack.num_blocks
         self._changed("resized")
+
+    async def change_contents(self, change: Callable[[], Awaitable[None]], *,
+                              timeout: float = SWAP_DRAIN_TIMEOUT) -> None:
+        """Run `change` alone (in-flight I/O drained, new I/O waiting): the data under the volume changes as a
+        whole, as a rollback to a snapshot does. The size is read again after it; the frontends hear
+        "contents" (and "resized" if the size changed)."""
+        async with self._quiesced(timeout):
+            before = self.num_blocks
+            await change()
+            self.num_blocks = self.stack.num_blocks
+        self._changed("contents")
+        if self.num_blocks != before:
+            self._changed("resized")
+
+    def notify(self, what: str) -> None:
+        """Tell the frontends of a change below the volume they report (e.g. "thin-threshold")."""
+        self._changed(what)
 
     async def close(self) -> None:
         """Close the layers of the stack, top first; the device at the bottom is its owner's to close."""
