@@ -38,11 +38,15 @@ RESULT = re.compile(r"^PASS=(\d+) SKIP=(\d+) FAIL=(\d+) HUNG=(\d+) of (\d+)$", r
 
 
 @pytest.mark.timeout(2700)
-def test_libiscsi_conformance(vsan: Callable[..., VsanServer], tmp_path: Path) -> None:
+@pytest.mark.parametrize("lun", ["plain", "thin"])
+def test_libiscsi_conformance(vsan: Callable[..., VsanServer], tmp_path: Path, lun: str) -> None:
+    """plain: a 1 GiB RAM device as the LUN (examples/single-node.toml); thin: a thin volume carved from it
+    (volume/thin: UNMAP, GET LBA STATUS and provisioning answered from its cluster map)."""
     require_tools("iscsi-test-cu", "iscsi-readcapacity16")
     if not SUITE.exists():
         pytest.fail(f"{SUITE} is missing: CI clones the repo with ../shared beside it", pytrace=False)
-    server = vsan("ram", "1GiB", start=False)  # as examples/single-node.toml, on a free port
+    # as examples/single-node.toml, on a free port
+    server = vsan("ram", "1GiB", start=False, **({"carve": "1000MiB"} if lun == "thin" else {}))
     target_log = tmp_path / "target.log"
     vsan_cmd = server.command()
     vsan_cmd[vsan_cmd.index("--data-dir") + 1] = "{data}"  # a fresh data dir per suite: no reservation carries over
@@ -74,8 +78,8 @@ def test_libiscsi_conformance(vsan: Callable[..., VsanServer], tmp_path: Path) -
     if keep:
         Path(keep).mkdir(parents=True, exist_ok=True)
         for f in (suite_log, target_log):
-            shutil.copy(f, Path(keep) / f"conformance-{f.name}")
-        (Path(keep) / "conformance-summary.txt").write_text(out)
+            shutil.copy(f, Path(keep) / f"conformance-{lun}-{f.name}")
+        (Path(keep) / f"conformance-{lun}-summary.txt").write_text(out)
     m = None
     for m in RESULT.finditer(out):
         pass

@@ -21,7 +21,7 @@ import ssl
 from collections import deque
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from openvsan.block.errors import (
     BlockError,
@@ -47,6 +47,7 @@ from openvsan.protocol.nbd import (
     StartTls,
 )
 from openvsan.protocol.nbd.events import DEFAULT_MAX_PAYLOAD, Buffer, Event
+from openvsan.protocol.nbd.transmission import allocation_extents
 
 log = logging.getLogger("openvsan.nbd")
 
@@ -302,7 +303,9 @@ class Connection(BatchedConnection, asyncio.BufferedProtocol):
             # a write's payload was being received into the device: part of it is there, unacknowledged
             self._windows -= 1
             assert self.export is not None
-            self.export.volume.close_window()
+            vol = self.export.volume
+            assert vol is not None   # a window is only open on a volume this worker has
+            vol.close_window()
         # requests still running finish on the device (a write may be half done); their replies are dropped
 
     def pause_writing(self) -> None:
@@ -424,7 +427,9 @@ class Connection(BatchedConnection, asyncio.BufferedProtocol):
         received = self.conn.suspend()
         while self._windows:       # the payload being received into the device: copied into `received`
             self._windows -= 1
-            self.export.volume.close_window()
+            vol = self.export.volume
+            assert vol is not None   # a window is only open on a volume this worker has
+            vol.close_window()
         if not await self.drained(SUSPEND_TIMEOUT):
             self.resume_here(self._state(s), received)
             return None
@@ -562,6 +567,7 @@ class Connection(BatchedConnection, asyncio.BufferedProtocol):
         if self._waiting:
             return None      # requests before it wait to start (over the budget): none may see its data early
         vol = self.export.volume
+        assert vol is not None   # a connection in transmission serves a volume this worker has
         bs = vol.block_size
         view = vol.open_window(offset // bs, length // bs)
         if view is not None:
@@ -575,7 +581,9 @@ class Connection(BatchedConnection, asyncio.BufferedProtocol):
             # requests in flight together have no order)
             assert self._windows and self.export is not None
             self._windows -= 1
-            self.export.volume.close_window()
+            vol = self.export.volume
+            assert vol is not None   # a window is only open on a volume this worker has
+            vol.close_window()
             self.send(self.conn.reply(req))
             return
         if self._waiting or self._over_budget():
@@ -619,6 +627,7 @@ class Connection(BatchedConnection, asyncio.BufferedProtocol):
         durable on return, so FUA needs nothing more."""
         assert self.export is not None
         vol = self.export.volume
+        assert vol is not None   # a connection in transmission serves a volume this worker has
         bs = vol.block_size
         if not req.length:
             return False
@@ -657,6 +666,7 @@ class Connection(BatchedConnection, asyncio.BufferedProtocol):
     async def _run(self, req: Request) -> list[Buffer]:
         assert self.export is not None
         dev = self.export.volume
+        assert dev is not None   # a connection serves an export this worker has the volume of
         bs = dev.block_size
         lba, blocks = req.offset // bs, req.length // bs
         cmd = req.cmd
@@ -689,12 +699,19 @@ class Connection(BatchedConnection, asyncio.BufferedProtocol):
             if req.fua:
                 await dev.flush()
         elif cmd == Cmd.BLOCK_STATUS:
-            # base:allocation: every block is reported allocated with unknown contents (status 0), which
-            # proto.md allows ("a server MAY always safely report a status of 0 for any block"); admit
-            # refused a length of 0 at the end of the export the client was given
+            # base:allocation. A stack that knows its map (capabilities.extents: a logical volume) answers
+            # from it, so holes show (nbdinfo --map, qemu-img map); any other reports every block allocated
+            # with unknown contents (status 0), which proto.md allows ("a server MAY always safely report a
+            # status of 0 for any block"). admit refused a length of 0 at the end of the export the client
+            # was given, and any range beyond it
             assert self.conn.session is not None
             n = req.length or min(self.conn.session.export.size - req.offset, 4096)
-            return self.conn.reply_block_status(req, [(n, 0)])
+            if not dev.capabilities.extents:
+                return self.conn.reply_block_status(req, [(n, 0)])
+            first = req.offset // bs
+            runs = cast("list[tuple[int, int, int]]", await dev.lba_status(first, -(-(req.offset + n) // bs) - first))
+            return self.conn.reply_block_status(req, allocation_extents(
+                req.offset, n, bs, runs, reads_zero=dev.capabilities.unmap_reads_zero, req_one=req.req_one))
         # NBD_CMD_CACHE: a hint; every read already goes to the device, so there is nothing to warm
         return self.conn.reply(req)
 
@@ -714,7 +731,7 @@ def _errno(req: Request, e: BlockError, export: NbdExportConfig | None) -> tuple
         return Errno.ENOSPC, None
     if isinstance(e, OutOfRange):
         return (Errno.ENOSPC if req.cmd in (Cmd.WRITE, Cmd.WRITE_ZEROES) else Errno.EINVAL), None
-    if isinstance(e, MediumError) and e.lba is not None and export is not None:
+    if isinstance(e, MediumError) and e.lba is not None and export is not None and export.volume is not None:
         # NBD_REPLY_TYPE_ERROR_OFFSET: the offset MUST lie within the request
         offset = e.lba * export.volume.block_size
         if req.offset <= offset < req.offset + req.length:

@@ -8,6 +8,8 @@ normal path and its fast path (frontend/nbd.py `_run`, `_done_now`) both get onl
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from openvsan.protocol.nbd.events import Buffer, Negotiated
 from openvsan.protocol.nbd.wire import (
     CHUNK,
@@ -17,6 +19,8 @@ from openvsan.protocol.nbd.wire import (
     REPLY_FLAG_DONE,
     SIMPLE_REPLY,
     SIMPLE_REPLY_MAGIC,
+    STATE_HOLE,
+    STATE_ZERO,
     STRUCTURED_REPLY_MAGIC,
     U32,
     U64,
@@ -134,3 +138,38 @@ def block_status_reply(s: Negotiated, cookie: int, extents: list[tuple[int, int]
     assert s.meta_context_id is not None
     body = U32.pack(s.meta_context_id) + b"".join(EXTENT.pack(n, f) for n, f in extents)
     return chunk(cookie, ReplyType.BLOCK_STATUS, len(body)) + body
+
+
+def allocation_extents(offset: int, length: int, block_size: int, runs: Iterable[tuple[int, int, int]], *,
+                       reads_zero: bool, req_one: bool) -> list[tuple[int, int]]:
+    """base:allocation descriptors (length, flags) for the bytes [offset, offset+length) of an export, from the
+    device's (lba, blocks, status) runs over the blocks that hold them (status 1: deallocated, as SBC-4 GET
+    LBA STATUS says; anything else is reported allocated). proto.md NBD_CMD_BLOCK_STATUS and "base:allocation
+    metadata context": consecutive from *offset*, the sum never over *length* (runs that stop short make a
+    shorter answer, which the server MAY give; an empty one falls back to one allocated descriptor), neighbours
+    with different flags, lengths multiples of the block size save where the request itself is unaligned;
+    a deallocated run is NBD_STATE_HOLE, and NBD_STATE_ZERO too when deallocated blocks read as zeroes;
+    with NBD_CMD_FLAG_REQ_ONE, one descriptor."""
+    end = offset + length
+    hole = STATE_HOLE | (STATE_ZERO if reads_zero else 0)
+    out: list[list[int]] = []
+    pos = offset
+    for lba, blocks, status in runs:
+        start, stop = max(lba * block_size, pos), min((lba + blocks) * block_size, end)
+        if start != pos:
+            break         # a gap in what the device said: stop at what is known
+        if stop <= start:
+            continue
+        flags = hole if status == 1 else 0
+        if out and out[-1][1] == flags:
+            out[-1][0] += stop - start
+        else:
+            out.append([stop - start, flags])
+        pos = stop
+        if pos >= end or (req_one and len(out) > 1):
+            break
+    if not out:
+        return [(length, 0)]
+    if req_one:
+        del out[1:]
+    return [(n, f) for n, f in out]

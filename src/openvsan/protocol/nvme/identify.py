@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 from openvsan.protocol.nvme import ana
 from openvsan.protocol.nvme.reservations import RESCAP
 from openvsan.protocol.nvme.subsystem import Namespace, Subsystem
+from openvsan.volume import Volume
 
 if TYPE_CHECKING:
     from openvsan.protocol.nvme.controller import Controller
@@ -96,18 +97,35 @@ def controller(ctrl: Controller) -> bytes:
     return bytes(b)
 
 
+def allocated_blocks(vol: Volume) -> int:
+    """Blocks of a thin volume that have space behind them (NUSE): what its device's allocated_blocks()
+    says (capabilities.thin promises it at the bottom of the stack); every block for any other volume."""
+    n = vol.num_blocks
+    if not vol.capabilities.thin:
+        return n
+    count = getattr(vol.device, "allocated_blocks", None)
+    return n if count is None else max(0, min(n, int(count())))
+
+
 def namespace(ns: Namespace, sub: Subsystem, ctrl: Controller) -> bytes:
-    """Identify Namespace, NVM command set (NVM Command Set 1.0 §4.1.5.1 Figure 97)."""
+    """Identify Namespace, NVM command set (NVM Command Set 1.0 §4.1.5.1 Figure 97). A thin volume
+    (capabilities.thin) sets NSFEAT THINP and reports the blocks allocated now as NUSE; NCAP stays NSZE
+    (the group may hold them all, it only promises nothing)."""
     dev = ns.volume
+    caps = dev.capabilities
     b = bytearray(IDENTIFY_SIZE)
     n = dev.num_blocks
-    struct.pack_into("<QQQ", b, 0, n, n, n)              # NSZE, NCAP, NUSE
+    struct.pack_into("<QQQ", b, 0, n, n, allocated_blocks(dev))   # NSZE, NCAP, NUSE
     b[24] = (1 << 3) | (1 << 4)                          # NSFEAT: ids never reused, NPWG/NOWS fields valid
+    if caps.thin:
+        b[24] |= 1 << 0                                  # NSFEAT THINP: thin provisioning, NUSE is real
     b[25] = 0                                            # NLBAF: one format
     b[26] = 0                                            # FLBAS: format 0
     b[30] = 1                                            # NMIC: may be shared by several controllers
     b[31] = RESCAP
-    b[33] = 0x09                                         # DLFEAT: deallocated reads zeroes, WZ may deallocate
+    # DLFEAT: bits 2:0 001b deallocated blocks read as zeroes (000b: not reported); bit 3 Write Zeroes
+    # may deallocate
+    b[33] = (0x01 if caps.unmap_reads_zero else 0) | 0x08
     per_block = max(1, 4096 // dev.block_size) - 1
     struct.pack_into("<HHHHH", b, 64, per_block, per_block, per_block, per_block, per_block)  # NPWG..NOWS
     struct.pack_into("<I", b, 92, ns.ana_group)          # ANAGRPID

@@ -132,14 +132,23 @@ def block_device_characteristics() -> bytes:
     return bytes(page)
 
 
-def logical_block_provisioning(*, lbprz: bool, threshold_exponent: int = 0) -> bytes:
-    """VPD page B2h (SBC-4 6.6.6): UNMAP, WRITE SAME(16)/(10) with UNMAP; thin provisioned."""
+PROVISIONING_FULL = 0x00   # B2h PROVISIONING TYPE 000b: fully provisioned, or the type is not reported
+PROVISIONING_THIN = 0x02   # 010b: thin provisioned (SBC-4 4.7.3.3): a write may fail for lack of space
+
+
+def logical_block_provisioning(*, lbprz: bool, thin: bool, threshold_exponent: int = 0) -> bytes:
+    """VPD page B2h (SBC-4 6.6.6): UNMAP, WRITE SAME(16)/(10) with UNMAP; PROVISIONING TYPE thin only for a
+    volume that allocates on first write (capabilities.thin), else 000b. Every device here deallocates (or
+    zeroes) on UNMAP, so LBPU/LBPWS/LBPWS10 stay set either way, and READ CAPACITY(16) keeps LBPME set for
+    both (000b is also SBC-3's "provisioning type not reported"). THRESHOLD EXPONENT 0: no threshold
+    descriptors (no logical block provisioning mode page); a soft threshold is still reported by unit
+    attention (Lun.soft_threshold_reached)."""
     page = bytearray(8)
     page[1] = 0xB2
     page[3] = 4
     page[4] = threshold_exponent
     page[5] = 0x80 | 0x40 | 0x20 | (0x04 if lbprz else 0)   # LBPU, LBPWS, LBPWS10, LBPRZ=001b
-    page[6] = 0x02                                            # PROVISIONING TYPE: thin
+    page[6] = PROVISIONING_THIN if thin else PROVISIONING_FULL
     return bytes(page)
 
 

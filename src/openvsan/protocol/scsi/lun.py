@@ -34,6 +34,7 @@ from openvsan.protocol.scsi.sense import (
     ASC_LU_NOT_ACCESSIBLE_UNAVAILABLE,
     ASC_MEDIUM_NOT_PRESENT,
     ASC_MODE_PARAMETERS_CHANGED,
+    ASC_THIN_PROVISIONING_SOFT_THRESHOLD_REACHED,
     CHECK_CONDITION,
     ILLEGAL_REQUEST,
     NOT_READY,
@@ -283,9 +284,18 @@ class Lun:
         """Call after the device grew or shrank: every nexus gets CAPACITY DATA HAS CHANGED (SBC-4 4.6)."""
         self.add_ua_others(ASC_CAPACITY_DATA_HAS_CHANGED, None)
 
+    def soft_threshold_reached(self) -> None:
+        """Call once each time the space under a thin volume crosses its soft threshold (the node watches
+        its group; or volume.notify("thin-threshold"), which reaches here): every I_T nexus the LU knows
+        gets UNIT ATTENTION, THIN PROVISIONING SOFT THRESHOLD REACHED (SBC-4 4.7.3.7; SITUA clear, so not
+        only the nexus whose write crossed it). One pending per nexus: a second call before an initiator
+        has seen the first queues nothing more."""
+        self.add_ua_others(ASC_THIN_PROVISIONING_SOFT_THRESHOLD_REACHED, None)
+
     def _read_capabilities(self) -> None:
         """What the volume's stack states, as the LU reports it: the Block Limits VPD page (SBC-4 6.6.4;
-        a transfer no larger than the stack takes) and LBPRZ (unmapped blocks read back as zeros)."""
+        a transfer no larger than the stack takes), LBPRZ (unmapped blocks read back as zeros) and whether
+        the volume is thin provisioned (VPD B2h)."""
         caps = self.volume.capabilities
         bs = self.block_size
         self.limits = BlockLimits(
@@ -295,12 +305,15 @@ class Lun:
             unmap_granularity=1 << self.lbppb_exponent, max_write_same=0xFFFF,
             max_atomic=(1 << 20) // bs, atomic_alignment=0, atomic_granularity=0)
         self.lbprz = caps.unmap_reads_zero
+        self.thin = caps.thin     # VPD B2h PROVISIONING TYPE thin (else 000b)
 
     def _volume_changed(self, what: str) -> None:
         if what == "resized":
             self.capacity_changed()
         elif what == "stack":
             self._read_capabilities()
+        elif what == "thin-threshold":
+            self.soft_threshold_reached()
 
     # ---- resets and nexus loss (SAM-5 6.3, 6.6; SPC-2 5.5.1)
 

@@ -132,9 +132,12 @@ _SUB = 64 << 10           # zero-filled sub-chunks are taken whole
 
 
 async def get_lba_status(lun: Lun, cdb: bytes, data: memoryview, nexus: Nexus) -> ScsiResult:
-    """GET LBA STATUS (SBC-4 5.6). A stack with extents (capabilities.extents) answers from its map (lba_status(lba, blocks) ->
-    [(lba, blocks, status)]); otherwise blocks that read as zero are reported deallocated, which LBPRZ
-    makes indistinguishable from real deallocation."""
+    """GET LBA STATUS (SBC-4 5.6). A stack with extents (capabilities.extents: a thin or thick logical
+    volume) answers from its map (lba_status(lba, blocks) -> [(lba, blocks, status)], status 0 mapped,
+    1 deallocated), one descriptor per extent from the starting LBA on; otherwise blocks that read as zero
+    are reported deallocated, which LBPRZ makes indistinguishable from real deallocation. As many
+    descriptors as ALLOCATION LENGTH has room for (at least one: the data is then cut short), none longer
+    than its 32-bit NUMBER OF LOGICAL BLOCKS field."""
     lba, alloc = u64(cdb, 2), u32(cdb, 10)
     if lba >= lun.num_blocks:
         raise lba_out_of_range()
@@ -147,9 +150,26 @@ async def get_lba_status(lun: Lun, cdb: bytes, data: memoryview, nexus: Nexus) -
         extents = await _zero_extents(lun, lba, max_desc)
     else:
         extents = [(lba, lun.num_blocks - lba, 0)]
-    body = b"".join(struct.pack(">QIB3x", s, c, st) for s, c, st in extents[:max_desc])
+    body = b"".join(struct.pack(">QIB3x", s, c, st) for s, c, st in _descriptors(extents, max_desc))
     out = struct.pack(">I4x", 4 + len(body)) + body
     return ScsiResult(GOOD, out[:alloc])
+
+
+_MAX_DESCRIPTOR_BLOCKS = 0xFFFFFFFF   # NUMBER OF LOGICAL BLOCKS is 32 bits (SBC-4 5.6.3)
+
+
+def _descriptors(extents: list[tuple[int, int, int]], max_desc: int) -> list[tuple[int, int, int]]:
+    """At most max_desc (lba, blocks, status) descriptors, an extent too long for one split over several."""
+    out: list[tuple[int, int, int]] = []
+    for start, count, status in extents:
+        while count > 0:
+            if len(out) >= max_desc:
+                return out
+            n = min(count, _MAX_DESCRIPTOR_BLOCKS)
+            out.append((start, n, status))
+            start += n
+            count -= n
+    return out
 
 
 async def _zero_extents(lun: Lun, lba: int, max_desc: int) -> list[tuple[int, int, int]]:

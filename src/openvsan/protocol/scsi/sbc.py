@@ -346,7 +346,8 @@ async def read_capacity10(lun: Lun, cdb: bytes, data: memoryview, nexus: Nexus) 
 
 
 async def read_capacity16(lun: Lun, cdb: bytes, data: memoryview, nexus: Nexus) -> ScsiResult:
-    """READ CAPACITY(16) (SBC-4 5.21): LBPME set (thin), LBPRZ, LOGICAL BLOCKS PER PHYSICAL BLOCK."""
+    """READ CAPACITY(16) (SBC-4 5.21): LBPME set (every stack here deallocates or zeroes on UNMAP, as VPD
+    B2h's LBPU/LBPWS say, thin provisioned or not), LBPRZ as B2h has it, LOGICAL BLOCKS PER PHYSICAL BLOCK."""
     if not cdb[14] & 0x01 and u64(cdb, 2):
         raise invalid_field(2)
     alloc = u32(cdb, 10)

@@ -79,7 +79,7 @@ async def inquiry(lun: Lun, cdb: bytes, data: memoryview, nexus: Nexus) -> ScsiR
     elif page == 0xB1:
         out = inq.block_device_characteristics()
     elif page == 0xB2:
-        out = inq.logical_block_provisioning(lbprz=lun.lbprz)
+        out = inq.logical_block_provisioning(lbprz=lun.lbprz, thin=lun.thin)
     else:
         raise invalid_field(2)
     return ScsiResult(GOOD, out[:alloc])
