@@ -180,3 +180,32 @@ def test_a_full_group_refuses_new_clusters_and_recovers_when_space_is_freed(
     server.stop()
     server.start()
     qemu_io(server.url(), f"read -P 0x24 {left} 1M", "read -P 0x23 0 64k")
+
+
+def test_crossing_the_soft_threshold_tells_the_initiator_once(vsan: Callable[..., VsanServer]) -> None:
+    """SBC-4 4.7.3.7: THIN PROVISIONING SOFT THRESHOLD REACHED (38h/07h) to an initiator logged in when the group
+    goes above its soft_threshold (default 80 %)."""
+    import asyncio
+
+    from openvsan.initiator.iscsi import IscsiInitiator
+
+    require_tools("qemu-io")
+    server = vsan("file", "24MiB", carve="16MiB", carved=[("other", "16MiB", True)], nbd=True)
+
+    async def main() -> list[int]:
+        ini = await IscsiInitiator.open_url(server.url())
+        seen: list[int] = []
+        ini.sessions[0].on_attention = seen.append
+        try:
+            await ini.read(0, 8)
+            await asyncio.to_thread(qemu_io, server.nbd_url("other"), "write -P 1 0 16M")
+            await asyncio.sleep(2.5)        # the node looks at the fill level once a second
+            await ini.read(0, 8)
+            await ini.read(0, 8)
+        finally:
+            await ini.close()
+        return seen
+
+    seen = asyncio.run(main())
+    assert seen.count(0x3807) == 1, f"unit attentions seen (ASC, ASCQ): {[hex(a) for a in seen]}"
+    assert "above its soft threshold (80%)" in server.log_text()

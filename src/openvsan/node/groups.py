@@ -13,8 +13,10 @@ Fill level: once the group's use crosses its `soft_threshold` (% of its clusters
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -57,9 +59,34 @@ def home_of(v: VolumeSpec) -> str:
     return f"pool {v.pool}" if v.pool is not None else f"device {v.device}"
 
 
+WATCH_INTERVAL = 1.0    # seconds between looks at the groups' fill level (the soft threshold)
+
+
 class ServedGroups(Mapping[str, ServedGroup]):
     def __init__(self) -> None:
         self._groups: dict[str, ServedGroup] = {}
+        self._watch: asyncio.Task[None] | None = None
+
+    def start_watch(self, notify: Callable[[list[str]], None]) -> None:
+        """Once a second: a group whose use went above its soft threshold has notify(its volume names) called."""
+        async def watch() -> None:
+            while True:
+                await asyncio.sleep(WATCH_INTERVAL)
+                for where in list(self._groups):
+                    try:
+                        self.check_threshold(where, notify)
+                    except Exception:  # a notice is not worth stopping the watch for
+                        log.exception("%s: soft threshold check failed", where)
+
+        if self._watch is None:
+            self._watch = asyncio.get_running_loop().create_task(watch())
+
+    async def stop_watch(self) -> None:
+        task, self._watch = self._watch, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
 
     def __getitem__(self, where: str) -> ServedGroup:
         return self._groups[where]
@@ -133,7 +160,7 @@ class ServedGroups(Mapping[str, ServedGroup]):
         lv.on_change = None
         return lv
 
-    def check_threshold(self, where: str, notify: Any) -> None:
+    def check_threshold(self, where: str, notify: Callable[[list[str]], None]) -> None:
         """The soft threshold: notify(volume names of the group) once each time its use goes above it."""
         sg = self._groups.get(where)
         if sg is None:
@@ -152,6 +179,7 @@ class ServedGroups(Mapping[str, ServedGroup]):
             await sg.group.close()
 
     async def close(self) -> None:
+        await self.stop_watch()
         for where, sg in self._groups.items():
             try:
                 await sg.group.close()

@@ -246,6 +246,7 @@ class Node:
                 self.worker.exchange.watch(self._arrived, self._told)
             await self.control_server.start()
             self.pools.start_meter()
+            self.groups.start_watch(self._soft_threshold)
             if self.replication is not None:
                 self.replication.refresh_paths()
                 self.replication.run()
@@ -788,6 +789,7 @@ class Node:
             await self.control_server.stop()
             self.control_server = None
         await self.pools.stop_meter()
+        await self.groups.stop_watch()
 
     async def stop(self) -> None:
         """Stop accepting, drain in-flight commands, make everything acknowledged durable, close."""
@@ -894,6 +896,14 @@ class Node:
             raise RequestError(f"unknown command {cmd!r}")
         return await handler(self, args)
 
+
+    def _soft_threshold(self, names: list[str]) -> None:
+        """A volume group went above its soft threshold: its served volumes tell their initiators (SCSI: THIN
+        PROVISIONING SOFT THRESHOLD REACHED)."""
+        for name in names:
+            vol = self.volumes.get(name)
+            if vol is not None:
+                vol.notify("thin-threshold")
 
     def _with_groups(self, cmd: str, out: Any) -> Any:
         """pool.status and pool.list answers, with the space of the volume group carved from each pool."""
