@@ -209,3 +209,25 @@ def test_crossing_the_soft_threshold_tells_the_initiator_once(vsan: Callable[...
     seen = asyncio.run(main())
     assert seen.count(0x3807) == 1, f"unit attentions seen (ASC, ASCQ): {[hex(a) for a in seen]}"
     assert "above its soft threshold (80%)" in server.log_text()
+
+
+def test_volumes_of_one_group_move_to_another_worker_together(vsan: Callable[..., VsanServer]) -> None:
+    """Every volume carved from one device lives in one worker (its group's metadata has one owner): a move
+    takes them all, the group is committed and closed where it was and opened where it goes, and data,
+    snapshots and allocation are all there."""
+    require_tools("qemu-io")
+    server = vsan("file", "96MiB", carve="32MiB", carved=[("other", "16MiB", True)], nbd=True, workers=2)
+    qemu_io(server.nbd_url(), "write -P 0x33 0 1M")          # not flushed: the move commits it
+    vsan_cli(server, "snapshot", "create", "disk0", "s1")
+    qemu_io(server.nbd_url(), "write -P 0x44 0 64k")
+    before = carved(server, "disk0")
+    out = vsan_cli(server, "workers", "move", "disk0", "--to", "1").stdout
+    if "already" in out:       # placed on worker 1 at start: move it to 0 instead
+        out = vsan_cli(server, "workers", "move", "disk0", "--to", "0").stdout
+    assert "other" in out, out
+    qemu_io(server.nbd_url(), "read -P 0x44 0 64k", "read -P 0x33 64k 960k", "write -P 0x55 2M 64k")
+    qemu_io(server.nbd_url("other"), "write -P 0x66 0 64k", "read -P 0x66 0 64k")
+    after = carved(server, "disk0")
+    assert after["carved"]["mapped"] == before["carved"]["mapped"] + CLUSTER
+    snaps = json.loads(vsan_cli(server, "snapshot", "list", "disk0", "--json").stdout)
+    assert [s["name"] for s in snaps] == ["s1"]

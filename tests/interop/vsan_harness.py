@@ -159,6 +159,7 @@ class VsanServer:
     # more volumes carved from dev0: (name, size, thin), LUN 1, 2... and NBD exports of their names
     carved: list[tuple[str, str, bool]] = field(default_factory=list)
     cluster: str | None = None  # dev0's cluster size when carved
+    workers: int | None = None  # [node] workers (default: one per core)
     proc: subprocess.Popen[bytes] | None = None
     starts: int = 0
     killed: bool = False  # the test killed it with SIGKILL on purpose
@@ -175,7 +176,10 @@ class VsanServer:
 
     # ---------------------------------------------------------------- config
     def write_config(self) -> None:
-        lines = ["# written by tests/interop/vsan_harness.py", "[node]", 'name = "test-node"', ""]
+        lines = ["# written by tests/interop/vsan_harness.py", "[node]", 'name = "test-node"']
+        if self.workers is not None:
+            lines.append(f"workers = {self.workers}")
+        lines.append("")
         lines += self.device.toml()
         if self.cluster is not None:
             lines.append(f'cluster = "{self.cluster}"')
