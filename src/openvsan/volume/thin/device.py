@@ -1,9 +1,10 @@
-"""LogicalVolume: one volume (or snapshot) of a volume group as a block device (group.py does the work).
+"""LogicalVolume: one volume (or snapshot) of a volume group as a block device (group.py and io.py do the work).
 
 Reads and writes that stay in one cluster take the device's fast path when the device below has one: a read
 looks its cluster up and reads there in the caller's turn; a write goes in place when its cluster is mapped,
-owned by this volume alone and its mapping already committed (then it is as durable on return as a FUA
-write). Anything else (a cluster to allocate or copy, a mapping not yet committed) declines to the normal path.
+owned by this volume alone and its mapping already committed, its references too (then it is as durable on
+return as a FUA write). Anything else (a cluster to allocate or copy, a mapping not yet committed) declines to
+the normal path.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from openvsan.block.capabilities import Capabilities
 from openvsan.block.device import Buffer
 
 if TYPE_CHECKING:
-    from openvsan.volume.thin.group import VolumeGroup, _Vol
+    from openvsan.volume.thin.group import VolumeGroup
+    from openvsan.volume.thin.state import _Vol
 
 
 class LogicalVolume:
@@ -104,7 +106,7 @@ class LogicalVolume:
         if off + len(data) // self.block_size > cb or self._write_now is None or v.hold is not None:
             return False
         p = v.map[vc]
-        if p < 0 or g.ref[p] != 1 or p in g._fresh or vc in v.provisioning or not v.writable:
+        if p < 0 or g.ref[p] != 1 or g._pin[p] or p in g._fresh or vc in v.provisioning or not v.writable:
             return False
         return bool(self._write_now(g.data_lba + p * cb + off, data))
 

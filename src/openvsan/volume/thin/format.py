@@ -27,6 +27,7 @@ import enum
 import struct
 import uuid as uuidlib
 from dataclasses import dataclass
+from typing import Any, TypeAlias
 
 import crc32c
 import numpy as np
@@ -235,18 +236,20 @@ _RESIZE = struct.Struct("<BIQ")
 _ROLLBACK = struct.Struct("<BII")
 _RENAME = struct.Struct("<BIH")
 
-Record = tuple  # (Op, fields...)
+# A logical record: (Op, its fields...), the fields in the order the Op's comment above gives (CREATE: vol,
+# flags, blocks, origin, created, copy, name).
+Record: TypeAlias = tuple[Any, ...]
 
 
 def encode_record(rec: Record) -> bytes:
-    op = rec[0]
+    op: Op = rec[0]
     if op == Op.MAP:
         return _MAP.pack(op, *rec[1:])
     if op == Op.UNMAP:
         return _UNMAP.pack(op, *rec[1:])
     if op == Op.CREATE:
         vid, flags, blocks, origin, created, copy, name = rec[1:]
-        raw = name.encode()
+        raw = str(name).encode()
         return _CREATE.pack(op, vid, int(flags), blocks, origin, created, int(copy), len(raw)) + raw
     if op == Op.DELETE:
         return _DELETE.pack(op, rec[1])
@@ -255,7 +258,7 @@ def encode_record(rec: Record) -> bytes:
     if op == Op.ROLLBACK:
         return _ROLLBACK.pack(op, *rec[1:])
     if op == Op.RENAME:
-        raw = rec[2].encode()
+        raw = str(rec[2]).encode()
         return _RENAME.pack(op, rec[1], len(raw)) + raw
     raise ValueError(f"unknown journal op {op}")
 
@@ -323,11 +326,16 @@ def _seal(payload: bytes, seq: int) -> bytes:
 
 
 def open_journal_block(raw: bytes | bytearray | memoryview, seq: int) -> list[Record] | None:
-    """The records of a valid journal block carrying sequence number seq, else None (end of the journal)."""
+    """The records of a valid journal block carrying sequence number seq, else None (end of the journal);
+    FormatError for a valid block of another version."""
     raw = bytes(raw[:META_BLOCK])
-    magic, _version, bseq, length, crc = _JB_HEAD.unpack_from(raw)
+    if len(raw) < META_BLOCK:
+        return None
+    magic, version, bseq, length, crc = _JB_HEAD.unpack_from(raw)
     if magic != JOURNAL_MAGIC or bseq != seq or length > JOURNAL_PAYLOAD:
         return None
     if crc32c.crc32c(raw[:_JB_HEAD.size - 4] + b"\0\0\0\0" + raw[_JB_HEAD.size:]) != crc:
         return None
+    if version != VERSION:
+        raise FormatError(f"volume group journal version {version}; this openvsan reads version {VERSION}")
     return decode_records(raw[_JB_HEAD.size:_JB_HEAD.size + length])

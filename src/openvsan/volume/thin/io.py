@@ -1,0 +1,238 @@
+"""The I/O paths of a volume group's volumes (device.py's LogicalVolume calls these).
+
+A write to a cluster this volume alone holds goes in place; to an unmapped or shared one, a new cluster is
+provisioned: it gets the old contents (zeros, or the shared copy) with the write merged in, and once written
+it replaces the old one in the mapping (a record, committed by the next flush). A cluster whose references
+fell to one by a change not yet committed is written in place only after that commit (state.py, `_pin`)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+
+import numpy as np
+
+from openvsan.block.device import Buffer
+from openvsan.block.errors import BlockError, DeviceFailed, ReadOnly
+from openvsan.volume.thin.format import Op
+from openvsan.volume.thin.state import _view, _Vol
+from openvsan.volume.thin.store import GroupStore
+
+MAX_EXTENTS = 4096               # extents one lba_status answer gives at most
+
+
+class GroupIO(GroupStore):
+    def _guard(self, p: int) -> None:
+        self._io[p] = self._io.get(p, 0) + 1
+
+    def _unguard(self, p: int) -> None:
+        n = self._io[p] - 1
+        if n:
+            self._io[p] = n
+        else:
+            del self._io[p]
+
+    @staticmethod
+    def _refused(v: _Vol) -> BlockError:
+        if v.deleted:
+            return DeviceFailed(f"volume {v.rec.name} was deleted from its group")
+        return ReadOnly(f"{v.rec.name} is a snapshot (read-only)")
+
+    async def _enter(self, v: _Vol) -> None:
+        while v.hold is not None:
+            await v.hold.wait()
+        if self._failed is not None:
+            raise DeviceFailed(f"volume group {self.sb.uuid}: metadata commit failed: {self._failed}")
+        if v.deleted:
+            raise self._refused(v)
+        v.inflight += 1
+
+    def _leave(self, v: _Vol) -> None:
+        v.inflight -= 1
+        if not v.inflight and v.idle is not None:
+            v.idle.set()
+
+    def _segments(self, lba: int, blocks: int) -> Iterator[tuple[int, int, int]]:
+        """(virtual cluster, first block in it, blocks) pieces of a range."""
+        cb = self.cluster_blocks
+        end = lba + blocks
+        while lba < end:
+            vc, off = divmod(lba, cb)
+            n = min(cb - off, end - lba)
+            yield vc, off, n
+            lba += n
+
+    async def read(self, v: _Vol, lba: int, blocks: int) -> Buffer:
+        bs, cb, dlba = self.block_size, self.cluster_blocks, self.data_lba
+        vc, off = divmod(lba, cb)
+        if off + blocks <= cb:   # one cluster: the device's own buffer, as it came
+            p = v.map[vc]
+            if p < 0:
+                return bytes(blocks * bs)
+            self._guard(p)
+            try:
+                return await self.dev.read(dlba + p * cb + off, blocks)
+            finally:
+                self._unguard(p)
+        out = bytearray(blocks * bs)
+        at = 0
+        for vc, off, n in self._segments(lba, blocks):
+            p = v.map[vc]
+            if p >= 0:
+                self._guard(p)
+                try:
+                    out[at:at + n * bs] = await self.dev.read(dlba + p * cb + off, n)
+                finally:
+                    self._unguard(p)
+            at += n * bs
+        return out
+
+    async def write(self, v: _Vol, lba: int, data: Buffer, fua: bool) -> None:
+        if not v.writable:
+            raise self._refused(v)
+        await self._enter(v)
+        try:
+            bs = self.block_size
+            view = memoryview(data).cast("B") if not isinstance(data, memoryview) else data
+            cb, dlba, ref, pin = self.cluster_blocks, self.data_lba, self.ref, self._pin
+            at = 0
+            for vc, off, n in self._segments(lba, len(view) // bs):
+                chunk = view[at:at + n * bs]
+                at += n * bs
+                p = v.map[vc]
+                if p >= 0 and ref[p] == 1 and not pin[p] and vc not in v.provisioning:   # in place
+                    self._guard(p)
+                    try:
+                        await self.dev.write(dlba + p * cb + off, chunk)
+                    finally:
+                        self._unguard(p)
+                else:
+                    await self._write_cluster(v, vc, off, n, chunk)
+            if fua:
+                await self.commit()
+        finally:
+            self._leave(v)
+
+    async def _write_cluster(self, v: _Vol, vc: int, off: int, n: int, chunk: memoryview | None) -> None:
+        """Write n blocks at `off` of virtual cluster vc (zeros when chunk is None: then a thin volume's
+        unmapped cluster stays so, and one in place is zeroed without data). The caller holds _enter."""
+        cb, dlba = self.cluster_blocks, self.data_lba
+        committed = False
+        while True:
+            busy = v.provisioning.get(vc)
+            if busy is not None:
+                await busy.wait()
+                continue
+            p = v.map[vc]
+            if p >= 0 and self.ref[p] == 1 and not (self._pin[p] and committed):
+                if self._pin[p]:
+                    # the committed mapping may still give p to another volume, or to a snapshot: commit
+                    # first (should it stay pinned, a read of it still under way, the write copies it)
+                    await self.commit()
+                    committed = True
+                    continue
+                self._guard(p)
+                try:
+                    if chunk is None:
+                        await self.dev.write_zeroes(dlba + p * cb + off, n)
+                    else:
+                        await self.dev.write(dlba + p * cb + off, chunk)
+                finally:
+                    self._unguard(p)
+            elif chunk is not None or p >= 0 or not v.thin:
+                await self._provision(v, vc, off, chunk if chunk is not None else bytes(n * self.block_size))
+            return
+
+    async def _provision(self, v: _Vol, vc: int, off: int, chunk: memoryview | bytes) -> None:
+        """A write to an unmapped or shared cluster: a new cluster gets the old contents (zeros or the shared
+        copy) with the write merged in; then, written, it replaces the old one in the mapping."""
+        bs, cb, dlba = self.block_size, self.cluster_blocks, self.data_lba
+        old = v.map[vc]
+        self._admit(2)
+        new = self._alloc()
+        self._reserved += 2
+        # an Event, not a future: each waiter gets a future of its own (two writes started eagerly in one turn,
+        # netio.start_eagerly, may both wait before a Task has taken either)
+        done = v.provisioning[vc] = asyncio.Event()
+        try:
+            if off == 0 and len(chunk) == cb * bs:
+                buf: Buffer = chunk
+            else:
+                if old >= 0:
+                    self._guard(old)
+                    try:
+                        full = bytearray(await self.dev.read(dlba + old * cb, cb))
+                    finally:
+                        self._unguard(old)
+                else:
+                    full = bytearray(cb * bs)
+                full[off * bs:off * bs + len(chunk)] = chunk
+                buf = full
+            await self.dev.write(dlba + new * cb, buf)
+            self._busy.discard(new)
+            self._fresh[new] = self._do((Op.MAP, v.rec.id, vc, new, 1))
+        except BaseException:
+            if self.ref[new] == 0:
+                self._busy.discard(new)
+            raise
+        finally:
+            self._reserved -= 2
+            del v.provisioning[vc]
+            done.set()
+
+    async def unmap(self, v: _Vol, lba: int, blocks: int) -> None:
+        """Deallocate (thin: whole clusters leave the mapping, the volume's last one too when the range runs
+        to the end; partial ones, and thick volumes, get zeros)."""
+        if not v.writable:
+            raise self._refused(v)
+        cb = self.cluster_blocks
+        end = lba + blocks
+        first = -(-lba // cb)
+        last = len(v.map) if end >= v.rec.blocks else end // cb
+        if not v.thin or first >= last:
+            await self._zero(v, lba, blocks)
+            return
+        if lba < first * cb:
+            await self._zero(v, lba, first * cb - lba)
+        await self._enter(v)
+        try:
+            while True:
+                waits = [f for vc, f in v.provisioning.items() if first <= vc < last]
+                if not waits:
+                    break
+                await asyncio.gather(*(w.wait() for w in waits))
+            if np.count_nonzero(_view(v.map)[first:last] >= 0):
+                self._admit(1, reserve=False)
+                self._do((Op.UNMAP, v.rec.id, first, last - first))
+        finally:
+            self._leave(v)
+        if end > last * cb:
+            await self._zero(v, last * cb, end - last * cb)
+
+    async def _zero(self, v: _Vol, lba: int, blocks: int) -> None:
+        """Zeros written over [lba, lba+blocks): unmapped clusters of a thin volume already read as zeros."""
+        await self._enter(v)
+        try:
+            for vc, off, n in self._segments(lba, blocks):
+                await self._write_cluster(v, vc, off, n, None)
+        finally:
+            self._leave(v)
+
+    def extents(self, v: _Vol, lba: int, blocks: int) -> list[tuple[int, int, int]]:
+        """(lba, blocks, 0 mapped | 1 deallocated) runs over [lba, lba+blocks) (SBC-4 GET LBA STATUS)."""
+        cb = self.cluster_blocks
+        end = min(lba + blocks, v.rec.blocks)
+        first, last = lba // cb, -(-end // cb)
+        state = (_view(v.map)[first:last] < 0).astype(np.int8)
+        if not len(state) or lba >= end:
+            return []
+        breaks = np.flatnonzero(np.diff(state)) + 1
+        out = []
+        for s, e in zip(np.concatenate(([0], breaks)).tolist(), np.concatenate((breaks, [len(state)])).tolist(),
+                        strict=True):
+            a = max(lba, (first + s) * cb)
+            b = min(end, (first + e) * cb)
+            out.append((a, b - a, int(state[s])))
+            if len(out) >= MAX_EXTENTS:
+                break
+        return out
