@@ -120,6 +120,9 @@ class VolumeGroup(GroupIO):
                         int(time.time()), name)
         group = cls(dev, sb)
         group.journal_base = 1
+        if group._cheap_zero:   # the data area reads zero (no transfer): first writes carry only their blocks
+            await dev.write_zeroes(group.data_lba, clusters * group.cluster_blocks)
+            group._zeroed[:] = b"\x01" * clusters
         await group._checkpoint_now()
         raw = sb.encode()
         await dev.write(0, raw * fmt.SUPER_COPIES)

@@ -150,13 +150,20 @@ class GroupIO(GroupStore):
         old = v.map[vc]
         self._admit(2)
         new = self._alloc()
+        zeroed = self.alloc_zeroed
         self._reserved += 2
         # an Event, not a future: each waiter gets a future of its own (two writes started eagerly in one turn,
         # netio.start_eagerly, may both wait before a Task has taken either)
         done = v.provisioning[vc] = asyncio.Event()
+        at = dlba + new * cb
         try:
             if off == 0 and len(chunk) == cb * bs:
                 buf: Buffer = chunk
+            elif old < 0 and (zeroed or self._cheap_zero):
+                # a cluster that reads zero gets only the write's blocks
+                if not zeroed:
+                    await self.dev.write_zeroes(dlba + new * cb, cb)
+                buf, at = chunk, dlba + new * cb + off
             else:
                 if old >= 0:
                     self._guard(old)
@@ -168,7 +175,7 @@ class GroupIO(GroupStore):
                     full = bytearray(cb * bs)
                 full[off * bs:off * bs + len(chunk)] = chunk
                 buf = full
-            await self.dev.write(dlba + new * cb, buf)
+            await self.dev.write(at, buf)
             self._busy.discard(new)
             self._fresh[new] = self._do((Op.MAP, v.rec.id, vc, new, 1))
         except BaseException:

@@ -86,6 +86,14 @@ class GroupState:
         self._frees: list[tuple[int, int]] = []      # (record number that freed it, physical cluster)
         self._fresh: dict[int, int] = {}             # physical cluster -> record number that mapped it
         self._pin = bytearray(sb.clusters)           # 1: its references fell to one, not yet committed
+        # 1: reads zero and was never handed out since (the data area zeroed at format); a first write to part
+        # of it writes only its own blocks. Where zeroing costs no transfer (capabilities.write_zeroes, RAM
+        # pages dropped, a file's hole punched) a cluster not known zero is zeroed that way first; elsewhere
+        # the write carries the whole cluster, the rest as zeros
+        self._zeroed = bytearray(sb.clusters)
+        self.alloc_zeroed = False                    # whether the cluster _alloc gave last was known zero
+        caps = dev.capabilities
+        self._cheap_zero = caps.write_zeroes and caps.unmap_reads_zero
         self._pins: list[tuple[int, int | np.ndarray]] = []   # (record number, cluster or clusters) pinned
         self._runs_bound = 0                         # checkpoint runs, at most (exact after _recount)
         self._reserved = 0                           # runs admitted for changes under way, not yet applied
@@ -270,6 +278,10 @@ class GroupState:
                 p = self._cands.popleft()
                 if ref[p] == 0 and p not in busy:
                     busy.add(p)
+                    # whoever takes it may write any part of it: it is known zero no more (the taker reads
+                    # alloc_zeroed, in the same turn, to skip zeroing it)
+                    self.alloc_zeroed = bool(self._zeroed[p])
+                    self._zeroed[p] = 0
                     return p
             if not self._refill():
                 raise NoSpace(f"volume group {self.sb.name or self.sb.uuid}: no free cluster "
