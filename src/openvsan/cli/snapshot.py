@@ -80,3 +80,15 @@ def clone(volume: VolumeArg, name: SnapArg,
     adding it to the config: a volume named NEW on the same device or pool, with a size."""
     info = _call(data_dir, config, "snapshot.clone", volume=volume, name=name, clone=new)
     _show(info, as_json, f"{volume}: clone {new} of {name} made ({_size(info['size'])})")
+
+
+@snapshot_app.command("decouple")
+def decouple(volume: VolumeArg, allocate: Annotated[bool, typer.Option(
+        "--allocate", help="Also allocate (zeroed) every cluster it does not have yet (inflate): no later write "
+                           "to it can run out of space.")] = False,
+        data_dir: DataDir = None, config: ConfigOpt = None, as_json: JsonOpt = False) -> None:
+    """VOLUME (a clone, or a volume with snapshots) gets its own copy of every cluster it shares, while it
+    serves; its snapshots and their space stay as they are."""
+    info = _call(data_dir, config, "snapshot.decouple", timeout=3600.0, volume=volume, allocate=allocate)
+    _show(info, as_json, f"{volume}: {info['copied']} clusters copied, {info['allocated']} allocated; "
+                         f"{_size(info['exclusive'])} of its own now")

@@ -241,6 +241,9 @@ async def snapshot_command(node: Node, cmd: str, args: dict[str, Any]) -> Any:
             else:
                 await vol.change_contents(lambda: g.rollback(volume, name))
             return g.info(volume)
+        if cmd == "snapshot.decouple":
+            done = await g.decouple(volume, allocate=bool(args.get("allocate")))
+            return g.info(volume) | done
         if cmd == "snapshot.clone":
             name, new = str(args["name"]), str(args["clone"])
             _is_snapshot(g, name)

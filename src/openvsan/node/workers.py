@@ -666,7 +666,8 @@ class Supervisor:
             w = self.placement.volumes.get(str(args.get("volume")))
             if w is None:
                 raise RequestError(f"no volume named {args.get('volume')!r} on this node")
-            return await worker_call(self.data_dir, w, "worker.snapshot", command=cmd, args=args)
+            # a decouple copies clusters for as long as the volume is big
+            return await worker_call(self.data_dir, w, "worker.snapshot", timeout=3600.0, command=cmd, args=args)
         if cmd in REPLICATION_COMMANDS:
             # a replicated volume's role, switchover, forced sync: the worker that serves it (worker 0) answers
             w = self.placement.volumes.get(str(args.get("name")))

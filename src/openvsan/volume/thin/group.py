@@ -245,10 +245,10 @@ class VolumeGroup(GroupIO):
         async with self._admin:
             v = self._vol(name)
             self._new_name(snapshot)
-            self._admit(fmt.count_runs(_view(v.map)), volumes=1)
+            self._admit(self._runs_of(v), volumes=1)
             await self._drained(v)
             try:
-                self._admit(fmt.count_runs(_view(v.map)), volumes=1)   # the writes drained may have added some
+                self._admit(self._runs_of(v), volumes=1)   # the writes drained may have added some
                 flags = (v.rec.flags & Flag.THIN) | Flag.SNAPSHOT | Flag.READ_ONLY
                 self._do((Op.CREATE, self.next_id, flags, v.rec.blocks, v.rec.id, time.time_ns(), True, snapshot))
             finally:
@@ -260,15 +260,45 @@ class VolumeGroup(GroupIO):
         async with self._admin:
             s = self._vol(snapshot)
             self._new_name(name)
-            self._admit(fmt.count_runs(_view(s.map)), volumes=1)
+            self._admit(self._runs_of(s), volumes=1)
             await self._drained(s)
             try:
-                self._admit(fmt.count_runs(_view(s.map)), volumes=1)
+                self._admit(self._runs_of(s), volumes=1)
                 self._do((Op.CREATE, self.next_id, Flag.THIN, s.rec.blocks, s.rec.id, time.time_ns(), True, name))
             finally:
                 self._unhold(s)
             await self.commit()
             return self.volume(name)
+
+    async def decouple(self, name: str, *, allocate: bool = False) -> dict[str, int]:
+        """Volume `name` gets a cluster of its own for every one it shares with a snapshot or clone (SPDK's
+        decouple_parent), and with `allocate` for every one it lacks too, zeroed (SPDK's inflate): afterwards
+        no write to it needs space it has not got. Cluster by cluster, while it serves: a write to the cluster
+        being copied waits for that copy only. Returns the clusters copied and allocated."""
+        v = self._vol(name)
+        if not v.writable:
+            raise GroupError(f"{name!r} is a snapshot; decouple a writable volume (a clone)")
+        bs, cb = self.block_size, self.cluster_blocks
+        copied = allocated = 0
+        for vc in range(len(v.map)):
+            p = v.map[vc]
+            if not (p >= 0 and self.ref[p] > 1) and not (p < 0 and allocate):
+                continue
+            await self._enter(v)
+            try:
+                while (busy := v.provisioning.get(vc)) is not None:
+                    await busy.wait()
+                p = v.map[vc]
+                if p >= 0 and self.ref[p] > 1:
+                    await self._provision(v, vc, 0, b"")          # the shared copy, nothing merged in
+                    copied += 1
+                elif p < 0 and allocate:
+                    await self._provision(v, vc, 0, bytes(cb * bs))
+                    allocated += 1
+            finally:
+                self._leave(v)
+        await self.commit()
+        return {"copied": copied, "allocated": allocated}
 
     async def rollback(self, name: str, snapshot: str) -> None:
         """Volume `name` becomes what `snapshot` holds (its size too); the snapshot stays."""
@@ -278,12 +308,12 @@ class VolumeGroup(GroupIO):
                 raise GroupError(f"{name!r} is a snapshot or read-only; roll back a writable volume")
             if s is v:
                 raise GroupError("a volume cannot be rolled back to itself; name a snapshot")
-            self._admit(fmt.count_runs(_view(s.map)))
+            self._admit(self._runs_of(s))
             await self._drained(v)
             try:
                 for done in list(v.provisioning.values()):
                     await done.wait()
-                self._admit(fmt.count_runs(_view(s.map)))
+                self._admit(self._runs_of(s))
                 self._do((Op.ROLLBACK, v.rec.id, s.rec.id))
             finally:
                 self._unhold(v)

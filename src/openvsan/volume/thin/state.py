@@ -26,6 +26,7 @@ from openvsan.volume.thin.format import Flag, Op, Superblock, VolumeRecord
 if TYPE_CHECKING:
     from openvsan.volume.thin.device import LogicalVolume
 
+RUNS_COUNTED = 1 << 16          # a volume with more mapped clusters has its runs counted for admission
 RUN_RESERVE = 2048               # checkpoint runs kept for unmaps and deletes (space can always be freed)
 CANDIDATES = 4096                # free clusters found per scan of the reference counts
 SCAN = 1 << 20                   # reference counts looked at per step of a scan
@@ -42,14 +43,13 @@ class _Vol:
     provisioning: dict[int, asyncio.Event] = field(default_factory=dict)   # virtual cluster -> set when done
     handle: LogicalVolume | None = None
     deleted: bool = False    # gone from the group: reads see zeros, writes fail
+    # from the flags, which never change, once: every write asks (an enum flag test costs a few µs)
+    thin: bool = field(init=False)
+    writable: bool = field(init=False)
 
-    @property
-    def thin(self) -> bool:
-        return bool(self.rec.flags & Flag.THIN)
-
-    @property
-    def writable(self) -> bool:
-        return not self.rec.flags & (Flag.SNAPSHOT | Flag.READ_ONLY)
+    def __post_init__(self) -> None:
+        self.thin = bool(self.rec.flags & Flag.THIN)
+        self.writable = not self.rec.flags & (Flag.SNAPSHOT | Flag.READ_ONLY)
 
 
 def _view(a: array[int]) -> np.ndarray:
@@ -178,17 +178,24 @@ class GroupState:
         v.mapped += n - int(np.count_nonzero(was))
         self._drop(old[was].astype(np.int64))
 
-    def _share(self, src: _Vol, clusters: int) -> array[int]:
-        """A copy of src's mapping, `clusters` long, every mapped cluster of it one reference more."""
-        m = _view(src.map)[:clusters].copy()
+    def _share(self, src: _Vol, clusters: int) -> tuple[array[int], int]:
+        """A copy of src's mapping, `clusters` long, every mapped cluster of it one reference more; and how
+        many are mapped. One memory copy of the map and one pass over it: a snapshot of a 100 GiB volume at
+        64 KiB clusters (1.6 M entries) takes a few ms."""
+        m = src.map[:clusters]            # an array slice: a copy
         if len(m) < clusters:
-            m = np.concatenate((m, np.full(clusters - len(m), -1, dtype=np.int32)))
-        mapped = m[m >= 0]
+            m.extend(_unmapped(clusters - len(m)))
+        mv = _view(m)
+        mapped = mv[mv >= 0]
         if len(mapped):
             ref = _view(self.ref)
             ref[mapped] += 1   # a mapping names a physical cluster once, so no index repeats
-        self._runs_bound += fmt.count_runs(m)
-        return array("i", m.tobytes())
+        self._runs_bound += self._runs_of(src)
+        return m, len(mapped)
+
+    def _runs_of(self, v: _Vol) -> int:
+        """Runs v's map has, at most: its mapped clusters when few (no pass over the map), else counted."""
+        return v.mapped if v.mapped <= RUNS_COUNTED else fmt.count_runs(_view(v.map))
 
     def _apply(self, rec: fmt.Record) -> None:
         op = rec[0]
@@ -204,8 +211,7 @@ class GroupState:
             _, vid, flags, blocks, origin, created, copy, name = rec
             n = self._clusters_of(blocks)
             if copy:
-                m = self._share(self.vols[origin], n)
-                mapped = int(np.count_nonzero(_view(m) >= 0))
+                m, mapped = self._share(self.vols[origin], n)
             else:
                 m, mapped = _unmapped(n), 0
             self.vols[vid] = _Vol(VolumeRecord(vid, name, Flag(flags), blocks, origin, created), m, mapped)
@@ -232,10 +238,10 @@ class GroupState:
         elif op == Op.ROLLBACK:
             _, vid, sid = rec
             v, snap = self.vols[vid], self.vols[sid]
-            m = self._share(snap, self._clusters_of(snap.rec.blocks))
+            m, mapped = self._share(snap, self._clusters_of(snap.rec.blocks))
             self._drop_all(v)
             v.map = m
-            v.mapped = int(np.count_nonzero(_view(m) >= 0))
+            v.mapped = mapped
             v.rec.blocks = snap.rec.blocks
         elif op == Op.RENAME:
             _, vid, name = rec
