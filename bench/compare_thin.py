@@ -214,21 +214,21 @@ def report(args: argparse.Namespace, results: dict[tuple[str, str], dict[str, li
         return x["iops"] / y["iops"] if x and y and y["iops"] else None
 
     marks = [
-        ("thin (fully written) / thick, 4K random read QD32, vsan bench", "4k-randread-qd32 vsan bench", "thin",
+        ("vsan bench: 4K random read QD32, thin (fully written) / thick", "4k-randread-qd32 vsan bench", "thin",
          "thick", 0.9),
-        ("thin (fully written) / thick, 4K random read QD32, iscsi-perf", "4k-randread-qd32 iscsi-perf", "thin",
+        ("iscsi-perf: 4K random read QD32, thin (fully written) / thick", "4k-randread-qd32 iscsi-perf", "thin",
          "thick", 0.9),
-        ("thin / thick, 4K random write QD32 to allocated clusters", "4k-randwrite-qd32 vsan bench", "thin",
+        ("vsan bench: 4K random write QD32 to allocated clusters, thin / thick", "4k-randwrite-qd32 vsan bench", "thin",
          "thick", 0.8),
-        ("first writes to unallocated clusters / thick, 4K QD32", "4k first writes qd32 qemu-img bench", "fresh",
+        ("qemu-img bench: 4K writes QD32, first writes to unallocated clusters / thick", "4k first writes qd32 qemu-img bench", "fresh",
          "thick", 0.3),
-        (f"{args.chain} snapshots / none, 4K random read QD32, vsan bench", "4k-randread-qd32 vsan bench", "chain",
+        (f"vsan bench: 4K random read QD32, {args.chain} snapshots / none", "4k-randread-qd32 vsan bench", "chain",
          "thin", 0.9),
-        (f"{args.chain} snapshots / none, 4K random read QD32, iscsi-perf", "4k-randread-qd32 iscsi-perf", "chain",
+        (f"iscsi-perf: 4K random read QD32, {args.chain} snapshots / none", "4k-randread-qd32 iscsi-perf", "chain",
          "thin", 0.9),
-        ("thick carved / plain RAM device, 4K random read QD32, vsan bench", "4k-randread-qd32 vsan bench", "thick",
+        ("vsan bench: 4K random read QD32, thick carved / plain RAM device", "4k-randread-qd32 vsan bench", "thick",
          PLAIN, None),
-        ("thick carved / plain RAM device, 4K random write QD32, vsan bench", "4k-randwrite-qd32 vsan bench", "thick",
+        ("vsan bench: 4K random write QD32, thick carved / plain RAM device", "4k-randwrite-qd32 vsan bench", "thick",
          PLAIN, None),
     ]
     rows = []

@@ -104,6 +104,19 @@ def test_compare_pool_smoke(tmp_path: Path) -> None:
     assert all(m["rss_beyond_shm_bytes"] > 0 for m in doc["memory"].values()), doc["memory"]
 
 
+def test_compare_thin_smoke(tmp_path: Path) -> None:
+    """Issue 14's benchmark: volumes carved from one RAM device (thin, thick, a chain of snapshots) beside a
+    plain RAM device, with vsan bench, iscsi-perf and qemu-img bench (about 40 s)."""
+    require("iscsi-readcapacity16", "iscsi-perf", "taskset", "qemu-img", "qemu-io")
+    doc = run_script("compare_thin.py", tmp_path / "thin.json", timeout=240)
+    assert len(doc["marks"]) == 8
+    for mark in doc["marks"]:
+        assert mark["ratio"] is not None and mark["ratio"] > 0, mark
+    assert set(doc["creation_seconds"]) == {"snapshot thin", "clone thin", "snapshot sparse", "clone sparse"}
+    assert all(0 < t < 5 for t in doc["creation_seconds"].values()), doc["creation_seconds"]
+    assert doc["reclaim"]["returned"] >= 0.95, doc["reclaim"]
+
+
 def test_compare_qos_smoke(tmp_path: Path) -> None:
     """Issue 11's A/B: one node, a plain RAM volume and one with a QoS layer never reached (about 15 s)."""
     require("iscsi-perf", "iscsi-readcapacity16", "taskset", "fio")
