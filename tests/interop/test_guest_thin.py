@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from test_guest_kernel import guest_reached, run_guest
+from test_guest_kernel import ISCSI_NODE, guest_reached, run_guest
 from vsan_harness import VSAN, VsanServer, run
 
 pytestmark = [pytest.mark.interop, pytest.mark.slow]
@@ -26,11 +26,7 @@ fail() { echo "@@FAIL $*"; exit 1; }
 modprobe -a iscsi_tcp sd_mod crc32c_generic ext4 || fail modprobe
 mkdir -p /run/lock/iscsi
 iscsid || fail iscsid
-iscsiadm -m discovery -t sendtargets -p $PORTAL > /tmp/disc || fail discovery
-IQN=$(awk '{print $2; exit}' /tmp/disc)
-[ -n "$IQN" ] || fail "no target discovered"
-iscsiadm -m node -T "$IQN" -p $PORTAL >/dev/null 2>&1 || iscsiadm -m node -o new -T "$IQN" -p $PORTAL >/dev/null
-iscsiadm -m node -T "$IQN" -p $PORTAL --login || fail login
+""" + ISCSI_NODE.lstrip("\n") + r"""iscsiadm -m node -T "$IQN" -p $PORTAL --login || fail login
 disks() { for b in /sys/class/iscsi_session/session*/device/target*/*/block/*; do [ -e "$b" ] && echo ${b##*/}; done; }
 for i in $(seq 100); do [ -n "$(disks)" ] && break; sleep 0.1; done
 DEV=/dev/$(disks | head -1)
