@@ -222,8 +222,9 @@ async def snapshot_command(node: Node, cmd: str, args: dict[str, Any]) -> Any:
             await g.snapshot(volume, name)
             return g.info(name)
         if cmd == "snapshot.list":
-            return [g.info(n) for n in g.names() if g.info(n)["kind"] == "snapshot"
-                    and (args.get("all") or _descends(g, n, volume))]
+            infos = {n: g.info(n) for n in g.names()}
+            return [i for n, i in infos.items() if i["kind"] == "snapshot"
+                    and (args.get("all") or _descends(infos, n, volume))]
         if cmd == "snapshot.delete":
             name = str(args["name"])
             _is_snapshot(g, name)
@@ -259,13 +260,13 @@ def _is_snapshot(g: VolumeGroup, name: str) -> None:
         raise RequestError(f"no snapshot {name!r} in this volume group; `vsan snapshot list` shows them")
 
 
-def _descends(g: VolumeGroup, name: str, volume: str) -> bool:
-    """Is snapshot `name` of `volume` (directly, or of a snapshot of it)?"""
+def _descends(infos: dict[str, dict[str, Any]], name: str, volume: str) -> bool:
+    """Is snapshot `name` of `volume` (directly, or of a snapshot of it)? `infos`: the group's, by name."""
     seen: set[str] = set()
-    origin = g.info(name)["origin"]
+    origin = infos[name]["origin"]
     while origin is not None and origin not in seen:
         if origin == volume:
             return True
         seen.add(origin)
-        origin = g.info(origin)["origin"] if origin in g.by_name else None
+        origin = infos[origin]["origin"] if origin in infos else None
     return False

@@ -30,7 +30,7 @@ from openvsan.frontend.busypoll import BusyPoll
 from openvsan.frontend.limits import ConnectionLimits, soft_fd_limit
 from openvsan.malloc import keep_large_buffers
 from openvsan.node.control import ControlServer, RequestError, socket_path
-from openvsan.node.groups import GroupSetupError, ServedGroups, snapshot_command
+from openvsan.node.groups import GroupSetupError, ServedGroups, home_of, snapshot_command
 from openvsan.node.plane import DataPlane
 from openvsan.node.pools import PoolSetupError, ServedPools, flush_and_close, why
 from openvsan.node.reconcile import Change, plan
@@ -306,7 +306,7 @@ class Node:
         """What a volume's stack stands on: its device or pool, or its place in their volume group (carved)."""
         if spec.carved:
             return await self.groups.volume(spec)
-        return self.base_of(f"pool {spec.pool}" if spec.pool is not None else f"device {spec.device}")
+        return self.base_of(home_of(spec))
 
     async def start_nvme(self, subsystems: list[Any], factory: Callable[..., Any] | None = None) -> None:
         """Start the NVMe/TCP server (at start, or when a running node gets its first subsystem: then the
@@ -895,7 +895,6 @@ class Node:
         if handler is None:
             raise RequestError(f"unknown command {cmd!r}")
         return await handler(self, args)
-
 
     def _soft_threshold(self, names: list[str]) -> None:
         """A volume group went above its soft threshold: its served volumes tell their initiators (SCSI: THIN
