@@ -54,24 +54,30 @@ def test_superblock_of_a_newer_version_raises() -> None:
 
 # ---- checkpoint
 
-def volumes() -> list[tuple[VolumeRecord, np.ndarray]]:
-    a = np.full(40, -1, dtype=np.int32)
+def entries(mapping: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A mapping's mapped entries as encode_checkpoint takes them (0: unmapped)."""
+    vcs = np.flatnonzero(mapping)
+    return vcs, mapping[vcs].astype(np.int64)
+
+
+def volumes() -> list[tuple[VolumeRecord, np.ndarray, np.ndarray]]:
+    a = np.zeros(40, dtype=np.int32)
     a[0:5] = np.arange(100, 105)
     a[7] = 3
     a[8:12] = np.arange(20, 24)
-    b = np.full(10, -1, dtype=np.int32)
-    return [(VolumeRecord(1, "a", Flag.THIN, 40 * 128, 0, 123), a),
-            (VolumeRecord(2, "snap-ü", Flag.THIN | Flag.SNAPSHOT | Flag.READ_ONLY, 40 * 128, 1, 456), a.copy()),
-            (VolumeRecord(3, "empty", Flag(0), 1280, 0, 789), b)]
+    b = np.zeros(10, dtype=np.int32)
+    return [(VolumeRecord(1, "a", Flag.THIN, 40 * 128, 0, 123), *entries(a)),
+            (VolumeRecord(2, "snap-ü", Flag.THIN | Flag.SNAPSHOT | Flag.READ_ONLY, 40 * 128, 1, 456), *entries(a)),
+            (VolumeRecord(3, "empty", Flag(0), 1280, 0, 789), *entries(b))]
 
 
 def test_runs_of_a_mapping() -> None:
-    m = np.array([-1, 5, 6, 7, 9, -1, 10, 11, 3], dtype=np.int32)
-    runs = fmt.runs_of(m)
+    m = np.array([0, 5, 6, 7, 9, 0, 10, 11, 3], dtype=np.int32)
+    runs = fmt.runs_of(*entries(m))
     assert runs.tolist() == [[1, 5, 3], [4, 9, 1], [6, 10, 2], [8, 3, 1]]
-    assert fmt.count_runs(m) == 4
-    assert fmt.count_runs(np.full(4, -1, dtype=np.int32)) == 0
-    assert fmt.runs_of(np.zeros(0, dtype=np.int32)).shape == (0, 3)
+    assert fmt.count_runs(*entries(m)) == 4
+    assert fmt.count_runs(*entries(np.zeros(4, dtype=np.int32))) == 0
+    assert fmt.runs_of(*entries(np.zeros(0, dtype=np.int32))).shape == (0, 3)
 
 
 def test_checkpoint_round_trips() -> None:
@@ -81,9 +87,9 @@ def test_checkpoint_round_trips() -> None:
     ck = fmt.decode_checkpoint(raw)
     assert ck is not None
     assert (ck.seq, ck.journal_base, ck.next_id) == (9, 1234, 4)
-    assert [rec for rec, _ in ck.volumes] == [rec for rec, _ in vols]
-    for (_, runs), (_, mapping) in zip(ck.volumes, vols, strict=True):
-        assert runs.tolist() == fmt.runs_of(mapping).tolist()
+    assert [rec for rec, _ in ck.volumes] == [rec for rec, _, _ in vols]
+    for (_, runs), (_, vcs, ps) in zip(ck.volumes, vols, strict=True):
+        assert runs.tolist() == fmt.runs_of(vcs, ps).tolist()
 
 
 @pytest.mark.parametrize("at", [0, 13, 20, fmt.CHECKPOINT_HEAD + 3, -1])

@@ -22,6 +22,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from openvsan.block import RamDevice
 from openvsan.volume.thin import GroupError, VolumeGroup
+from openvsan.volume.thin import state as thin_state
 
 BS = 512
 CS = 4096
@@ -36,6 +37,12 @@ def payload(tag: int, lba: int, blocks: int) -> bytes:
                     for i in range(blocks))
 
 
+def pages_of(v: Any) -> list[int]:
+    """Mapped entries per page of a volume's mapping, counted from the mapping."""
+    m = list(v.map)
+    return [sum(1 for p in m[i:i + thin_state.PAGE] if p) for i in range(0, len(m), thin_state.PAGE)]
+
+
 @dataclass
 class Model:
     blocks: int
@@ -48,6 +55,9 @@ class Model:
 class ThinModel(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
+        # pages of 4 mapping entries (not 1024): volumes here span many, most of them empty
+        self.saved_pages = thin_state.SHIFT, thin_state.PAGE
+        thin_state.SHIFT, thin_state.PAGE = 2, 4
         self.loop = asyncio.new_event_loop()
         self.dev = RamDevice(4 << 20 >> 9, BS)
         self.group = self.run(VolumeGroup.format(self.dev, cluster_size=CS, metadata_size=200 << 10))
@@ -60,6 +70,7 @@ class ThinModel(RuleBasedStateMachine):
         return self.loop.run_until_complete(coro)
 
     def teardown(self) -> None:
+        thin_state.SHIFT, thin_state.PAGE = self.saved_pages
         self.run(self.dev.close())
         self.loop.close()
 
@@ -256,16 +267,17 @@ class ThinModel(RuleBasedStateMachine):
     def sharing_matches(self) -> None:
         g = self.group
         to_p: dict[int, int] = {}
-        counts = [0] * g.clusters
+        counts = [0] * (g.clusters + 1)       # clusters are numbered from 1
         for name, m in self.model.items():
             v = g.vols[g.by_name[name]]
             assert len(v.map) == len(m.tokens), name
             for vc, (t, p) in enumerate(zip(m.tokens, v.map, strict=True)):
-                assert (t is None) == (p < 0), (name, vc)
+                assert (t is None) == (p == 0), (name, vc)
                 if t is not None:
                     assert to_p.setdefault(t, p) == p, (name, vc)
                     counts[p] += 1
             assert v.mapped == sum(t is not None for t in m.tokens), name
+            assert list(v.pages) == pages_of(v), name
             assert g.info(name)["mapped"] == v.mapped * CS
         assert len(set(to_p.values())) == len(to_p)          # one cluster per token
         assert g.used == len(to_p) == g.space()["used"] // CS

@@ -91,9 +91,9 @@ class LogicalVolume:
         if off + blocks > cb or self._read_now is None:
             return None
         p = self.vol.map[vc]
-        if p < 0:
+        if not p:
             return bytes(blocks * self.block_size)
-        data = self._read_now(g.data_lba + p * cb + off, blocks)
+        data = self._read_now(g.lba0 + p * cb + off, blocks)
         # a lent view could outlive the cluster's time in this volume (unmapped and given to another before
         # the send is done): the bytes go out as a copy
         return bytes(data) if isinstance(data, memoryview) else data
@@ -106,9 +106,9 @@ class LogicalVolume:
         if off + len(data) // self.block_size > cb or self._write_now is None or v.hold is not None:
             return False
         p = v.map[vc]
-        if p < 0 or g.ref[p] != 1 or g._pin[p] or p in g._fresh or vc in v.provisioning or not v.writable:
+        if not p or g.ref[p] != 1 or g._pin[p] or p in g._fresh or vc in v.provisioning or not v.writable:
             return False
-        return bool(self._write_now(g.data_lba + p * cb + off, data))
+        return bool(self._write_now(g.lba0 + p * cb + off, data))
 
     async def close(self) -> None:
         """The volume stays in its group; the group closes with the node."""

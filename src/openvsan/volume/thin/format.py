@@ -10,6 +10,9 @@ byte 8192          checkpoint slot 0                 the whole mapping state, wr
 data_offset        data clusters (cluster-aligned)
 ```
 
+Physical clusters are numbered from 1: cluster p lies at data_offset + (p - 1) * cluster_size, and 0 in a
+mapping means unmapped (so a mapping in memory starts as zeros, pages the kernel lends until written).
+
 A checkpoint holds every volume (id, name, flags, size, origin, creation time) and its mapping as runs
 (virtual cluster, physical cluster, length). It names `journal_base`: the journal block at position i after
 it must carry sequence number journal_base + i, so a block left by an older checkpoint or by a commit that
@@ -35,7 +38,7 @@ import numpy as np
 SUPER_MAGIC = b"OVSNVGRP"
 CHECKPOINT_MAGIC = b"OVSNVGCK"
 JOURNAL_MAGIC = 0x4C4E524A   # "JRNL"
-VERSION = 1
+VERSION = 2   # 2: physical clusters numbered from 1 (0 in a mapping: unmapped)
 META_BLOCK = 4096            # superblock copies, slot and journal block unit
 SUPER_COPIES = 2
 MAX_NAME = 64                # bytes of UTF-8 in a volume or snapshot name
@@ -119,28 +122,25 @@ class VolumeRecord:
     created: int      # unix ns
 
 
-def runs_of(mapping: np.ndarray) -> np.ndarray:
-    """(virtual, physical, length) runs of a mapping array (physical cluster per virtual one, -1: none)."""
-    v = np.flatnonzero(mapping >= 0)
-    if not len(v):
+def runs_of(vcs: np.ndarray, ps: np.ndarray) -> np.ndarray:
+    """(virtual, physical, length) runs of a mapping given as its mapped entries: virtual clusters in
+    ascending order and the physical cluster of each (state.entries gives them)."""
+    if not len(vcs):
         return np.zeros((0, 3), dtype="<u4")
-    p = mapping[v].astype(np.int64)
-    breaks = np.flatnonzero((np.diff(v) != 1) | (np.diff(p) != 1)) + 1
+    breaks = np.flatnonzero((np.diff(vcs) != 1) | (np.diff(ps) != 1)) + 1
     starts = np.concatenate(([0], breaks))
-    ends = np.concatenate((breaks, [len(v)]))
+    ends = np.concatenate((breaks, [len(vcs)]))
     out = np.empty((len(starts), 3), dtype="<u4")
-    out[:, 0] = v[starts]
-    out[:, 1] = p[starts]
+    out[:, 0] = vcs[starts]
+    out[:, 1] = ps[starts]
     out[:, 2] = ends - starts
     return out
 
 
-def count_runs(mapping: np.ndarray) -> int:
-    v = np.flatnonzero(mapping >= 0)
-    if not len(v):
+def count_runs(vcs: np.ndarray, ps: np.ndarray) -> int:
+    if not len(vcs):
         return 0
-    p = mapping[v].astype(np.int64)
-    return 1 + int(np.count_nonzero((np.diff(v) != 1) | (np.diff(p) != 1)))
+    return 1 + int(np.count_nonzero((np.diff(vcs) != 1) | (np.diff(ps) != 1)))
 
 
 RUN_BYTES = 12
@@ -148,11 +148,12 @@ VOLUME_BYTES = _VOL.size + MAX_NAME + 4   # a volume's entry at most, without it
 
 
 def encode_checkpoint(seq: int, journal_base: int, next_id: int,
-                      volumes: list[tuple[VolumeRecord, np.ndarray]]) -> bytes:
+                      volumes: list[tuple[VolumeRecord, np.ndarray, np.ndarray]]) -> bytes:
+    """`volumes`: each volume's record and its mapped entries (virtual clusters ascending, physical ones)."""
     parts = []
-    for rec, mapping in volumes:
+    for rec, vcs, ps in volumes:
         name = rec.name.encode()
-        runs = runs_of(mapping)
+        runs = runs_of(vcs, ps)
         parts.append(_VOL.pack(rec.id, int(rec.flags), rec.blocks, rec.origin, rec.created, len(name)))
         parts.append(name)
         parts.append(struct.pack("<I", len(runs)))

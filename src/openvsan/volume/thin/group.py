@@ -3,7 +3,7 @@
 volumes; the mappings in memory are in state.py, their commits and checkpoints in store.py, reads and
 writes in io.py, the on-disk format in format.py.
 
-Every volume has its own mapping (virtual cluster -> physical cluster, -1: unmapped) and every physical
+Every volume has its own mapping (virtual cluster -> physical cluster, from 1; 0: unmapped) and every physical
 cluster a reference count; a snapshot or clone copies its origin's mapping and shares the clusters (a write to
 a shared cluster copies it first), so a read costs one lookup however long the chain of snapshots is.
 
@@ -38,7 +38,7 @@ from openvsan.volume.thin import format as fmt
 from openvsan.volume.thin.device import LogicalVolume
 from openvsan.volume.thin.format import Flag, Op, Superblock
 from openvsan.volume.thin.io import GroupIO
-from openvsan.volume.thin.state import _view, _Vol
+from openvsan.volume.thin.state import _view, _Vol, entries
 
 log = logging.getLogger("openvsan.volume.thin")
 
@@ -121,8 +121,8 @@ class VolumeGroup(GroupIO):
         group = cls(dev, sb)
         group.journal_base = 1
         if group._cheap_zero:   # the data area reads zero (no transfer): first writes carry only their blocks
-            await dev.write_zeroes(group.data_lba, clusters * group.cluster_blocks)
-            group._zeroed[:] = b"\x01" * clusters
+            await dev.write_zeroes(group.lba0 + group.cluster_blocks, clusters * group.cluster_blocks)
+            group._zeroed[1:] = b"\x01" * clusters
         await group._checkpoint_now()
         raw = sb.encode()
         await dev.write(0, raw * fmt.SUPER_COPIES)
@@ -212,14 +212,14 @@ class VolumeGroup(GroupIO):
 
     async def _provision_all(self, v: _Vol, start: int, stop: int) -> None:
         """Map every unmapped cluster of v in [start, stop) to a zeroed private one (thick volumes)."""
-        todo = [vc for vc in range(start, stop) if v.map[vc] < 0]
+        todo = (np.flatnonzero(_view(v.map)[start:stop] == 0) + start).tolist()
         got: list[int] = []
         try:
             for _ in todo:
                 got.append(self._alloc())
             cb = self.cluster_blocks
             for _, p0, length in _runs(todo, got):
-                await self.dev.write_zeroes(self.data_lba + p0 * cb, length * cb)
+                await self.dev.write_zeroes(self.lba0 + p0 * cb, length * cb)
             await self.dev.flush()
         finally:
             self._busy.difference_update(got)
@@ -280,19 +280,19 @@ class VolumeGroup(GroupIO):
             raise GroupError(f"{name!r} is a snapshot; decouple a writable volume (a clone)")
         bs, cb = self.block_size, self.cluster_blocks
         copied = allocated = 0
-        for vc in range(len(v.map)):
+        for vc in range(len(v.map)) if allocate else entries(v)[0].tolist():
             p = v.map[vc]
-            if not (p >= 0 and self.ref[p] > 1) and not (p < 0 and allocate):
+            if not (p and self.ref[p] > 1) and not (not p and allocate):
                 continue
             await self._enter(v)
             try:
                 while (busy := v.provisioning.get(vc)) is not None:
                     await busy.wait()
                 p = v.map[vc]
-                if p >= 0 and self.ref[p] > 1:
+                if p and self.ref[p] > 1:
                     await self._provision(v, vc, 0, b"")          # the shared copy, nothing merged in
                     copied += 1
-                elif p < 0 and allocate:
+                elif not p and allocate:
                     await self._provision(v, vc, 0, bytes(cb * bs))
                     allocated += 1
             finally:
@@ -356,8 +356,8 @@ class VolumeGroup(GroupIO):
             n = self._clusters_of(blocks)
             cb = self.cluster_blocks
             if blocks < v.rec.blocks and not force:
-                beyond = bool(np.count_nonzero(_view(v.map)[n:] >= 0))
-                if beyond or blocks % cb and v.map[n - 1] >= 0:
+                vcs = entries(v)[0]
+                if len(vcs) and vcs[-1] >= n or blocks % cb and v.map[n - 1]:
                     raise GroupError(f"shrinking {name!r} to {size} bytes would drop data mapped beyond that; "
                                      "unmap it first or force")
             need = n - len(v.map) if not v.thin else 0
@@ -398,8 +398,7 @@ class VolumeGroup(GroupIO):
 
     def info(self, name: str) -> dict[str, Any]:
         v = self._vol(name)
-        m = _view(v.map)
-        mapped = m[m >= 0]
+        mapped = entries(v)[1]
         exclusive = int(np.count_nonzero(_view(self.ref)[mapped] == 1)) if len(mapped) else 0
         origin = self.vols.get(v.rec.origin)
         cs = self.sb.cluster_size

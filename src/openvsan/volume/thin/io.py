@@ -63,11 +63,11 @@ class GroupIO(GroupStore):
             lba += n
 
     async def read(self, v: _Vol, lba: int, blocks: int) -> Buffer:
-        bs, cb, dlba = self.block_size, self.cluster_blocks, self.data_lba
+        bs, cb, dlba = self.block_size, self.cluster_blocks, self.lba0
         vc, off = divmod(lba, cb)
         if off + blocks <= cb:   # one cluster: the device's own buffer, as it came
             p = v.map[vc]
-            if p < 0:
+            if not p:
                 return bytes(blocks * bs)
             self._guard(p)
             try:
@@ -78,7 +78,7 @@ class GroupIO(GroupStore):
         at = 0
         for vc, off, n in self._segments(lba, blocks):
             p = v.map[vc]
-            if p >= 0:
+            if p:
                 self._guard(p)
                 try:
                     out[at:at + n * bs] = await self.dev.read(dlba + p * cb + off, n)
@@ -94,13 +94,13 @@ class GroupIO(GroupStore):
         try:
             bs = self.block_size
             view = memoryview(data).cast("B") if not isinstance(data, memoryview) else data
-            cb, dlba, ref, pin = self.cluster_blocks, self.data_lba, self.ref, self._pin
+            cb, dlba, ref, pin = self.cluster_blocks, self.lba0, self.ref, self._pin
             at = 0
             for vc, off, n in self._segments(lba, len(view) // bs):
                 chunk = view[at:at + n * bs]
                 at += n * bs
                 p = v.map[vc]
-                if p >= 0 and ref[p] == 1 and not pin[p] and vc not in v.provisioning:   # in place
+                if p and ref[p] == 1 and not pin[p] and vc not in v.provisioning:   # in place
                     self._guard(p)
                     try:
                         await self.dev.write(dlba + p * cb + off, chunk)
@@ -116,7 +116,7 @@ class GroupIO(GroupStore):
     async def _write_cluster(self, v: _Vol, vc: int, off: int, n: int, chunk: memoryview | None) -> None:
         """Write n blocks at `off` of virtual cluster vc (zeros when chunk is None: then a thin volume's
         unmapped cluster stays so, and one in place is zeroed without data). The caller holds _enter."""
-        cb, dlba = self.cluster_blocks, self.data_lba
+        cb, dlba = self.cluster_blocks, self.lba0
         committed = False
         while True:
             busy = v.provisioning.get(vc)
@@ -124,7 +124,7 @@ class GroupIO(GroupStore):
                 await busy.wait()
                 continue
             p = v.map[vc]
-            if p >= 0 and self.ref[p] == 1 and not (self._pin[p] and committed):
+            if p and self.ref[p] == 1 and not (self._pin[p] and committed):
                 if self._pin[p]:
                     # the committed mapping may still give p to another volume, or to a snapshot: commit
                     # first (should it stay pinned, a read of it still under way, the write copies it)
@@ -139,14 +139,14 @@ class GroupIO(GroupStore):
                         await self.dev.write(dlba + p * cb + off, chunk)
                 finally:
                     self._unguard(p)
-            elif chunk is not None or p >= 0 or not v.thin:
+            elif chunk is not None or p or not v.thin:
                 await self._provision(v, vc, off, chunk if chunk is not None else bytes(n * self.block_size))
             return
 
     async def _provision(self, v: _Vol, vc: int, off: int, chunk: memoryview | bytes) -> None:
         """A write to an unmapped or shared cluster: a new cluster gets the old contents (zeros or the shared
         copy) with the write merged in; then, written, it replaces the old one in the mapping."""
-        bs, cb, dlba = self.block_size, self.cluster_blocks, self.data_lba
+        bs, cb, dlba = self.block_size, self.cluster_blocks, self.lba0
         old = v.map[vc]
         self._admit(2)
         new = self._alloc()
@@ -159,13 +159,13 @@ class GroupIO(GroupStore):
         try:
             if off == 0 and len(chunk) == cb * bs:
                 buf: Buffer = chunk
-            elif old < 0 and (zeroed or self._cheap_zero):
+            elif not old and (zeroed or self._cheap_zero):
                 # a cluster that reads zero gets only the write's blocks
                 if not zeroed:
                     await self.dev.write_zeroes(dlba + new * cb, cb)
                 buf, at = chunk, dlba + new * cb + off
             else:
-                if old >= 0:
+                if old:
                     self._guard(old)
                     try:
                         full = bytearray(await self.dev.read(dlba + old * cb, cb))
@@ -208,7 +208,7 @@ class GroupIO(GroupStore):
                 if not waits:
                     break
                 await asyncio.gather(*(w.wait() for w in waits))
-            if np.count_nonzero(_view(v.map)[first:last] >= 0):
+            if np.any(_view(v.map)[first:last]):
                 self._admit(1, reserve=False)
                 self._do((Op.UNMAP, v.rec.id, first, last - first))
         finally:
@@ -230,7 +230,7 @@ class GroupIO(GroupStore):
         cb = self.cluster_blocks
         end = min(lba + blocks, v.rec.blocks)
         first, last = lba // cb, -(-end // cb)
-        state = (_view(v.map)[first:last] < 0).astype(np.int8)
+        state = (_view(v.map)[first:last] == 0).astype(np.int8)
         if not len(state) or lba >= end:
             return []
         breaks = np.flatnonzero(np.diff(state)) + 1

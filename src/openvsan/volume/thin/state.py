@@ -1,16 +1,23 @@
-"""The in-memory state of a volume group: every volume's mapping (virtual cluster -> physical cluster, -1:
-unmapped), the reference count of every physical cluster, and `_apply`, the one place where a logical record
+"""The in-memory state of a volume group: every volume's mapping (virtual cluster -> physical cluster, 0:
+unmapped; physical clusters are numbered from 1), the reference count of every physical cluster, and `_apply`, the one place where a logical record
 (format.Op) changes them, for the live path and the replay alike. Cluster allocation and the admission of
 metadata growth live here too; store.py makes the state durable, io.py reads and writes through it.
 
 Two rules keep a crash from showing one volume's data in another (dm-thin's): a cluster whose last reference
 went is not handed out again before that change is committed (`_busy` until `_release`), and a cluster whose
 references fell to one is not written in place before that change is committed (`_pin`): the committed
-mapping may still give it to a volume (or a snapshot) that in memory no longer has it."""
+mapping may still give it to a volume (or a snapshot) that in memory no longer has it.
+
+A mapping lives in anonymous memory (mmap) that starts as zeros: pages never written are the kernel's shared
+zero page, so a sparse volume's mapping costs memory for what it maps only. Each volume counts its mapped
+entries per page of its mapping (`pages`): a snapshot, a clone, a delete or a checkpoint visits the pages
+that map something, so their cost follows what is mapped, not the volume's size (a snapshot of a sparse
+100 GiB volume takes well under a millisecond)."""
 
 from __future__ import annotations
 
 import asyncio
+import mmap
 from array import array
 from collections import deque
 from dataclasses import dataclass, field
@@ -30,12 +37,15 @@ RUNS_COUNTED = 1 << 16          # a volume with more mapped clusters has its run
 RUN_RESERVE = 2048               # checkpoint runs kept for unmaps and deletes (space can always be freed)
 CANDIDATES = 4096                # free clusters found per scan of the reference counts
 SCAN = 1 << 20                   # reference counts looked at per step of a scan
+SHIFT = 10
+PAGE = 1 << SHIFT                # mapping entries per 4 KiB page of memory (the unit `pages` counts)
 
 
 @dataclass(eq=False)
 class _Vol:
     rec: VolumeRecord
-    map: array[int]          # 'i': physical cluster per virtual cluster, -1: unmapped
+    map: memoryview          # 'i': physical cluster per virtual cluster, 0: unmapped (new_map)
+    pages: array[int]        # 'i': mapped entries per PAGE of map
     mapped: int = 0          # clusters mapped
     inflight: int = 0        # writes and unmaps under way (a snapshot drains them)
     idle: asyncio.Event | None = None
@@ -52,14 +62,49 @@ class _Vol:
         self.writable = not self.rec.flags & (Flag.SNAPSHOT | Flag.READ_ONLY)
 
 
-def _view(a: array[int]) -> np.ndarray:
-    """The array's memory as numpy (shared, not copied): int32 for a mapping, uint32 for reference counts."""
-    dtype = np.int32 if a.typecode == "i" else np.uint32
+def _view(a: array[int] | memoryview) -> np.ndarray:
+    """The memory as numpy (shared, not copied): int32 for a mapping or page counts, uint32 for references."""
+    dtype = np.uint32 if isinstance(a, array) and a.typecode == "I" else np.int32
     return np.frombuffer(a, dtype=dtype) if len(a) else np.zeros(0, dtype=dtype)
 
 
-def _unmapped(n: int) -> array[int]:
-    return array("i", b"\xff" * 4 * n)
+def new_map(n: int) -> memoryview:
+    """n unmapped entries: a small mapping in the heap, a larger one in fresh anonymous memory (none of whose
+    pages is touched; a mapping of its own keeps a thousand small snapshots from taking a thousand of them)."""
+    return memoryview(mmap.mmap(-1, 4 * n) if n >= 4 * PAGE else bytearray(4 * n)).cast("i")
+
+
+def _pages_of(n: int) -> int:
+    return -(-n // PAGE)
+
+
+def entries(v: _Vol, stop: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """v's mapped entries below `stop`: (virtual clusters ascending, their physical clusters), int64. Only
+    pages that map something are read when they are few."""
+    m = _view(v.map)
+    n = len(m) if stop is None else min(stop, len(m))
+    used = np.flatnonzero(_view(v.pages)[:_pages_of(n)])
+    if 4 * len(used) >= _pages_of(n):
+        vcs = np.flatnonzero(m[:n])
+    else:
+        at = (used[:, None] * PAGE + np.arange(PAGE)).ravel()
+        at = at[at < n]
+        vcs = at[m[at] != 0]
+    return vcs, m[vcs].astype(np.int64)
+
+
+def _blank(n: int) -> tuple[memoryview, array[int]]:
+    """A mapping of n unmapped entries and its page counts."""
+    return new_map(n), array("i", bytes(4 * _pages_of(n)))
+
+
+def _filled(n: int, vcs: np.ndarray, ps: np.ndarray) -> tuple[memoryview, array[int]]:
+    """A mapping of n entries with these mapped (virtual clusters below n), and its page counts."""
+    m, pages = _blank(n)
+    if len(vcs):
+        _view(m)[vcs] = ps
+        _view(pages)[:] = np.bincount(vcs >> SHIFT, minlength=len(pages))
+    return m, pages
 
 
 class GroupState:
@@ -68,9 +113,10 @@ class GroupState:
         self.sb = sb
         self.block_size = dev.block_size
         self.cluster_blocks = sb.cluster_size // dev.block_size
-        self.data_lba = sb.data_offset // dev.block_size
+        # where cluster 0 would begin: cluster p (from 1) is at lba0 + p * cluster_blocks
+        self.lba0 = sb.data_offset // dev.block_size - self.cluster_blocks
         self.clusters = sb.clusters
-        self.ref: array[int] = array("I", bytes(4 * sb.clusters))
+        self.ref: array[int] = array("I", bytes(4 * (sb.clusters + 1)))    # [0]: unused (0 is "unmapped")
         self.vols: dict[int, _Vol] = {}
         self.by_name: dict[str, int] = {}
         self.next_id = 1
@@ -78,19 +124,19 @@ class GroupState:
         self._busy: set[int] = set()        # free clusters not to hand out: frees not committed, being provisioned
         self._io: dict[int, int] = {}       # physical cluster -> reads and writes of it under way
         self._cands: deque[int] = deque()
-        self._cursor = 0
+        self._cursor = 1
         self._replaying = False
         # records in memory order are numbered from 1; [committed, appended] are not yet in the journal
         self._appended = 0
         self._committed = 0
         self._frees: list[tuple[int, int]] = []      # (record number that freed it, physical cluster)
         self._fresh: dict[int, int] = {}             # physical cluster -> record number that mapped it
-        self._pin = bytearray(sb.clusters)           # 1: its references fell to one, not yet committed
+        self._pin = bytearray(sb.clusters + 1)           # 1: its references fell to one, not yet committed
         # 1: reads zero and was never handed out since (the data area zeroed at format); a first write to part
         # of it writes only its own blocks. Where zeroing costs no transfer (capabilities.write_zeroes, RAM
         # pages dropped, a file's hole punched) a cluster not known zero is zeroed that way first; elsewhere
         # the write carries the whole cluster, the rest as zeros
-        self._zeroed = bytearray(sb.clusters)
+        self._zeroed = bytearray(sb.clusters + 1)
         self.alloc_zeroed = False                    # whether the cluster _alloc gave last was known zero
         caps = dev.capabilities
         self._cheap_zero = caps.write_zeroes and caps.unmap_reads_zero
@@ -110,10 +156,11 @@ class GroupState:
         if self.ref[p] == 0:
             self.used += 1
         self.ref[p] += 1
-        if old < 0:
-            v.mapped += 1
-        else:
+        if old:
             self._unref(old)
+        else:
+            v.mapped += 1
+            v.pages[vc >> SHIFT] += 1
 
     def _unref(self, p: int) -> None:
         left = self.ref[p] - 1
@@ -149,18 +196,18 @@ class GroupState:
     def _drop_range(self, v: _Vol, start: int, stop: int) -> None:
         """Virtual clusters [start, stop) of v become unmapped."""
         m = _view(v.map)[start:stop]
-        at = np.flatnonzero(m >= 0)
+        at = np.flatnonzero(m)
         if not len(at):
             return
         gone = m[at].astype(np.int64)
-        m[at] = -1
+        m[at] = 0
         v.mapped -= len(at)
+        np.subtract.at(_view(v.pages), (at + start) >> SHIFT, 1)
         self._drop(gone)
 
     def _drop_all(self, v: _Vol) -> None:
         """Every cluster of v's mapping loses v's reference (delete, rollback)."""
-        m = _view(v.map)
-        self._drop(m[m >= 0].astype(np.int64))
+        self._drop(entries(v)[1])
         v.mapped = 0
 
     def _map_run(self, v: _Vol, vc: int, p: int, n: int) -> None:
@@ -174,34 +221,34 @@ class GroupState:
         ref = _view(self.ref)
         self.used += int(np.count_nonzero(ref[p:p + n] == 0))
         ref[p:p + n] += 1
-        was = old >= 0
-        v.mapped += n - int(np.count_nonzero(was))
+        was = old != 0
+        new = np.flatnonzero(~was)
+        v.mapped += len(new)
+        np.add.at(_view(v.pages), (new + vc) >> SHIFT, 1)
         self._drop(old[was].astype(np.int64))
 
-    def _share(self, src: _Vol, clusters: int) -> tuple[array[int], int]:
-        """A copy of src's mapping, `clusters` long, every mapped cluster of it one reference more; and how
-        many are mapped. One memory copy of the map and one pass over it: a snapshot of a 100 GiB volume at
-        64 KiB clusters (1.6 M entries) takes a few ms."""
-        m = src.map[:clusters]            # an array slice: a copy
-        if len(m) < clusters:
-            m.extend(_unmapped(clusters - len(m)))
-        mv = _view(m)
-        mapped = mv[mv >= 0]
-        if len(mapped):
-            ref = _view(self.ref)
-            ref[mapped] += 1   # a mapping names a physical cluster once, so no index repeats
+    def _share(self, src: _Vol, clusters: int) -> tuple[memoryview, array[int], int]:
+        """A copy of src's mapping, `clusters` long, every mapped cluster of it one reference more; its page
+        counts and how many are mapped. It visits the pages of src that map something only."""
+        vcs, ps = entries(src, clusters)
+        m, pages = _filled(clusters, vcs, ps)
+        if len(ps):
+            _view(self.ref)[ps] += 1   # a mapping names a physical cluster once, so no index repeats
         self._runs_bound += self._runs_of(src)
-        return m, len(mapped)
+        return m, pages, len(ps)
 
     def _runs_of(self, v: _Vol) -> int:
         """Runs v's map has, at most: its mapped clusters when few (no pass over the map), else counted."""
-        return v.mapped if v.mapped <= RUNS_COUNTED else fmt.count_runs(_view(v.map))
+        return v.mapped if v.mapped <= RUNS_COUNTED else fmt.count_runs(*entries(v))
 
     def _apply(self, rec: fmt.Record) -> None:
         op = rec[0]
         if op == Op.MAP:
             _, vid, vc, p, n = rec
-            self._map_run(self.vols[vid], vc, p, n)
+            v = self.vols[vid]
+            if p < 1 or p + n - 1 > self.clusters or vc + n > len(v.map):
+                raise fmt.FormatError(f"a mapping of volume {v.rec.name} beyond its size or the group")
+            self._map_run(v, vc, p, n)
             self._runs_bound += 2     # a run put into another splits it in two at most
         elif op == Op.UNMAP:
             _, vid, vc, n = rec
@@ -211,10 +258,10 @@ class GroupState:
             _, vid, flags, blocks, origin, created, copy, name = rec
             n = self._clusters_of(blocks)
             if copy:
-                m, mapped = self._share(self.vols[origin], n)
+                m, pages, mapped = self._share(self.vols[origin], n)
             else:
-                m, mapped = _unmapped(n), 0
-            self.vols[vid] = _Vol(VolumeRecord(vid, name, Flag(flags), blocks, origin, created), m, mapped)
+                (m, pages), mapped = _blank(n), 0
+            self.vols[vid] = _Vol(VolumeRecord(vid, name, Flag(flags), blocks, origin, created), m, pages, mapped)
             self.by_name[name] = vid
             self.next_id = max(self.next_id, vid + 1)
         elif op == Op.DELETE:
@@ -222,26 +269,23 @@ class GroupState:
             del self.by_name[v.rec.name]
             self._drop_all(v)
             # a handle kept on it reads zeros, not clusters that other volumes get next
-            v.map = _unmapped(len(v.map))
+            v.map, v.pages = _blank(len(v.map))
             v.deleted = True
         elif op == Op.RESIZE:
             _, vid, blocks = rec
             v = self.vols[vid]
             n = self._clusters_of(blocks)
-            # a new array, not this one resized: a numpy view of it may be alive somewhere (BufferError)
+            # a new mapping, not this one resized: a numpy view of it may be alive somewhere
             if n < len(v.map):
                 self._drop_range(v, n, len(v.map))
-                v.map = v.map[:n]
-            else:
-                v.map = v.map + _unmapped(n - len(v.map))
+            v.map, v.pages = _filled(n, *entries(v, n))
             v.rec.blocks = blocks
         elif op == Op.ROLLBACK:
             _, vid, sid = rec
             v, snap = self.vols[vid], self.vols[sid]
-            m, mapped = self._share(snap, self._clusters_of(snap.rec.blocks))
+            m, pages, mapped = self._share(snap, self._clusters_of(snap.rec.blocks))
             self._drop_all(v)
-            v.map = m
-            v.mapped = mapped
+            v.map, v.pages, v.mapped = m, pages, mapped
             v.rec.blocks = snap.rec.blocks
         elif op == Op.RENAME:
             _, vid, name = rec
@@ -258,7 +302,7 @@ class GroupState:
         return (self.sb.slot_size - fmt.CHECKPOINT_HEAD - volumes * fmt.VOLUME_BYTES) // fmt.RUN_BYTES
 
     def _recount(self) -> None:
-        self._runs_bound = sum(fmt.count_runs(_view(v.map)) for v in self.vols.values())
+        self._runs_bound = sum(fmt.count_runs(*entries(v)) for v in self.vols.values())
 
     def _admit(self, runs: int, *, volumes: int = 0, reserve: bool = True) -> None:
         """Room in the checkpoint for `runs` more runs (and `volumes` more volumes), else NoSpace. A change
@@ -297,7 +341,7 @@ class GroupState:
         """Candidates for _alloc: free clusters from the cursor on (wrapping round), busy ones left out."""
         ref = _view(self.ref)
         busy = np.fromiter(self._busy, dtype=np.int64, count=len(self._busy)) if self._busy else None
-        for start, stop in ((self._cursor, self.clusters), (0, self._cursor)):
+        for start, stop in ((self._cursor, self.clusters + 1), (1, self._cursor)):
             for at in range(start, stop, SCAN):
                 free = np.flatnonzero(ref[at:min(stop, at + SCAN)] == 0) + at
                 if busy is not None and len(free):
@@ -306,7 +350,7 @@ class GroupState:
                 if len(free):
                     cands = free[:CANDIDATES].tolist()
                     self._cands.extend(cands)
-                    self._cursor = (cands[-1] + 1) % self.clusters
+                    self._cursor = cands[-1] + 1 if cands[-1] < self.clusters else 1
                     return True
         return False
 

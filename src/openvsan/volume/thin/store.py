@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from array import array
 
 import numpy as np
 
@@ -16,7 +15,7 @@ from openvsan.block.device import BlockDevice
 from openvsan.block.errors import DeviceFailed, NoSpace
 from openvsan.volume.thin import format as fmt
 from openvsan.volume.thin.format import Superblock
-from openvsan.volume.thin.state import GroupState, _view, _Vol
+from openvsan.volume.thin.state import GroupState, _filled, _view, _Vol, entries
 
 log = logging.getLogger("openvsan.volume.thin")
 
@@ -79,14 +78,19 @@ class GroupStore(GroupState):
         ref = _view(self.ref)
         for rec, runs in ck.volumes:
             n = self._clusters_of(rec.blocks)
-            m = np.full(n, -1, dtype=np.int32)
+            vcs, ps = [], []
             for v, p, length in runs.tolist():
-                if v + length > n or p + length > self.clusters:
+                if v + length > n or p < 1 or p + length - 1 > self.clusters:
                     raise fmt.FormatError(f"volume {rec.name}: a mapping beyond its size or the group")
-                m[v:v + length] = np.arange(p, p + length, dtype=np.int32)
-            mapped = m[m >= 0]
-            np.add.at(ref, mapped, 1)
-            self.vols[rec.id] = _Vol(rec, array("i", m.tobytes()), len(mapped))
+                vcs.append(np.arange(v, v + length, dtype=np.int64))
+                ps.append(np.arange(p, p + length, dtype=np.int64))
+            vc, pc = (np.concatenate(vcs), np.concatenate(ps)) if vcs else (np.zeros(0, np.int64),) * 2
+            order = np.argsort(vc, kind="stable")     # runs come in order; a damaged list must not matter
+            vc, pc = vc[order], pc[order]
+            if len(vc) > 1 and not np.all(np.diff(vc)):
+                raise fmt.FormatError(f"volume {rec.name}: runs of its mapping overlap")
+            np.add.at(ref, pc, 1)
+            self.vols[rec.id] = _Vol(rec, *_filled(n, vc, pc), len(pc))
             self.by_name[rec.name] = rec.id
         self.used = int(np.count_nonzero(ref))
 
@@ -202,7 +206,7 @@ class GroupStore(GroupState):
     async def _checkpoint_now(self, mine: int = 0) -> None:
         upto = self._appended
         seq, base = self.ck_seq + 1, self.journal_base + max(self.journal_cap, 1)
-        body = fmt.encode_checkpoint(seq, base, self.next_id, [(v.rec, _view(v.map)) for v in self.vols.values()])
+        body = fmt.encode_checkpoint(seq, base, self.next_id, [(v.rec, *entries(v)) for v in self.vols.values()])
         if len(body) > self.sb.slot_size:   # _admit keeps this from happening
             raise NoSpace(f"volume group {self.sb.uuid}: checkpoint of {len(body)} bytes exceeds its slot")
         await self.dev.flush()
