@@ -8,7 +8,6 @@ refuses I/O with ANA inaccessible (NVMe path status), the primary's serves it.""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import os
 import random
@@ -16,14 +15,11 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
-from etcd_cluster import EtcdCluster
 from history import check_identical
-from replica_nodes import ReplicaCluster
+from replica_nodes import two_nodes
 
 from openvsan.initiator.nvme_tcp import AnaPathError, NvmeOptions, NvmeTcpInitiator
 from openvsan.replication.peer import PeerFenced, connect_peer, replica_nqn
@@ -31,23 +27,6 @@ from openvsan.replication.peer import PeerFenced, connect_peer, replica_nqn
 BS = 512
 REGION = 1 << 20
 BLOCKS_PER_WRITE = 8
-
-
-@contextlib.contextmanager
-def two_nodes(tmp_path: Path, **kw: Any) -> Iterator[ReplicaCluster]:
-    """Replica nodes a and b (`vsan serve` each) and a one-member etcd, started, with the primary connected to
-    its peer and both in sync (a node elected before the other listens marks it out of sync at the first
-    write, and a test that kills the primary then has no replica to fail over to); stopped after."""
-    with EtcdCluster(tmp_path / "etcd", ["e1"]) as etcd:
-        cluster = ReplicaCluster(tmp_path, etcd.endpoints, ["a", "b"], **kw)
-        try:
-            cluster.start_all()
-            cluster.wait_primary()
-            cluster.wait_in_sync()
-            yield cluster
-        finally:
-            cluster.stop_all()
-            cluster.close()
 
 
 def block(tag: bytes, lba: int) -> bytes:

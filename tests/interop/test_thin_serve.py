@@ -131,6 +131,13 @@ def test_snapshots_export_read_only_roll_back_and_clone(vsan: Callable[..., Vsan
     # roll back: the volume is the snapshot again (its initiator's next reads see it)
     vsan_cli(server, "snapshot", "rollback", "disk0", "before")
     qemu_io(url, "read -P 0xa1 0 2M", "read -P 0 2M 1M")
+    # a clone nobody serves is deleted as a snapshot is; a served one is refused
+    vsan_cli(server, "snapshot", "clone", "disk0", "before", "copy2")
+    refused = vsan_cli(server, "snapshot", "delete", "disk0", "copy1", check=False)
+    assert refused.returncode != 0 and "clone copy1 is served" in refused.stdout + refused.stderr, refused
+    vsan_cli(server, "snapshot", "delete", "disk0", "copy2")
+    vsan_cli(server, "snapshot", "clone", "disk0", "before", "copy2")     # its name is free again: it is gone
+    vsan_cli(server, "snapshot", "delete", "disk0", "copy2")
     # a served snapshot cannot be deleted; once unserved it can, and the clone keeps its data
     assert vsan_cli(server, "snapshot", "delete", "disk0", "before", check=False).returncode != 0
     vsan_cli(server, "volume", "delete", "before", "--force")

@@ -12,13 +12,14 @@ file device, in one cluster whose state is in a real etcd (tests/support/etcd_cl
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +42,10 @@ def vsan(*args: str, timeout: float = 30, lab: Any = None, ns: str = "") -> subp
 class ReplicaNode:
     def __init__(self, name: str, workdir: Path, etcd: Sequence[str], nodes: Sequence[str], *, size: str,
                  host: str = "127.0.0.1", lab: Any = None, lease_ttl: int = 3, suspend: float = 5.0,
-                 ram: bool = False, ports: Sequence[int] = (), workers: int = 1, log_level: str = "") -> None:
+                 ram: bool = False, ports: Sequence[int] = (), workers: int = 1, log_level: str = "",
+                 carve: str = "") -> None:
+        """`carve`: the volume is carved (thin) from the device at this size, beside others (volume/thin);
+        else it is the whole device."""
         self.name, self.host, self.lab = name, host, lab
         self.dir = workdir / name
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -60,7 +64,8 @@ class ReplicaNode:
             f'replication = "{host}:{self.repl_port}"', f"lease_ttl = {lease_ttl}", f"suspend_seconds = {suspend}", "",
             "[[devices]]", 'name = "d0"', *(['type = "ram"'] if ram else ['type = "file"', f'path = "{self.image}"']),
             f'size = "{size}"', "",
-            "[[volumes]]", f'name = "{VOLUME}"', 'device = "d0"', f"replicas = {len(nodes)}",
+            "[[volumes]]", f'name = "{VOLUME}"', 'device = "d0"', *([f'size = "{carve}"'] if carve else []),
+            f"replicas = {len(nodes)}",
             f"nodes = {json.dumps(list(nodes))}", "",
             "[iscsi]", f'portals = ["{host}:{self.iscsi_port}"]', "",
             "[[iscsi.targets]]", f'iqn = "{IQN}"', f'luns = [{{ lun = 0, volume = "{VOLUME}" }}]', "",
@@ -187,3 +192,22 @@ class ReplicaCluster:
         for n in self.nodes.values():
             if n.running():
                 n.kill()
+
+
+@contextlib.contextmanager
+def two_nodes(tmp_path: Path, **kw: Any) -> Iterator[ReplicaCluster]:
+    """Replica nodes a and b (`vsan serve` each) and a one-member etcd, started, with the primary connected to
+    its peer and both in sync (a node elected before the other listens marks it out of sync at the first
+    write, and a test that kills the primary then has no replica to fail over to); stopped after."""
+    from etcd_cluster import EtcdCluster
+
+    with EtcdCluster(tmp_path / "etcd", ["e1"]) as etcd:
+        cluster = ReplicaCluster(tmp_path, etcd.endpoints, ["a", "b"], **kw)
+        try:
+            cluster.start_all()
+            cluster.wait_primary()
+            cluster.wait_in_sync()
+            yield cluster
+        finally:
+            cluster.stop_all()
+            cluster.close()

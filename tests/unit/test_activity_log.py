@@ -391,3 +391,38 @@ def test_a_crash_at_any_point_leaves_a_log_that_covers_every_write_in_flight(ops
         asyncio.run(go())
         real.close()
         assert not failures, failures[0]
+
+
+def test_an_update_that_drops_regions_awaits_before_evict_first(tmp_path: Path) -> None:
+    """A region leaves the log on disk only after the replicas were flushed (its writes durable everywhere);
+    an update that only adds regions does not flush; a failed flush fails the enter and drops nothing."""
+    async def go() -> None:
+        path = tmp_path / "v.al"
+        al = ActivityLog(path, REGIONS, REGION, slots=2)
+        assert al.load() == set()
+        seen: list[set[int] | None] = []
+        fail = False
+
+        async def flushed() -> None:
+            seen.append(reload(path, slots=2))          # what is on disk while the flush runs
+            if fail:
+                raise OSError("peer flush failed")
+
+        al.before_evict = flushed
+        for r in (0, 1):
+            await al.enter(range(r, r + 1))
+            al.leave(range(r, r + 1))
+        assert seen == []                               # nothing dropped yet
+        await al.enter(range(2, 3))                     # 0 goes: flushed before the record without it
+        al.leave(range(2, 3))
+        assert seen == [{0, 1}] and reload(path, slots=2) == {1, 2}
+        fail = True
+        with pytest.raises(OSError, match="peer flush failed"):
+            await al.enter(range(3, 4))                 # 1 would go: the flush fails, the enter too
+        assert reload(path, slots=2) == {1, 2}          # the log on disk still holds 1
+        fail = False
+        await al.enter(range(4, 5))                     # flushed, then written
+        al.leave(range(4, 5))
+        assert len(seen) == 3 and 4 in (reload(path, slots=2) or set())
+        await al.close()
+    run(go())

@@ -145,6 +145,7 @@ def test_resync_copies_only_the_dirty_regions_and_the_peer_is_in_sync_again() ->
         _, store, local, peers, m = await cluster()
         for i in range(16):
             await m.write(i * (REGION // BS), bytes([i]) * REGION)
+        await m.flush()                                 # else b may have lost all 16 with its cache
         peers["b"].fail_device()
         for r in (2, 9):
             await m.write(r * (REGION // BS) + 3, b"n" * BS)
@@ -260,4 +261,86 @@ def test_peers_answering_out_of_order_and_a_write_cancelled_while_they_wait() ->
         assert [p.ended[-1] for p in peers.values()] == ["abandoned", "abandoned"]
         assert not m._ops                                            # the ordering gate let it go
 
+    asyncio.run(go())
+
+
+def test_a_failed_write_marks_what_the_peer_held_unflushed_too() -> None:
+    """A peer that fails may have lost its cache: the regions written to it since its last flush are among
+    those it misses, not only the failed write's."""
+    async def go() -> None:
+        _, _, _, peers, m = await cluster()
+        await m.write(REGION // BS * 3, b"1" * BS)      # region 3, acknowledged, not flushed
+        await m.write(REGION // BS * 4, b"2" * BS, fua=True)   # region 4, durable
+        peers["b"].fail_device()
+        await m.write(REGION // BS * 6, b"3" * BS)
+        assert m.dirty == {"b": {3, 6}}
+    asyncio.run(go())
+
+
+def test_a_peer_whose_link_came_back_gets_what_it_had_not_flushed_again() -> None:
+    """The link to b dropped and came back with no write failing meanwhile (b restarted between two writes):
+    what b had not flushed may be gone, so it is recorded out of sync and copied again."""
+    async def go() -> None:
+        _, store, local, peers, m = await cluster()
+        await m.write(REGION // BS * 2, b"1" * BS)
+        await m.write(REGION // BS * 5, b"2" * BS, fua=True)
+        await m.peer_reconnected("c")                   # c had region 2 unflushed: out of sync
+        assert m.dirty == {"c": {2}}
+        await m.flush()                                 # b's cache flushed (c gets no writes now)
+        await m.write(REGION // BS * 8, b"3" * BS)
+        await peers["b"].write(REGION // BS * 8, bytes(BS))   # as if b's cache lost it
+        await m.peer_reconnected("b")
+        assert m.dirty == {"b": {8}, "c": {2, 8}}
+        assert set((await R.load(store, "v")).out_of_sync) == {"b", "c"}
+        for n in ("b", "c"):
+            await m.resync(n)
+        for d in peers.values():
+            assert await image(d) == await image(local)
+        await m.peer_reconnected("b")                   # flushed by the resync: nothing to copy
+        assert "b" not in m.dirty
+    asyncio.run(go())
+
+
+def test_a_replicated_volume_states_a_volatile_write_cache() -> None:
+    async def go() -> None:
+        _, _, local, _, m = await cluster()
+        assert not local.capabilities.volatile_cache
+        assert m.capabilities.volatile_cache           # a peer's replica may have one the primary cannot see
+    asyncio.run(go())
+
+
+class Counting(RamDevice):
+    def __init__(self, *args: Any, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.calls: list[tuple[str, int, int]] = []
+
+    async def write(self, lba: int, data: Buffer, *, fua: bool = False) -> None:
+        self.calls.append(("write", lba, memoryview(data).nbytes // BS))
+        await super().write(lba, data, fua=fua)
+
+    async def write_zeroes(self, lba: int, blocks: int) -> None:
+        self.calls.append(("zeroes", lba, blocks))
+        await super().write_zeroes(lba, blocks)
+
+
+def test_resync_sends_pieces_of_zeros_as_write_zeroes() -> None:
+    """A thin replica stays thin through a resync: 64 KiB pieces of a region that read zero go as Write
+    Zeroes, runs of them as one command."""
+    async def go() -> None:
+        store = MemoryStateStore(MemoryState(clock=Clock()))
+        await R.create(store, "v", ("a", "b"))
+        view = await R.claim_primary(store, "v", "a", await store.grant_lease(5))
+        local, b = RamDevice(BLOCKS, BS, name="a"), Counting(BLOCKS, BS, name="b")
+        peer = FaultDevice(b)
+        m = MirrorLayer(local, me="a", view=view, store=store, peers={"b": peer}, region_size=512 << 10)
+        piece = (64 << 10) // BS
+        await local.write(1 * piece + 5, b"x" * BS)     # region 0: pieces 0 zero, 1 data, 2-7 zero
+        await b.write(3 * piece, b"stale" * (BS // 5) + bytes(BS % 5))   # b holds junk where a has zeros
+        peer.fail_device()
+        await m.write(0, bytes(BS))                     # b misses region 0
+        peer.clear_faults()
+        b.calls.clear()
+        await m.resync("b")
+        assert b.calls == [("zeroes", 0, piece), ("write", piece, piece), ("zeroes", 2 * piece, 6 * piece)]
+        assert await image(b) == await image(local)
     asyncio.run(go())

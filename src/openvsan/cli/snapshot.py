@@ -59,7 +59,8 @@ def list_snapshots(volume: VolumeArg, every: Annotated[bool, typer.Option(
 @snapshot_app.command("delete")
 def delete(volume: VolumeArg, name: SnapArg, data_dir: DataDir = None, config: ConfigOpt = None,
            as_json: JsonOpt = False) -> None:
-    """Delete snapshot NAME; the space only it held returns to the device or pool."""
+    """Delete snapshot NAME (or a clone NAME that no volume serves); the space only it held returns to the
+    device or pool."""
     _show(_call(data_dir, config, "snapshot.delete", volume=volume, name=name), as_json,
           f"{volume}: snapshot {name} deleted")
 

@@ -209,6 +209,10 @@ def _group_of(node: Node, volume: str) -> ServedGroup:
     if not spec.carved:
         raise RequestError(f"volume {volume} is its {'pool' if spec.pool else 'device'}'s whole size; snapshots are "
                            "of volumes carved from a device or pool (give a volume a size)")
+    if spec.replicated:
+        raise RequestError(f"volume {volume} is replicated: a snapshot of this node's replica alone would not be "
+                           "on the others (nor survive a failover); snapshots of replicated volumes are not "
+                           "supported yet")
     return node.groups[home_of(spec)]
 
 
@@ -227,10 +231,13 @@ async def snapshot_command(node: Node, cmd: str, args: dict[str, Any]) -> Any:
                     and (args.get("all") or _descends(infos, n, volume))]
         if cmd == "snapshot.delete":
             name = str(args["name"])
-            _is_snapshot(g, name)
+            info = g.info(name) if name in g.by_name else None
+            if info is None or not (info["kind"] == "snapshot" or info["origin"] is not None):
+                raise RequestError(f"no snapshot or clone {name!r} in this volume group; `vsan snapshot list` shows "
+                                   "the snapshots (a volume is deleted with `vsan volume delete`)")
             if any(v.name == name for v in node.state.config.volumes):
-                raise RequestError(f"snapshot {name} is served (a volume with snapshot = true); remove that volume "
-                                   "first")
+                raise RequestError(f"{info['kind'] if info['kind'] == 'snapshot' else 'clone'} {name} is served (a "
+                                   "volume of the config); remove that volume first")
             await g.delete(name)
             return {"deleted": name}
         if cmd == "snapshot.rollback":

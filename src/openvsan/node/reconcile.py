@@ -124,6 +124,9 @@ def _refuse_fixed(actual: NodeConfig, desired: NodeConfig) -> None:
         if new is not None and (new.replicas, new.nodes) != (vol.replicas, vol.nodes):
             raise PlanRefused(f"volume {name}: its replicas and nodes change only when vsan serve restarts (every "
                               "replica node with the same list)")
+        if new is not None and vol.replicated and new.size != vol.size:
+            raise PlanRefused(f"volume {name}: a replicated volume keeps its size while it serves (its replicas on "
+                              "other nodes would differ); resizing replicated volumes is not supported yet")
         if new is not None and (new.device, new.pool) != (vol.device, vol.pool):
             raise PlanRefused(f"volume {name}: it cannot move to another device or pool while serving; create a new "
                               "volume there and copy the data")

@@ -492,9 +492,9 @@ class VolumeSpec:
         if not self.thin and self.size is None and not self.snapshot:
             raise SpecError('thin = false is for a volume carved from its device or pool; give it a size, e.g. '
                             'size = "10GiB"', "thin")
-        if self.carved and self.replicated:
-            raise SpecError("a carved volume (size or snapshot) cannot be replicated yet; give it a device or pool "
-                            "of its own", "replicas")
+        if self.snapshot and self.replicated:
+            raise SpecError("a snapshot is served from one node's volume group; serve it with replicas = 1",
+                            "replicas")
         return self
 
     @property

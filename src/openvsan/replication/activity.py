@@ -8,7 +8,9 @@ and a region leaves the log only while no write to it is in flight (`leave` was 
 after `enter` returns, a crash followed by `load()` gives a set holding those regions, unless they were left
 and a later update of the log dropped them. The log holds at most `slots` regions (the least recently
 entered idle one is evicted for a new one; when all are busy, `enter` waits for a `leave`), which bounds a
-crashed primary's resync to slots x region size bytes. A region already in the log costs no I/O and no
+crashed primary's resync to slots x region size bytes. An update that drops regions first awaits
+`before_evict` (the primary's flush of every replica): a write acknowledged but still in a replica's volatile
+cache (a thin volume's mapping not yet committed, a file's page cache) keeps its region in the log. A region already in the log costs no I/O and no
 yield to the event loop (the hot path: random writes inside the hot set); enters that need new regions
 meanwhile are written together, one update for all of them (group commit).
 
@@ -42,7 +44,7 @@ import logging
 import os
 import struct
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -163,6 +165,11 @@ class ActivityLog:
         self._loaded = False
         self._updates = 0
         self._waits = 0
+        # awaited before an update that drops regions from the log: the replicas' caches flushed (the
+        # primary's mirror sets it), so a region leaves the log only once its last writes are durable on
+        # every replica (DRBD's rule: an activity log transaction is written with a preflush)
+        self.before_evict: Callable[[], Awaitable[None]] | None = None
+        self._evicted = False             # regions dropped since the last before_evict
 
     # -- a previous run's log
 
@@ -253,6 +260,7 @@ class ActivityLog:
                 for victim in [r for r in lru if r not in self._busy][:idle]:
                     del lru[victim]
                     pending.pop(victim, None)
+                    self._evicted = True
             for r in new:
                 lru[r] = None
                 pending[r] = self._changes
@@ -295,6 +303,7 @@ class ActivityLog:
         for r in [r for r in self._lru if r not in self._inflight]:
             del self._lru[r]
             self._pending.pop(r, None)
+            self._evicted = True
         self._pinned.clear()
         self._busy = set(self._inflight)
         self._changes += 1
@@ -340,6 +349,16 @@ class ActivityLog:
     async def _flush(self) -> None:
         try:
             while self._waiting():
+                try:
+                    # evictions while the flush ran are not covered by it: flushed again before the record
+                    while self._evicted and self.before_evict is not None:
+                        self._evicted = False
+                        await self.before_evict()
+                except Exception as e:  # noqa: BLE001 - the log keeps its regions; the waiting enters fail
+                    log.warning("activity log %s: flush before dropping regions failed: %s", self.path, e)
+                    self._evicted = True
+                    self._settle(self._changes, e)
+                    continue
                 upto = self._changes
                 self._generation += 1
                 record = encode(list(self._lru), self.regions, self.region_size, self.slots, self._generation)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 import uuid as uuidlib
@@ -35,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from openvsan.block.capabilities import Capabilities
 from openvsan.block.device import BlockDevice, Buffer
 from openvsan.block.layer import Layer
 from openvsan.durable import replace_file
@@ -42,7 +44,7 @@ from openvsan.node.statestore import Lease, StateStore, StoreError
 from openvsan.replication import record as R
 from openvsan.replication.fence import EpochFence
 from openvsan.replication.lease import LeaseKeeper
-from openvsan.replication.mirror import DEFAULT_REGION, MirrorLayer, NotPrimary
+from openvsan.replication.mirror import DEFAULT_REGION, MirrorLayer, NotPrimary, replicated_capabilities
 from openvsan.replication.peer import FloorFile, PeerFenced, connect_peer, node_nqn
 from openvsan.volume import Volume
 
@@ -101,6 +103,10 @@ class Standby(Layer):
     def __init__(self, below: BlockDevice, volume: str, why: Callable[[], str]) -> None:
         super().__init__(below, name=f"standby:{volume}")
         self.volume, self.why = volume, why
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return replicated_capabilities(super().capabilities)    # the same as the primary's (mirror.py)
 
     def _refuse(self) -> NotPrimary:
         return NotPrimary(f"volume {self.volume}: {self.why()}")
@@ -449,7 +455,7 @@ class ReplicaController:
                 return (await self.addresses()).get(n)     # a node not joined yet: unreachable, for now
 
             self.links[n] = PeerLink(n, address_of, self.name, self.me, rs.epoch, self.local, timeout=timeout,
-                                     before_use=self._reread)
+                                     before_use=functools.partial(self._before_use, n))
         # the peers that answer at once get the first writes; the others are recorded out of sync by them. A
         # peer cut off does not answer at all: the new primary does not wait for it (it keeps trying)
         connects = [asyncio.ensure_future(link.connect()) for link in self.links.values()]
@@ -511,6 +517,13 @@ class ReplicaController:
                     await self.store.delete(k)
             self._hot_keys = []
         await asyncio.sleep(0.2)
+
+    async def _before_use(self, node: str) -> None:
+        """`node`'s link (re)connected, not used yet: the record read again, and what the peer had not flushed
+        before a loss of the link recorded out of sync (mirror.peer_reconnected)."""
+        await self._reread()
+        if self.mirror is not None:
+            await self.mirror.peer_reconnected(node)
 
     async def _reread(self) -> None:
         """The record again, adopted by the mirror (a peer link about to be used after a (re)connection)."""

@@ -31,6 +31,9 @@ from collections.abc import Awaitable, Callable, Generator, Iterable, Mapping
 from pathlib import Path
 from typing import Any, NoReturn
 
+import numpy as np
+
+from openvsan.block.capabilities import Capabilities
 from openvsan.block.device import BlockDevice, Buffer
 from openvsan.block.errors import Busy
 from openvsan.block.layer import Layer
@@ -44,6 +47,15 @@ log = logging.getLogger(__name__)
 
 DEFAULT_REGION = 1 << 20      # bytes a dirty bit covers (DRBD's bitmap: 4 KiB; ours is coarser, in memory)
 RESYNC_CHUNK_REGIONS = 1      # regions copied per step of a resync
+ZERO_PIECE = 64 << 10         # a resync sends all-zero pieces of this size as Write Zeroes (the thin cluster)
+
+
+def replicated_capabilities(caps: Capabilities) -> Capabilities:
+    """What a replicated volume states to initiators: a volatile write cache, whatever its local stack's. A
+    peer's replica may have one (a carved thin volume whose mappings commit at a flush, a file's page cache)
+    that the primary cannot see, and a write is durable on every replica only after a flush (or FUA): the
+    initiators must send them."""
+    return caps if caps.volatile_cache else caps.but(volatile_cache=True)
 
 
 class NotPrimary(Busy):
@@ -102,6 +114,12 @@ class MirrorLayer(Layer):
         self._ops: dict[int, list[Any]] = {}   # requests in flight: [lba, blocks, done Event or None]
         self._tokens = itertools.count()
         self.stats = {"writes": 0, "peer_failures": 0, "resync_regions": 0, "resync_bytes": 0}
+        if activity is not None:
+            activity.before_evict = self.flush     # a region leaves the log once durable on every replica
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return replicated_capabilities(super().capabilities)
 
     # ---- which peers get what
 
@@ -327,10 +345,43 @@ class MirrorLayer(Layer):
         if marks:
             await asyncio.gather(*marks)
 
+    async def _copy(self, peer: BlockDevice, lba: int, data: bytes) -> None:
+        """One region to a peer in a resync: runs of ZERO_PIECE-sized pieces that are all zeros go as Write
+        Zeroes (a thin replica keeps them unallocated, and they cross the wire as a command), the rest as
+        writes."""
+        bs = self.below.block_size
+        piece = max(ZERO_PIECE, bs)
+        n = -(-len(data) // piece)
+        padded = np.frombuffer(data.ljust(n * piece, b"\0"), dtype=np.uint64).reshape(n, piece // 8)
+        zero = ~padded.any(axis=1)
+        if not zero.any():
+            await peer.write(lba, data)
+            return
+        edges = np.flatnonzero(np.diff(zero.astype(np.int8))) + 1
+        for a, b in zip(np.concatenate(([0], edges)).tolist(), np.concatenate((edges, [n])).tolist(), strict=True):
+            start, stop = a * piece, min(b * piece, len(data))
+            at = lba + start // bs
+            if zero[a]:
+                await peer.write_zeroes(at, (stop - start) // bs)
+            else:
+                await peer.write(at, data[start:stop])
+
+    async def peer_reconnected(self, node: str) -> None:
+        """`node`'s link is back after a loss (before it is used): what it had not flushed may be gone (its
+        process or host restarted), so those regions are recorded out of sync and copied again."""
+        if self._unflushed.get(node):
+            log.warning("volume %s: %s's link came back; %d region(s) it had not flushed are copied again",
+                        self.view.volume, node, len(self._unflushed[node]))
+            await self._mark_all([node])
+            await self._save_dirty([node])
+
     async def _mark(self, node: str) -> None:
-        """Record `node` out of sync, once however many writes found it failing at the same time."""
+        """Record `node` out of sync, once however many writes found it failing at the same time; the regions
+        written to it since its last flush are among those it misses (its cache may be gone)."""
         self._syncing.discard(node)
-        self._unflushed.pop(node, None)
+        lost = self._unflushed.pop(node, None)
+        if lost:
+            self.dirty.setdefault(node, set()).update(lost)
         self.stats["peer_failures"] += 1
         fut = self._marking.get(node)
         if fut is None:
@@ -435,7 +486,7 @@ class MirrorLayer(Layer):
                 try:
                     self.dirty[node].discard(r)
                     data = bytes(await self.below.read(lba, blocks))
-                    await peer.write(lba, data)
+                    await self._copy(peer, lba, data)
                 except BaseException:
                     self.dirty[node].add(r)
                     raise
