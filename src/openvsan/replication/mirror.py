@@ -24,6 +24,7 @@ every peer, in sync or not.
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 import time
@@ -50,6 +51,7 @@ RESYNC_CHUNK_REGIONS = 1      # regions copied per step of a resync
 ZERO_PIECE = 64 << 10         # a resync sends all-zero pieces of this size as Write Zeroes (the thin cluster)
 
 
+@functools.lru_cache(maxsize=64)       # asked per command by some frontends: one object per distinct input
 def replicated_capabilities(caps: Capabilities) -> Capabilities:
     """What a replicated volume states to initiators: a volatile write cache, whatever its local stack's. A
     peer's replica may have one (a carved thin volume whose mappings commit at a flush, a file's page cache)
