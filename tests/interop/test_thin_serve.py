@@ -133,6 +133,9 @@ def test_snapshots_export_read_only_roll_back_and_clone(vsan: Callable[..., Vsan
     qemu_io(url, "read -P 0xa1 0 2M", "read -P 0 2M 1M")
     # a clone nobody serves is deleted as a snapshot is; a served one is refused
     vsan_cli(server, "snapshot", "clone", "disk0", "before", "copy2")
+    listing = {v["name"]: v for v in carved(server, "disk0")["volume_group"]["listing"]}
+    assert (listing["copy1"]["served"], listing["copy2"]["served"], listing["disk0"]["served"]) == (True, False, True)
+    assert "copy2" in vsan_cli(server, "volume", "show", "disk0").stdout      # the table lists it, unserved
     refused = vsan_cli(server, "snapshot", "delete", "disk0", "copy1", check=False)
     assert refused.returncode != 0 and "clone copy1 is served" in refused.stdout + refused.stderr, refused
     vsan_cli(server, "snapshot", "delete", "disk0", "copy2")

@@ -138,10 +138,11 @@ def print_group(g: dict[str, Any], out: Console) -> None:
               f"{_size(g['provisioned'])} (over-commit {g['overcommit']:.2f}x); cluster {_size(g['cluster_size'])}; "
               f"metadata {g['metadata_used'] * 100:.1f} % used; soft threshold {g.get('soft_threshold', '-')} %",
               soft_wrap=True, highlight=False)
-    t = Table("name", "kind", "size", "provisioning", "mapped", "exclusive", "origin")
+    t = Table("name", "kind", "size", "provisioning", "mapped", "exclusive", "origin", "served")
     for v in g.get("listing", []):
-        t.add_row(v["name"], v["kind"], _size(v["size"]), "thin" if v["thin"] else "thick", _size(v["mapped"]),
-                  _size(v["exclusive"]), v["origin"] or "")
+        kind = "clone" if v["kind"] == "volume" and v["origin"] else v["kind"]
+        t.add_row(v["name"], kind, _size(v["size"]), "thin" if v["thin"] else "thick", _size(v["mapped"]),
+                  _size(v["exclusive"]), v["origin"] or "", "yes" if v.get("served") else "no")
     out.print(t)
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -187,13 +187,16 @@ class ServedGroups(Mapping[str, ServedGroup]):
                 log.error("%s: closing its volume group failed: %s", where, e)
         self._groups.clear()
 
-    def space(self, where: str) -> dict[str, Any] | None:
+    def space(self, where: str, served: Iterable[str] = ()) -> dict[str, Any] | None:
+        """The group's space and its volumes, snapshots and clones; each marked served when `served` (the
+        config's volume names) holds it, so a clone or snapshot nobody serves is seen."""
         sg = self._groups.get(where)
         if sg is None:
             return None
         out = sg.group.space()
         out["soft_threshold"] = sg.soft_threshold
-        out["listing"] = [sg.group.info(n) for n in sg.group.names()]
+        names = set(served)
+        out["listing"] = [sg.group.info(n) | {"served": n in names} for n in sg.group.names()]
         return out
 
 

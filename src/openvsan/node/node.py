@@ -909,7 +909,8 @@ class Node:
         if cmd in ("pool.status", "pool.list"):
             for entry in out if isinstance(out, list) else [out]:
                 if isinstance(entry, dict) and "name" in entry:
-                    space = self.groups.space(f"pool {entry['name']}")
+                    space = self.groups.space(f"pool {entry['name']}",
+                                              [v.name for v in self.state.config.volumes])
                     if space is not None:
                         entry["volume_group"] = space
         return out

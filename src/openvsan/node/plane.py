@@ -96,7 +96,8 @@ class DataPlane:
             from openvsan.node.groups import home_of
 
             spec = next((v for v in self.config.volumes if v.name == name), None)
-            out["volume_group"] = self.node.groups.space(home_of(spec)) if spec is not None else group.space()
+            out["volume_group"] = (self.node.groups.space(home_of(spec), [v.name for v in self.config.volumes])
+                                   if spec is not None else group.space())
         for layer in vol.layers:
             report = getattr(layer, "stats", None)
             if callable(report):
