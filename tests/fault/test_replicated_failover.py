@@ -19,10 +19,14 @@ from pathlib import Path
 
 import pytest
 from history import check_identical
-from replica_nodes import two_nodes
+from replica_nodes import CLUSTER_ID, two_nodes
 
+from openvsan.cluster import membership as M
+from openvsan.cluster.etcd import EtcdStateStore
 from openvsan.initiator.nvme_tcp import AnaPathError, NvmeOptions, NvmeTcpInitiator
-from openvsan.replication.peer import PeerFenced, connect_peer, replica_nqn
+from openvsan.node.replicas import ETCD_PREFIX
+from openvsan.protocol.nvme.auth import format_secret
+from openvsan.replication.peer import PeerFenced, connect_peer, replica_nqn, replication_keys
 
 BS = 512
 REGION = 1 << 20
@@ -192,10 +196,22 @@ def test_strangers_stale_epochs_and_other_clusters_are_refused(tmp_path: Path) -
                                        NvmeOptions(hostnqn="nqn.2014-08.org.example:stranger",
                                                    reconnect_timeout=0.0, connect_timeout=3.0))
                 await dev.open()
-            # the primary's own host NQN with an old epoch: refused by the fence, and counted
+            # a host that claims a node's NQN without the cluster's keys: refused at authentication
+            with pytest.raises(Exception, match="asks for DH-HMAC-CHAP authentication"):
+                await connect_peer("127.0.0.1", node.repl_port, "v1", p, 10**9,
+                                   opts=NvmeOptions(reconnect_timeout=0.0, connect_timeout=3.0))
+            # the primary itself (its NQN and the keys, read from the cluster's store) with an old epoch:
+            # refused by the fence, and counted
+            store = EtcdStateStore(cluster.etcd, prefix=ETCD_PREFIX)
+            try:
+                host_key, ctrl_key = replication_keys(await M.secret(store, CLUSTER_ID))
+            finally:
+                await store.close()
             with pytest.raises(PeerFenced):
                 await connect_peer("127.0.0.1", node.repl_port, "v1", p, 1,
-                                   opts=NvmeOptions(reconnect_timeout=0.0, connect_timeout=3.0))
+                                   opts=NvmeOptions(reconnect_timeout=0.0, connect_timeout=3.0,
+                                                    dhchap_secret=format_secret(host_key),
+                                                    dhchap_ctrl_secret=format_secret(ctrl_key)))
 
         asyncio.run(attempts())
         after = node.status()

@@ -53,3 +53,21 @@ def test_concurrent_joins_never_share_a_number() -> None:
         assert sorted(m.number for m in got) == list(range(1, 9))
 
     run(body())
+
+
+def test_the_cluster_secret_is_made_once_and_every_node_gets_the_same() -> None:
+    """The replication path's DH-HMAC-CHAP keys derive from it (replication/peer.py replication_keys); a
+    cluster made before secrets existed gets one, by compare-and-swap, however many nodes ask at once."""
+    async def body() -> None:
+        store = MemoryStateStore(MemoryState())
+        await M.init(store, "c1")
+        a = await M.secret(store, "c1")
+        assert len(a) == 32 and await M.secret(store, "c1") == a
+        with pytest.raises(M.ClusterError, match="openvsan cluster 'c1', not 'c2'"):
+            await M.secret(store, "c2")
+        old = MemoryStateStore(MemoryState())
+        await old.put(M.INFO, {"id": "c1", "next": 1}, expect=0)          # as an older `vsan cluster init` made it
+        got = await asyncio.gather(*(M.secret(old, "c1") for _ in range(5)))
+        assert len(set(got)) == 1 and len(got[0]) == 32 and got[0] != a
+        assert (await old.get(M.INFO)).value["next"] == 1                 # nothing else changed
+    run(body())

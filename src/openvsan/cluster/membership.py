@@ -1,8 +1,10 @@
 """A cluster's members, in its StateStore (etcd): who is in it, how to reach them, who is up.
 
 Keys (under the store's prefix):
-- `/cluster/info`: the cluster's ID (what `vsan cluster init` was given) and the next node number. A node
-  whose [cluster] id differs cannot join, and no node can serve replicas until the cluster exists.
+- `/cluster/info`: the cluster's ID (what `vsan cluster init` was given), the next node number, and the
+  cluster's secret (random, made once): the replication path's DH-HMAC-CHAP keys derive from it, so only
+  nodes that can read the cluster's store reach a replica. A node whose [cluster] id differs cannot join,
+  and no node can serve replicas until the cluster exists.
 - `/cluster/nodes/<name>`: a member: its number (1, 2, ...: never reused; a node's ALUA target port group
   and its NVMe controller IDs derive from it, so they differ on every node that exports one volume), its
   replication address (where peers reach its replicas), its management address. Made by `join` (a txn with
@@ -12,7 +14,9 @@ Keys (under the store's prefix):
 
 from __future__ import annotations
 
+import base64
 import datetime as dt
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,9 +55,30 @@ async def init(store: StateStore, cluster_id: str) -> None:
     """Make the cluster (once): an existing one with another ID is refused, the same ID is a no-op."""
     check_object_name(cluster_id)
     try:
-        await store.put(INFO, {"id": cluster_id, "next": 1, "created": _now()}, expect=0)
+        await store.put(INFO, {"id": cluster_id, "next": 1, "created": _now(), "secret": _new_secret()}, expect=0)
     except Conflict:
         await check(store, cluster_id)
+
+
+def _new_secret() -> str:
+    return base64.b64encode(os.urandom(32)).decode()
+
+
+async def secret(store: StateStore, cluster_id: str) -> bytes:
+    """The cluster's secret (32 bytes); a cluster made before secrets existed gets one now (compare-and-swap,
+    so every node takes the same)."""
+    while True:
+        e = await store.get(INFO)
+        if e is None or e.value.get("id") != cluster_id:
+            await check(store, cluster_id)     # says what is wrong
+            continue
+        text = e.value.get("secret")
+        if text:
+            return base64.b64decode(text)
+        try:
+            await store.put(INFO, {**e.value, "secret": _new_secret()}, expect=e.revision)
+        except Conflict:
+            continue
 
 
 async def check(store: StateStore, cluster_id: str) -> dict[str, Any]:

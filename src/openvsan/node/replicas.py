@@ -22,13 +22,14 @@ from openvsan.cluster import membership as M
 from openvsan.node.specs import ClusterSpec, VolumeSpec
 from openvsan.node.store import VolumeIdentity
 from openvsan.protocol.nvme import ana
+from openvsan.protocol.nvme.auth import HostPolicy, Secret
 from openvsan.protocol.nvme.reservations import Reservations
 from openvsan.protocol.scsi.alua import AccessState, TargetPortGroup, TargetPortGroups
 from openvsan.replication import record as R
 from openvsan.replication.controller import Paths, ReplicaController, floor_file
 from openvsan.replication.fence import EpochFence
 from openvsan.replication.lease import LeaseKeeper
-from openvsan.replication.peer import node_nqn, replica_nqn
+from openvsan.replication.peer import node_nqn, replica_nqn, replication_keys
 
 if TYPE_CHECKING:
     from openvsan.node.node import Node
@@ -105,6 +106,7 @@ class NodeReplication:
         self.store: StateStore | None = None
         self.members: dict[str, M.Member] = {}
         self.number = 0
+        self.auth: tuple[Secret, Secret] = (Secret(b""), Secret(b""))   # the replication path's keys (join)
         self.controllers: dict[str, ReplicaController] = {}
         self.fences: dict[str, EpochFence] = {}
         self.alua: dict[str, TargetPortGroups] = {}
@@ -133,6 +135,7 @@ class NodeReplication:
         try:
             await M.check(self.store, self.spec.id)
             me = await M.join(self.store, self.spec.id, self.me, str(self.spec.replication), self.spec.management)
+            self.auth = replication_keys(await M.secret(self.store, self.spec.id))
         except M.ClusterError as e:
             raise ReplicationSetupError(f"cluster {self.spec.id}: {e}") from None
         except Exception as e:  # noqa: BLE001 - the store unreachable: say which
@@ -182,7 +185,8 @@ class NodeReplication:
                 paths=Paths(functools.partial(self.turn_paths, v.name)),
                 lease_ttl=self.spec.lease_ttl, suspend=self.spec.suspend_seconds,
                 activity=self._activity_log(v.name, vol),
-                before_primary=functools.partial(self._pr_catch_up, v.name), persistent=self._persistent(v))
+                before_primary=functools.partial(self._pr_catch_up, v.name), persistent=self._persistent(v),
+                auth=self.auth)
             self.pr[v.name] = SharedState(self.store, v.name, "pr", lambda c=c: c.role)
             self.resv[v.name] = SharedState(self.store, v.name, "resv", lambda c=c: c.role)
             self.nvme_resv[v.name] = Reservations()
@@ -190,10 +194,13 @@ class NodeReplication:
             await c.start()                         # standby under the frontends until elected
             handle = Volume(c.local, name=v.name, uuid=vol.uuid, serial=vol.serial)
             others = [node_nqn(n) for n in v.nodes if n != self.me]
+            # only the volume's other nodes, and each must prove it holds the cluster's keys (DH-HMAC-CHAP)
+            host_key, ctrl_key = self.auth
             subsystems.append(NvmeSubsystemConfig(replica_nqn(v.name), [NvmeNamespaceConfig(1, handle)],
                                                   [(self.spec.replication.host, self.spec.replication.port)],
                                                   allowed_hosts=others, serial=vol.serial[:20],
-                                                  model="openvsan replica"))
+                                                  model="openvsan replica",
+                                                  dhchap_hosts={n: HostPolicy(host_key, ctrl_key) for n in others}))
         if not subsystems:
             return
         # a 1 MiB write in one capsule (no R2T round trip on the replication path; hosts' portals keep 8 KiB)

@@ -41,6 +41,7 @@ from openvsan.block.device import BlockDevice, Buffer
 from openvsan.block.layer import Layer
 from openvsan.durable import replace_file
 from openvsan.node.statestore import Lease, StateStore, StoreError
+from openvsan.protocol.nvme.auth import Secret, format_secret
 from openvsan.replication import record as R
 from openvsan.replication.fence import EpochFence
 from openvsan.replication.lease import LeaseKeeper
@@ -133,8 +134,10 @@ class PeerLink(BlockDevice):
 
     def __init__(self, node: str, address_of: Callable[[], Awaitable[str | None]], volume: str, me: str, epoch: int,
                  geometry: BlockDevice, *, timeout: float,
-                 before_use: Callable[[], Awaitable[None]] | None = None) -> None:
+                 before_use: Callable[[], Awaitable[None]] | None = None,
+                 auth: tuple[Secret, Secret] | None = None) -> None:
         self.node, self.volume, self.me, self.epoch = node, volume, me, epoch
+        self.auth = auth                 # the replication path's DH-HMAC-CHAP keys (peer.replication_keys)
         self.address_of = address_of     # the peer's replication address as the cluster says now (None: no member)
         # awaited after each (re)connection, before the link is used: the primary reads the record again, so a
         # peer that restarted and declared its replica stale is never taken for in sync on the new connection
@@ -180,6 +183,8 @@ class PeerLink(BlockDevice):
         # which must be taken for this epoch again (connect_peer) and whose record may have changed
         opts = NvmeOptions(command_timeout=self.timeout, reconnect_timeout=0.0, connect_timeout=self.timeout,
                            kato_ms=max(int(self.timeout * 4000), 2000), reconnect=False)
+        if self.auth is not None:
+            opts.dhchap_secret, opts.dhchap_ctrl_secret = (format_secret(k) for k in self.auth)
         try:
             # asyncio.timeout, not wait_for: wait_for runs the attempt as a Task of its own, which Python 3.11
             # lets finish unobserved when a cancel and a completion meet (its PeerFenced never retrieved)
@@ -306,6 +311,7 @@ class ReplicaController:
     resync_rate: float = RESYNC_RATE
     before_primary: Callable[[], Awaitable[None]] | None = None   # e.g. the shared PR state brought up to date
     persistent: bool = True             # the replica's data survives a restart (not a RAM device)
+    auth: tuple[Secret, Secret] | None = None   # the replication path's DH-HMAC-CHAP keys (peer.py)
     role: str = "starting"
     view: R.ReplicaSet | None = None
     mirror: MirrorLayer | None = None
@@ -455,7 +461,7 @@ class ReplicaController:
                 return (await self.addresses()).get(n)     # a node not joined yet: unreachable, for now
 
             self.links[n] = PeerLink(n, address_of, self.name, self.me, rs.epoch, self.local, timeout=timeout,
-                                     before_use=functools.partial(self._before_use, n))
+                                     before_use=functools.partial(self._before_use, n), auth=self.auth)
         # the peers that answer at once get the first writes; the others are recorded out of sync by them. A
         # peer cut off does not answer at all: the new primary does not wait for it (it keeps trying)
         connects = [asyncio.ensure_future(link.connect()) for link in self.links.values()]

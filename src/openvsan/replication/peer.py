@@ -1,6 +1,7 @@
 """The replication path: a primary's connection to a peer's replica, and the replica's saved fence floor.
 
 The primary reaches each peer's replica of a volume as an NVMe namespace over NVMe/TCP (our initiator),
+authenticated both ways with DH-HMAC-CHAP keys derived from the cluster's secret (`replication_keys`),
 and takes it for its epoch before the first write: Reservation Register with key = epoch, then Reservation
 Acquire, Write Exclusive, preempting whichever key holds it now (the previous primary's epoch). The
 replica's EpochFence (fence.py) refuses a key below its floor, so a primary of an old epoch cannot take it.
@@ -11,11 +12,14 @@ replica's EpochFence (fence.py) refuses a key below its floor, so a primary of a
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import struct
 from pathlib import Path
 
 from openvsan.durable import replace_file
 from openvsan.initiator.nvme_tcp import NvmeCommandError, NvmeOptions, NvmeTcpInitiator
+from openvsan.protocol.nvme.auth import Secret
 from openvsan.protocol.nvme.host_commands import parse_reservation_report
 from openvsan.protocol.nvme.reservations import WRITE_EXCLUSIVE
 
@@ -24,6 +28,15 @@ NODE_NQN_PREFIX = "nqn.2026-11.org.openvsan:node:"
 ACQUIRE, PREEMPT = 0, 1
 REGISTER, REPLACE = 0, 2
 CONFLICT = 0x83            # Base 2.0 Figure 102: Reservation Conflict (SCT 0)
+
+
+def replication_keys(cluster_secret: bytes) -> tuple[Secret, Secret]:
+    """The replication path's DH-HMAC-CHAP keys, (host's, controller's), derived from the cluster's secret
+    (cluster/membership.py): every node of the cluster has them, so the primary proves it is one to the
+    replica, and the replica that it is one to the primary (NVMe Base 2.0 §8.13, bidirectional)."""
+    host = hmac.new(cluster_secret, b"openvsan replication host", hashlib.sha256).digest()
+    ctrl = hmac.new(cluster_secret, b"openvsan replication controller", hashlib.sha256).digest()
+    return Secret(host), Secret(ctrl)
 
 
 def replica_nqn(volume: str) -> str:
