@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +59,18 @@ async def write(url: str, tag: bytes, lbas: list[int], *, flush: bool, deadline:
     raise AssertionError(f"writes through {url} not taken: {last}")
 
 
+async def unflushed_then(url: str, tag: bytes, lbas: list[int], then: Callable[[], Any]) -> Any:
+    """The writes through `url`, acknowledged and not flushed, then `then()` (in a thread) while the host is
+    still connected: its disconnect (an NVMe shutdown) would flush the volume."""
+    dev = await NvmeTcpInitiator.open_url(url, command_timeout=3.0, reconnect_timeout=0.0, connect_timeout=3.0)
+    try:
+        for lba in lbas:
+            await dev.write(lba, block(tag, lba))
+        return await asyncio.to_thread(then)
+    finally:
+        await dev.close()
+
+
 async def volume_image(path: Path) -> tuple[bytes, int]:
     """The replicated volume's contents in a node's device file (opened as the node would), and its mapped
     bytes."""
@@ -89,38 +102,20 @@ def test_a_thin_replicated_volume_keeps_every_write_when_either_node_is_killed(t
         wrote(b"one", one)
         sent_before = cluster[first].status()["mirror"]["resync_bytes"]  # type: ignore[index]
 
-        async def secondary_killed_while_connected() -> dict[str, Any]:
-            # the host stays connected: its disconnect (NVMe shutdown) would flush the volume
-            dev = await NvmeTcpInitiator.open_url(cluster[first].nvme_url, command_timeout=3.0,
-                                                  reconnect_timeout=0.0, connect_timeout=3.0)
-            try:
-                for lba in two:
-                    await dev.write(lba, block(b"two", lba))
-                # the secondary killed and back, no write in between: region 2 is copied to it again
-                await asyncio.to_thread(cluster[other].kill)
-                await asyncio.to_thread(cluster[other].start)
-                return await asyncio.to_thread(cluster.wait_in_sync)
-            finally:
-                await dev.close()
+        def secondary_killed_and_back() -> dict[str, Any]:
+            # no write in between: region 2 is copied to it again
+            cluster[other].kill()
+            cluster[other].start()
+            return cluster.wait_in_sync()
 
-        s = asyncio.run(secondary_killed_while_connected())
+        s = asyncio.run(unflushed_then(cluster[first].nvme_url, b"two", two, secondary_killed_and_back))
         wrote(b"two", two)
         assert s["role"] == "primary" and s["mirror"]["resync_bytes"] > sent_before, s
 
         # region 3 written, not flushed; then the primary is killed: the other one has it all
         three = [6144 + i * 256 for i in range(8)]
 
-        async def primary_killed_while_connected() -> None:
-            dev = await NvmeTcpInitiator.open_url(cluster[first].nvme_url, command_timeout=3.0,
-                                                  reconnect_timeout=0.0, connect_timeout=3.0)
-            try:
-                for lba in three:
-                    await dev.write(lba, block(b"three", lba))
-                await asyncio.to_thread(cluster[first].kill)
-            finally:
-                await dev.close()
-
-        asyncio.run(primary_killed_while_connected())
+        asyncio.run(unflushed_then(cluster[first].nvme_url, b"three", three, cluster[first].kill))
         wrote(b"three", three)
         four = [100, 3000]
         asyncio.run(write(cluster[other].nvme_url, b"four", four, flush=True, deadline=time.monotonic() + 30))
