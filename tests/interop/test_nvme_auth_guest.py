@@ -28,7 +28,15 @@ from pathlib import Path
 
 import pytest
 from test_nvme_auth_initiator import BI, BI_SECRET, CTRL_SECRET, NQN, STRANGER, UNI, UNI_SECRET, WRONG, serve
-from vsan_harness import RUN_TARGET, SHARED_PEERS, VsanServer, check_target_log, require_root, require_tools
+from vsan_harness import (
+    GUEST_WAIT_NS,
+    RUN_TARGET,
+    SHARED_PEERS,
+    VsanServer,
+    check_target_log,
+    require_root,
+    require_tools,
+)
 
 pytestmark = [pytest.mark.interop, pytest.mark.slow]
 
@@ -38,15 +46,7 @@ AUTH_GUEST = Path(__file__).with_name("auth_guest.sh")
 SCRIPT = r"""
 fail() { echo "@@FAIL $*"; dmesg | grep -i -E 'nvme|auth' | tail -25; exit 1; }
 ns_present() { ls /sys/block/ | grep -q '^nvme'; }
-wait_ns() {
-    for i in $(seq 100); do
-        for b in /sys/class/nvme-subsystem/nvme-subsys*/nvme*n1 /sys/class/nvme/nvme*/nvme*n1; do
-            [ -e "$b" ] && [ -b "/dev/${b##*/}" ] && { echo "/dev/${b##*/}"; return 0; }
-        done
-        sleep 0.1
-    done; return 1
-}
-conn() { nvme connect -t tcp -a $NVME_A -s $NVME_S -n "$NVME_NQN" "$@" > /tmp/conn 2>&1; r=$?; cat /tmp/conn; return $r; }
+""" + GUEST_WAIT_NS + r"""conn() { nvme connect -t tcp -a $NVME_A -s $NVME_S -n "$NVME_NQN" "$@" > /tmp/conn 2>&1; r=$?; cat /tmp/conn; return $r; }
 refused() {   # $1: what; the rest: nvme connect options
     what=$1; shift
     if conn "$@"; then nvme disconnect -n "$NVME_NQN"; fail "$what: connected"; fi

@@ -23,7 +23,16 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from vsan_harness import REPO, RUN_TARGET, SHARED_PEERS, VsanServer, check_target_log, require_root, require_tools
+from vsan_harness import (
+    GUEST_WAIT_NS,
+    REPO,
+    RUN_TARGET,
+    SHARED_PEERS,
+    VsanServer,
+    check_target_log,
+    require_root,
+    require_tools,
+)
 
 pytestmark = [pytest.mark.interop, pytest.mark.slow]
 
@@ -33,15 +42,7 @@ NQN = "nqn.2026-11.org.openvsan:disk0"
 
 GUEST_SCRIPT = r"""
 fail() { echo "@@FAIL $*"; dmesg | grep -i -E 'nvme|tcp' | tail -25; exit 1; }
-wait_ns() {
-    for i in $(seq 100); do
-        for b in /sys/class/nvme-subsystem/nvme-subsys*/nvme*n1 /sys/class/nvme/nvme*/nvme*n1; do
-            [ -e "$b" ] && [ -b "/dev/${b##*/}" ] && { echo "/dev/${b##*/}"; return 0; }
-        done
-        sleep 0.1
-    done; return 1
-}
-modprobe -a nvme_tcp ext4 crc32c_generic || fail modprobe
+""" + GUEST_WAIT_NS + r"""modprobe -a nvme_tcp ext4 crc32c_generic || fail modprobe
 nvme discover -t tcp -a $NVME_A -s $NVME_S > /tmp/disc 2>&1 || { cat /tmp/disc; fail discover; }
 cat /tmp/disc
 grep -q "subnqn: *$NVME_NQN" /tmp/disc || fail "subsystem not in the discovery log"

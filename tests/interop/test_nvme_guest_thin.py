@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from test_guest_kernel import run_guest
-from vsan_harness import VsanServer
+from vsan_harness import GUEST_WAIT_NS, VsanServer
 
 pytestmark = [pytest.mark.interop, pytest.mark.slow]
 
@@ -50,15 +50,7 @@ namespaces = [{{ nsid = 1, volume = "disk0" }}]
 
 SCRIPT = r"""
 fail() { echo "@@FAIL $*"; dmesg | grep -i -E 'nvme|tcp' | tail -25; exit 1; }
-wait_ns() {
-    for i in $(seq 100); do
-        for b in /sys/class/nvme-subsystem/nvme-subsys*/nvme*n1 /sys/class/nvme/nvme*/nvme*n1; do
-            [ -e "$b" ] && [ -b "/dev/${b##*/}" ] && { echo "/dev/${b##*/}"; return 0; }
-        done
-        sleep 0.1
-    done; return 1
-}
-idns() { echo "@@IDNS $1 $(nvme id-ns $DEV | grep -E '^(nsze|nuse|nsfeat|dlfeat) ' | tr -d ' ' | tr '\n' ' ')"; }
+""" + GUEST_WAIT_NS + r"""idns() { echo "@@IDNS $1 $(nvme id-ns $DEV | grep -E '^(nsze|nuse|nsfeat|dlfeat) ' | tr -d ' ' | tr '\n' ' ')"; }
 modprobe -a nvme_tcp crc32c_generic || fail modprobe
 nvme connect -t tcp -a $NVME_A -s $NVME_S -n "$NVME_NQN" || fail connect
 DEV=$(wait_ns) || fail "no namespace"

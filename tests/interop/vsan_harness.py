@@ -364,6 +364,18 @@ def make_device(kind: str, workdir: Path, size: str = "64MiB", block_size: int =
 # The suite and guest scripts start and stop the target themselves; run_target.py records how each run ended.
 RUN_TARGET = Path(__file__).with_name("run_target.py")
 
+# for guest scripts (shared/peers/linux-guest): prints the first NVMe namespace's block device once the
+# kernel has made it, within 10 s; fails otherwise
+GUEST_WAIT_NS = r"""wait_ns() {
+    for i in $(seq 100); do
+        for b in /sys/class/nvme-subsystem/nvme-subsys*/nvme*n1 /sys/class/nvme/nvme*/nvme*n1; do
+            [ -e "$b" ] && [ -b "/dev/${b##*/}" ] && { echo "/dev/${b##*/}"; return 0; }
+        done
+        sleep 0.1
+    done; return 1
+}
+"""
+
 
 def check_target_log(log: Path, settle: float = 20) -> None:
     """Every start of the target ended in a clean exit after SIGTERM, with no Traceback on the way.
