@@ -106,7 +106,7 @@ class NodeReplication:
         self.store: StateStore | None = None
         self.members: dict[str, M.Member] = {}
         self.number = 0
-        self.auth: tuple[Secret, Secret] = (Secret(b""), Secret(b""))   # the replication path's keys (join)
+        self.auth: tuple[Secret, Secret] | None = None     # the replication path's DH-HMAC-CHAP keys (join)
         self.controllers: dict[str, ReplicaController] = {}
         self.fences: dict[str, EpochFence] = {}
         self.alua: dict[str, TargetPortGroups] = {}
@@ -195,6 +195,7 @@ class NodeReplication:
             handle = Volume(c.local, name=v.name, uuid=vol.uuid, serial=vol.serial)
             others = [node_nqn(n) for n in v.nodes if n != self.me]
             # only the volume's other nodes, and each must prove it holds the cluster's keys (DH-HMAC-CHAP)
+            assert self.auth is not None
             host_key, ctrl_key = self.auth
             subsystems.append(NvmeSubsystemConfig(replica_nqn(v.name), [NvmeNamespaceConfig(1, handle)],
                                                   [(self.spec.replication.host, self.spec.replication.port)],

@@ -9,10 +9,11 @@ after `enter` returns, a crash followed by `load()` gives a set holding those re
 and a later update of the log dropped them. The log holds at most `slots` regions (the least recently
 entered idle one is evicted for a new one; when all are busy, `enter` waits for a `leave`), which bounds a
 crashed primary's resync to slots x region size bytes. An update that drops regions first awaits
-`before_evict` (the primary's flush of every replica): a write acknowledged but still in a replica's volatile
-cache (a thin volume's mapping not yet committed, a file's page cache) keeps its region in the log. A region already in the log costs no I/O and no
-yield to the event loop (the hot path: random writes inside the hot set); enters that need new regions
-meanwhile are written together, one update for all of them (group commit).
+`before_evict` (the primary's flush of every replica): a write acknowledged but still in a replica's
+volatile cache (a thin volume's mapping not yet committed, a file's page cache) keeps its region in the
+log. A region already in the log costs no I/O and no yield to the event loop (the hot path: random writes
+inside the hot set); enters that need new regions meanwhile are written together, one update for all of
+them (group commit).
 
 A previous run's hot set is read by `load()` (called once, before the first `enter`): None when the file is
 unreadable, torn in both copies or another volume's geometry (the caller then copies everything), set()

@@ -1,7 +1,8 @@
 """The in-memory state of a volume group: every volume's mapping (virtual cluster -> physical cluster, 0:
-unmapped; physical clusters are numbered from 1), the reference count of every physical cluster, and `_apply`, the one place where a logical record
-(format.Op) changes them, for the live path and the replay alike. Cluster allocation and the admission of
-metadata growth live here too; store.py makes the state durable, io.py reads and writes through it.
+unmapped; physical clusters are numbered from 1), the reference count of every physical cluster, and
+`_apply`, the one place where a logical record (format.Op) changes them, for the live path and the replay
+alike. Cluster allocation and the admission of metadata growth live here too; store.py makes the state
+durable, io.py reads and writes through it.
 
 Two rules keep a crash from showing one volume's data in another (dm-thin's): a cluster whose last reference
 went is not handed out again before that change is committed (`_busy` until `_release`), and a cluster whose
@@ -131,7 +132,7 @@ class GroupState:
         self._committed = 0
         self._frees: list[tuple[int, int]] = []      # (record number that freed it, physical cluster)
         self._fresh: dict[int, int] = {}             # physical cluster -> record number that mapped it
-        self._pin = bytearray(sb.clusters + 1)           # 1: its references fell to one, not yet committed
+        self._pin = bytearray(sb.clusters + 1)       # 1: its references fell to one, not yet committed
         # 1: reads zero and was never handed out since (the data area zeroed at format); a first write to part
         # of it writes only its own blocks. Where zeroing costs no transfer (capabilities.write_zeroes, RAM
         # pages dropped, a file's hole punched) a cluster not known zero is zeroed that way first; elsewhere
@@ -241,13 +242,18 @@ class GroupState:
         """Runs v's map has, at most: its mapped clusters when few (no pass over the map), else counted."""
         return v.mapped if v.mapped <= RUNS_COUNTED else fmt.count_runs(*entries(v))
 
+    def _check_run(self, name: str, vc: int, p: int, n: int, size: int) -> None:
+        """A run read from disk (virtual vc..vc+n -> physical p..p+n) lies inside its volume of `size` clusters
+        and inside the group (physical clusters from 1), else FormatError."""
+        if vc + n > size or p < 1 or p + n - 1 > self.clusters:
+            raise fmt.FormatError(f"volume {name}: a mapping beyond its size or the group")
+
     def _apply(self, rec: fmt.Record) -> None:
         op = rec[0]
         if op == Op.MAP:
             _, vid, vc, p, n = rec
             v = self.vols[vid]
-            if p < 1 or p + n - 1 > self.clusters or vc + n > len(v.map):
-                raise fmt.FormatError(f"a mapping of volume {v.rec.name} beyond its size or the group")
+            self._check_run(v.rec.name, vc, p, n, len(v.map))
             self._map_run(v, vc, p, n)
             self._runs_bound += 2     # a run put into another splits it in two at most
         elif op == Op.UNMAP:

@@ -80,8 +80,7 @@ class GroupStore(GroupState):
             n = self._clusters_of(rec.blocks)
             vcs, ps = [], []
             for v, p, length in runs.tolist():
-                if v + length > n or p < 1 or p + length - 1 > self.clusters:
-                    raise fmt.FormatError(f"volume {rec.name}: a mapping beyond its size or the group")
+                self._check_run(rec.name, v, p, length, n)
                 vcs.append(np.arange(v, v + length, dtype=np.int64))
                 ps.append(np.arange(p, p + length, dtype=np.int64))
             vc, pc = (np.concatenate(vcs), np.concatenate(ps)) if vcs else (np.zeros(0, np.int64),) * 2
