@@ -177,12 +177,16 @@ def check_bounds(what: str, floods: list[Flooder], rss: RssSampler) -> None:
 
 @pytest.fixture
 def example(vsan: Callable[..., VsanServer]) -> VsanServer:
-    """examples/single-node.toml on free ports, with a 64 MiB RAM disk instead of 1 GiB."""
+    """examples/single-node.toml on free ports, with a 64 MiB RAM disk instead of 1 GiB, in one process."""
     text = EXAMPLE.read_text()
     assert 'size = "1GiB"' in text
     server = vsan(start=False)
-    server.write_example(text.replace('size = "1GiB"', 'size = "64MiB"'))
+    # one process: the one whose memory is sampled is the one the connections reach
+    assert 'name = "node1"\n' in text
+    server.write_example(text.replace('size = "1GiB"', 'size = "64MiB"')
+                         .replace('name = "node1"\n', 'name = "node1"\nworkers = 1\n'))
     server.start()
+    server.wait_api()    # the REST API loaded (its libraries) before the baseline is taken
     return server
 
 

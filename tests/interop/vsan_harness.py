@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import time
+import urllib.request
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -168,6 +169,7 @@ class VsanServer:
         # examples/single-node.toml also listens on NVMe/TCP 4420 and NBD 10809; write_example moves those too
         self.nvme_port = free_port()
         self.nbd_port = free_port()
+        self.api_port = free_port()     # the REST API ([api]): its own port, never the default 8080
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.config = self.workdir / "vsan.toml"
         self.data_dir = self.workdir / "data"
@@ -210,6 +212,7 @@ class VsanServer:
             lines += ["", "[nbd]", f'portals = ["127.0.0.1:{self.nbd_port}"]']
             for v in self.volume_names:
                 lines += ["", "[[nbd.exports]]", f'name = "{v}"', f'volume = "{v}"']
+        lines += ["", "[api]", f'listen = "127.0.0.1:{self.api_port}"']
         self.config.write_text("\n".join(lines) + "\n")
         self.config.chmod(0o600)  # it may hold CHAP secrets: serve warns about a config others can read
 
@@ -219,8 +222,9 @@ class VsanServer:
 
     def write_example(self, text: str) -> None:
         """Serve a config written for the well-known ports (examples/single-node.toml: iSCSI 3260, NVMe/TCP
-        4420, NBD 10809) on this server's free ports instead, so a developer's `make run` cannot collide."""
-        for well_known, port in ((3260, self.port), (4420, self.nvme_port), (10809, self.nbd_port)):
+        4420, NBD 10809, the REST API 8080) on this server's free ports instead, so a developer's `make run` cannot collide."""
+        for well_known, port in ((3260, self.port), (4420, self.nvme_port), (10809, self.nbd_port),
+                                 (8080, self.api_port)):
             text = text.replace(f'"127.0.0.1:{well_known}"', f'"127.0.0.1:{port}"')
         self.config.write_text(text)
 
@@ -292,6 +296,22 @@ class VsanServer:
                     f"vsan serve did not serve {self.url()} within {timeout}s:\n{self.log_tail()}", pytrace=False
                 )
             time.sleep(0.2)
+
+    def wait_api(self, timeout: float = 30) -> str:
+        """The REST API's base URL once it answers /healthz (it loads after the node serves its volumes)."""
+        base = f"http://127.0.0.1:{self.api_port}"
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                with urllib.request.urlopen(f"{base}/healthz", timeout=2) as r:
+                    if r.status == 200:
+                        return base
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"the REST API did not answer on {base} within {timeout}s:\n{self.log_tail()}",
+                            pytrace=False)
+            time.sleep(0.1)
 
     @property
     def running(self) -> bool:

@@ -97,7 +97,7 @@ def parse_config(data: dict[str, Any], *, base_dir: Path | None = None, data_dir
         _volume_ref(f"nbd.exports[{i}].volume", e.volume, known, names)
     cfg = NodeConfig(doc.node, doc.devices, doc.volumes, doc.iscsi.targets if doc.iscsi else (), nvme=doc.nvme,
                      nbd_exports=doc.nbd.exports if doc.nbd else (), pools=doc.pools,
-                     nbd_tls=doc.nbd.tls if doc.nbd else None, cluster=doc.cluster)
+                     nbd_tls=doc.nbd.tls if doc.nbd else None, cluster=doc.cluster, api=doc.api)
     _check_replicas(cfg)
     _check_portal_clashes(cfg)
     from openvsan.node.access import check_access_policy  # it reads these specs: imported late, no cycle
@@ -329,6 +329,8 @@ def _check_portal_clashes(cfg: NodeConfig) -> None:
         uses += [("NBD", f"nbd.exports[{i}].portals", p) for p in e.portals]
     if cfg.cluster is not None:
         uses.append(("replication", "cluster.replication", cfg.cluster.replication))
+    if cfg.api is not None and cfg.api.enabled:
+        uses.append(("REST API", "api.listen", cfg.api.listen))
     wildcard = ("0.0.0.0", "::")
     for proto, key, p in uses:
         for q, (other, where) in seen.items():

@@ -43,6 +43,27 @@ class RequestError(ValueError):
     """A request that names something that is not there, or asks for the impossible (sent back as the error)."""
 
 
+class NotFound(RequestError):
+    """The request names a volume, export or snapshot that is not there (the REST API's 404)."""
+
+
+class Conflict(RequestError):
+    """The request clashes with what is there: a name taken, a volume still exported, a change the node makes
+    only at a restart (the REST API's 409)."""
+
+
+class Stale(RequestError):
+    """The request was made against a revision of the desired state that is no longer the node's (the REST
+    API's 412, for If-Match)."""
+
+
+def check_revision(now: int | None, expected: int | None) -> None:
+    """Raise Stale unless the desired state is at `expected` (None: no condition)."""
+    if expected is not None and now != expected:
+        raise Stale(f"the node's desired state is at revision {now}, not {expected}: it changed since it was "
+                    "read; read it again and retry")
+
+
 Handler = Callable[[str, dict[str, Any]], Awaitable[Any]]
 
 

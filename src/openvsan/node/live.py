@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Awaitable, Callable
+from contextvars import ContextVar
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -14,7 +15,7 @@ from pydantic import TypeAdapter, ValidationError
 
 from openvsan.node import requests as R
 from openvsan.node.config import ConfigError, load_config, one_line, parse_config
-from openvsan.node.control import RequestError
+from openvsan.node.control import Conflict, NotFound, RequestError
 from openvsan.node.reconcile import Change, PlanRefused
 from openvsan.node.render import config_document
 from openvsan.node.specs import NodeConfig
@@ -23,6 +24,9 @@ if TYPE_CHECKING:
     from openvsan.node.node import Node
 
 Command = Callable[["Node", dict[str, Any]], Awaitable[Any]]
+# the revision of the desired state a request was made against (the REST API's If-Match), or None: a change
+# is then applied only if the node's desired state is still at that revision (else Stale)
+EXPECTED_REVISION: ContextVar[int | None] = ContextVar("expected_revision", default=None)
 COMMANDS: dict[str, Command] = {}
 
 DEFAULT_PORT = {"iscsi": 3260, "nvme": 4420, "nbd": 10809}
@@ -58,9 +62,10 @@ async def _apply(node: Node, doc: dict[str, Any], *, dry_run: bool = False,
 async def _apply_config(node: Node, desired: NodeConfig, *, dry_run: bool = False,
                         forget: tuple[str, ...] = ()) -> list[str]:
     try:
-        changes: list[Change] = await node.apply(desired, dry_run=dry_run, forget=forget)
+        changes: list[Change] = await node.apply(desired, dry_run=dry_run, forget=forget,
+                                                 expect_revision=EXPECTED_REVISION.get())
     except PlanRefused as e:
-        raise RequestError(str(e)) from None
+        raise Conflict(str(e)) from None
     return [str(c) for c in changes]
 
 
@@ -69,8 +74,8 @@ def _doc(node: Node) -> dict[str, Any]:
     return config_document(node.state.config)
 
 
-def _no_volume(name: str, known: list[str]) -> RequestError:
-    return RequestError(f"no volume named {name!r} (volumes: {', '.join(known) or 'none'}); `vsan volume list` "
+def _no_volume(name: str, known: list[str]) -> NotFound:
+    return NotFound(f"no volume named {name!r} (volumes: {', '.join(known) or 'none'}); `vsan volume list` "
                         "shows them")
 
 
@@ -94,7 +99,7 @@ async def volume_create(node: Node, args: R.VolumeCreate) -> Any:
     name = args.name
     doc = _doc(node)
     if any(v["name"] == name for v in doc.get("volumes", [])):
-        raise RequestError(f"volume {name} exists; pick another name, or `vsan volume delete {name}` first")
+        raise Conflict(f"volume {name} exists; pick another name, or `vsan volume delete {name}` first")
     volume: dict[str, Any] = {"name": name, "read_only": args.read_only}
     if args.pool is not None:
         volume["pool"] = args.pool
@@ -107,7 +112,7 @@ async def volume_create(node: Node, args: R.VolumeCreate) -> Any:
             volume.update(size=args.size, thin=args.thin)
     else:
         if any(d["name"] == name for d in doc.get("devices", [])):
-            raise RequestError(f"a device named {name} exists; give the volume another name, or put it on that "
+            raise Conflict(f"a device named {name} exists; give the volume another name, or put it on that "
                                f"device with --device {name}")
         if args.size is None:
             raise RequestError("size: missing; give the volume's size (e.g. 256MiB), or a device or pool to put "
@@ -130,12 +135,12 @@ async def volume_resize(node: Node, args: R.VolumeResize) -> Any:
     doc = _doc(node)
     v = _volume_entry(doc, name)
     if v.get("snapshot"):
-        raise RequestError(f"volume {name} serves a snapshot, which keeps the size it was taken with")
+        raise Conflict(f"volume {name} serves a snapshot, which keeps the size it was taken with")
     if "size" in v:    # carved from its device or pool: the group resizes it
         v["size"] = args.size
         return {"changes": await _apply(node, doc, dry_run=args.dry_run), "volume": await _describe(node, name)}
     if "pool" in v:
-        raise RequestError(f"volume {name} is its pool's whole size; grow the pool instead")
+        raise Conflict(f"volume {name} is its pool's whole size; grow the pool instead")
     dev = next(d for d in doc["devices"] if d["name"] == v["device"])
     size = args.size
     if size % dev["block_size"]:
@@ -176,7 +181,7 @@ async def volume_delete(node: Node, args: R.VolumeDelete) -> Any:
     v = _volume_entry(doc, name)
     exports = _exports_of(doc, name)
     if exports and not args.force:
-        raise RequestError(f"volume {name} is exported ({'; '.join(exports)}); remove the exports first "
+        raise Conflict(f"volume {name} is exported ({'; '.join(exports)}); remove the exports first "
                            "(`vsan export remove ...`), or pass --force to remove them with it")
     _drop_exports(doc, name)
     doc["volumes"] = [x for x in doc["volumes"] if x["name"] != name]
@@ -291,7 +296,7 @@ async def export_add(node: Node, args: R.ExportAdd) -> Any:
     elif protocol == "nbd":
         exports = doc.setdefault("nbd", {}).setdefault("exports", [])
         if any(e["name"] == name for e in exports):
-            raise RequestError(f"NBD export {name} exists; pick another name or remove it first")
+            raise Conflict(f"NBD export {name} exists; pick another name or remove it first")
         exports.append({"name": name, "volume": volume, "read_only": args.read_only,
                         "portals": _portals(args, exports[0]["portals"] if exports else [])})
     return {"changes": await _apply(node, doc, dry_run=args.dry_run)}
@@ -305,13 +310,13 @@ async def export_remove(node: Node, args: R.ExportRemove) -> Any:
         iscsi = doc.get("iscsi", {})
         t = next((x for x in iscsi.get("targets", []) if x["iqn"] == name), None)
         if t is None:
-            raise RequestError(f"no iSCSI target {name}; `vsan export list` shows the exports")
+            raise NotFound(f"no iSCSI target {name}; `vsan export list` shows the exports")
         lun = args.lun
         if lun is None:
             iscsi["targets"].remove(t)
         else:
             if not any(x["lun"] == lun for x in t["luns"]):
-                raise RequestError(f"{name} has no LUN {lun}")
+                raise NotFound(f"{name} has no LUN {lun}")
             t["luns"] = [x for x in t["luns"] if x["lun"] != lun]
             if not t["luns"]:
                 iscsi["targets"].remove(t)   # a target with no LUN serves nothing
@@ -319,20 +324,20 @@ async def export_remove(node: Node, args: R.ExportRemove) -> Any:
         nvme = doc.get("nvme", {})
         s = next((x for x in nvme.get("subsystems", []) if x["nqn"] == name), None)
         if s is None:
-            raise RequestError(f"no NVMe subsystem {name}; `vsan export list` shows the exports")
+            raise NotFound(f"no NVMe subsystem {name}; `vsan export list` shows the exports")
         nsid = args.nsid
         if nsid is None:
             nvme["subsystems"].remove(s)
         else:
             if not any(x["nsid"] == nsid for x in s["namespaces"]):
-                raise RequestError(f"{name} has no namespace {nsid}")
+                raise NotFound(f"{name} has no namespace {nsid}")
             s["namespaces"] = [x for x in s["namespaces"] if x["nsid"] != nsid]
             if not s["namespaces"]:
                 nvme["subsystems"].remove(s)
     elif protocol == "nbd":
         nbd = doc.get("nbd", {})
         if not any(e["name"] == name for e in nbd.get("exports", [])):
-            raise RequestError(f"no NBD export {name}; `vsan export list` shows the exports")
+            raise NotFound(f"no NBD export {name}; `vsan export list` shows the exports")
         nbd["exports"] = [e for e in nbd["exports"] if e["name"] != name]
     return {"changes": await _apply(node, doc, dry_run=args.dry_run)}
 
@@ -393,6 +398,27 @@ async def config_apply(node: Node, args: R.ConfigApply) -> Any:
         raise RequestError(f"{path}: {e.strerror}") from None
     gone = tuple(v.name for v in node.state.config.volumes if v.name not in {x.name for x in desired.volumes})
     return {"changes": await _apply_config(node, desired, dry_run=args.dry_run, forget=gone)}
+
+
+@command("config.put", R.ConfigPut)
+async def config_put(node: Node, args: R.ConfigPut) -> Any:
+    gone = tuple(v.name for v in node.state.config.volumes
+                 if v.name not in {x.get("name") for x in args.document.get("volumes", ()) if isinstance(x, dict)})
+    return {"changes": await _apply(node, dict(args.document), dry_run=args.dry_run, forget=gone)}
+
+
+@command("node.info")
+async def node_info(node: Node, args: R.Plain) -> Any:
+    """The node as the REST API's /api/v1/node shows it: its name, desired-state revision and shape."""
+    from openvsan import __version__
+
+    cfg = node.state.config
+    workers = getattr(node, "workers", None)   # a supervisor's count; a node in one process has none
+    return {"name": cfg.node.name, "version": __version__, "revision": node.state.revision,
+            "data_dir": str(node.data_dir), "workers": workers if isinstance(workers, int) else 1,
+            "cluster": cfg.cluster.id if cfg.cluster is not None else None,
+            "devices": len(cfg.devices), "pools": len(cfg.pools), "volumes": len(cfg.volumes),
+            "exports": len(cfg.targets) + len(cfg.subsystems) + len(cfg.nbd_exports)}
 
 
 @command("config.show")

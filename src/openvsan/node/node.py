@@ -29,7 +29,7 @@ from openvsan.block import BlockDevice, FileDevice, NullDevice, RamDevice
 from openvsan.frontend.busypoll import BusyPoll
 from openvsan.frontend.limits import ConnectionLimits, soft_fd_limit
 from openvsan.malloc import keep_large_buffers
-from openvsan.node.control import ControlServer, RequestError, socket_path
+from openvsan.node.control import ControlServer, RequestError, check_revision, socket_path
 from openvsan.node.groups import GroupSetupError, ServedGroups, home_of, snapshot_command
 from openvsan.node.plane import DataPlane
 from openvsan.node.pools import PoolSetupError, ServedPools, flush_and_close, why
@@ -154,6 +154,7 @@ class Node:
     groups: ServedGroups = field(init=False)                 # volume groups: "device X" / "pool X" (groups.py)
     plane: DataPlane = field(init=False)                     # the owner of the above, driven by changes
     control_server: ControlServer | None = None
+    api_server: Any = None                                   # api/server.py ApiServer (a node in one process)
     busy_poll: BusyPoll | None = None
     limits: ConnectionLimits | None = None                   # one for all three servers (frontend/limits.py)
     auth_throttle: AuthThrottle | None = None                # failed logins per (initiator, address)
@@ -245,6 +246,8 @@ class Node:
                                                     self.worker_control)
                 self.worker.exchange.watch(self._arrived, self._told)
             await self.control_server.start()
+            if self.worker is None:
+                await self._start_api()
             self.pools.start_meter()
             self.groups.start_watch(self._soft_threshold)
             if self.replication is not None:
@@ -784,7 +787,18 @@ class Node:
             if isinstance(r, BaseException):
                 log.error("%s: stop failed: %s", type(srv).__name__, r)
 
+    async def _start_api(self) -> None:
+        from openvsan.api.server import ApiStartError, start_api
+
+        try:
+            self.api_server = await start_api(self.state.config, self.data_dir, self.control)
+        except ApiStartError as e:
+            raise NodeError(str(e)) from None
+
     async def _stop_control(self) -> None:
+        if self.api_server is not None:
+            await self.api_server.stop()
+            self.api_server = None
         if self.control_server is not None:
             await self.control_server.stop()
             self.control_server = None
@@ -838,12 +852,14 @@ class Node:
         """What the data plane reports of one volume (DataPlane.stats); a supervisor asks the worker."""
         return self.plane.stats(name)
 
-    async def apply(self, desired: NodeConfig, *, dry_run: bool = False,
-                    forget: tuple[str, ...] = ()) -> list[Change]:
+    async def apply(self, desired: NodeConfig, *, dry_run: bool = False, forget: tuple[str, ...] = (),
+                    expect_revision: int | None = None) -> list[Change]:
         """Make `desired` the node's state while it serves: plan the changes (node/reconcile.py), have the
         data plane carry them out one by one, then store the new desired state. If a change or the store
-        fails, the changes done are undone in reverse, and desired and actual state stay as they were."""
+        fails, the changes done are undone in reverse, and desired and actual state stay as they were.
+        `expect_revision`: only if the desired state is still at that revision (else control.Stale)."""
         async with self._applying:
+            check_revision(self.state.revision, expect_revision)
             changes = plan(self.state.config, desired)
             if dry_run or not changes:
                 return changes

@@ -102,6 +102,8 @@ def _refuse_fixed(actual: NodeConfig, desired: NodeConfig) -> None:
     if actual.cluster != desired.cluster:
         raise PlanRefused("[cluster]: the node's cluster membership changes only when vsan serve restarts "
                           "(`vsan cluster join|leave`, then a restart)")
+    if actual.api != desired.api:
+        raise PlanRefused("[api]: the REST API's address and TLS change only when vsan serve restarts")
     if actual.nbd_tls != desired.nbd_tls:
         raise PlanRefused("[nbd] tls: the NBD server's TLS credentials change only when vsan serve restarts")
     for name, dev in _by(actual.devices, "name").items():

@@ -156,6 +156,10 @@ def config_document(cfg: NodeConfig) -> dict[str, Any]:
             nbd["tls"] = {"cert": str(t.cert), "key": str(t.key), "verify_client": t.verify_client,
                           **({"ca": str(t.ca)} if t.ca is not None else {})}
         doc["nbd"] = nbd
+    if cfg.api is not None:
+        a = cfg.api
+        doc["api"] = {"listen": str(a.listen), "enabled": a.enabled,
+                      **({"tls": {"cert": str(a.tls.cert), "key": str(a.tls.key)}} if a.tls is not None else {})}
     if cfg.cluster is not None:
         c = cfg.cluster
         doc["cluster"] = {"id": c.id, "etcd": list(c.etcd), "replication": str(c.replication),

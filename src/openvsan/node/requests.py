@@ -104,6 +104,15 @@ class QosShow:
 
 
 @dataclass(frozen=True, config=REQUEST)
+class ConfigPut:
+    """The whole desired state as a config document (the TOML file's tables, as JSON): applied as
+    `vsan config apply` applies a file."""
+
+    document: Annotated[dict[str, Any], Hint("give the config document, e.g. as GET /api/v1/config returns it")]
+    dry_run: Bool = False
+
+
+@dataclass(frozen=True, config=REQUEST)
 class ConfigApply:
     path: Annotated[Str, Hint("name the config file")]
     dry_run: Bool = False

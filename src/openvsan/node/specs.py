@@ -836,6 +836,7 @@ class NodeConfig:
     pools: tuple[PoolSpec, ...] = ()
     nbd_tls: NbdTlsSpec | None = None
     cluster: ClusterSpec | None = None            # None: a node of its own (no replicated volumes)
+    api: ApiSpec | None = None                    # None: the default API, on 127.0.0.1:8080 if it is free
 
     @property
     def subsystems(self) -> tuple[SubsystemSpec, ...]:
@@ -922,6 +923,35 @@ class NbdSection:
         return self
 
 
+DEFAULT_API_PORTAL = "127.0.0.1:8080"
+
+
+@dataclass(frozen=True, config=SPEC)
+class ApiTlsSpec:
+    """[api] tls: the REST API and console over HTTPS with this certificate and key (PEM files)."""
+
+    cert: Annotated[Path, Hint('add cert = "api-cert.pem" (the server\'s PEM certificate)')]
+    key: Annotated[Path, Hint('add key = "api-key.pem" (its PEM private key)')]
+
+    @field_validator("cert", "key", mode="before")
+    @classmethod
+    def _file(cls, v: object, info: ValidationInfo) -> object:
+        return _path(v, info)
+
+
+@dataclass(frozen=True, config=SPEC)
+class ApiSpec:
+    """[api]: the REST API, the web console and /metrics (api/), served by `vsan serve` beside the control
+    socket. Without the table the node serves them on 127.0.0.1:8080 when that address is free (a second
+    node on one host goes on without); with it, on `listen` or not at all (enabled = false), and an address
+    that cannot be bound stops the start."""
+
+    listen: PortalT = field(default_factory=lambda: parse_portal(DEFAULT_API_PORTAL))
+    enabled: Bool = True
+    tls: Annotated[ApiTlsSpec | None, Table('a table, e.g. tls = { cert = "api-cert.pem", key = "api-key.pem" }')] \
+        = None
+
+
 @dataclass(frozen=True, config=SPEC)
 class ConfigDocument:
     """The whole TOML document as written; node/config.py checks it across tables and makes the NodeConfig."""
@@ -934,3 +964,4 @@ class ConfigDocument:
     nvme: NvmeSpec | None = None
     nbd: NbdSection | None = None
     cluster: Annotated[ClusterSpec | None, Table('a [cluster] table')] = None
+    api: Annotated[ApiSpec | None, Table('an [api] table')] = None

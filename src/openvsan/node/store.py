@@ -66,7 +66,7 @@ MIGRATED = "state.db.migrated"
 SECRETS = "secrets.json"  # in the data dir, mode 0600: every secret, so a dump of the state carries none
 
 DESIRED = "/desired"
-_SINGLE = ("/node", "/nvme", "/nbd", "/cluster")
+_SINGLE = ("/node", "/nvme", "/nbd", "/cluster", "/api")
 _LISTS = {"/devices/": "devices", "/pools/": "pools", "/volumes/": "volumes"}
 _CHILDREN = ("/iscsi/targets/", "/nvme/subsystems/", "/nbd/exports/")
 IDENTITIES = "/identities/"
@@ -147,6 +147,8 @@ def config_objects(cfg: NodeConfig) -> dict[str, dict[str, Any]]:
         out["/nbd"] = nbd
     if "cluster" in doc:
         out["/cluster"] = doc["cluster"]
+    if "api" in doc:
+        out["/api"] = doc["api"]
     # as the store gives them back (lists, not tuples), so a comparison with what is stored is exact
     normal: dict[str, dict[str, Any]] = json.loads(json.dumps(out))
     return normal
@@ -191,6 +193,8 @@ def config_from_objects(objects: Mapping[str, Mapping[str, Any]], secrets: Mappi
         doc["nbd"] = {**objects.get("/nbd", {}), "exports": exports}
     if "/cluster" in objects:
         doc["cluster"] = dict(objects["/cluster"])
+    if "/api" in objects:
+        doc["api"] = dict(objects["/api"])
     return parse_config(doc)
 
 

@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
+from openvsan.node.control import check_revision
 from openvsan.node.specs import MAX_WORKERS, NodeConfig
 from openvsan.node.store import StoredState
 from openvsan.procstat import cpu_seconds
@@ -454,6 +455,7 @@ class Supervisor:
                       for i in range(self.workers)]
         self._pairs: list[Any] = []
         self._control: Any = None
+        self._api: Any = None          # api/server.py ApiServer, beside the control socket
         # RAM devices' memory (no backing file): made here and handed to the worker that serves them, so a
         # worker that dies and is started again finds the blocks its writes left (node/node.py memfd)
         self.memfds: dict[str, int] = {}
@@ -463,6 +465,7 @@ class Supervisor:
         self._balancer: asyncio.Task[None] | None = None
 
     async def run(self, stop: asyncio.Event, started: Callable[[], None] | None = None) -> None:
+        from openvsan.api.server import ApiStartError, start_api
         from openvsan.frontend.handoff import inbox_pairs
         from openvsan.node.control import ControlServer, socket_path
 
@@ -478,6 +481,10 @@ class Supervisor:
             self._tell_geometry(range(self.workers))
             self._control = ControlServer(socket_path(self.data_dir), self.control)
             await self._control.start()
+            try:
+                self._api = await start_api(self.state.config, self.data_dir, self.control)
+            except ApiStartError as e:
+                raise WorkerSetupError(str(e)) from None
             for w in self.procs:
                 log.info("worker %d (pid %d%s): %s", w.index, w.proc.pid if w.proc else 0,
                          f", cpu {w.cpu}" if w.cpu is not None else "",
@@ -600,6 +607,9 @@ class Supervisor:
             self._balancer.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._balancer
+        if self._api is not None:
+            await self._api.stop()
+            self._api = None
         if self._control is not None:
             await self._control.stop()
             self._control = None
@@ -693,7 +703,8 @@ class Supervisor:
             return {"worker": w, "stats_error": str(e)}
         return {"worker": w, **(stats or {})}
 
-    async def apply(self, desired: NodeConfig, *, dry_run: bool = False, forget: tuple[str, ...] = ()) -> list[Any]:
+    async def apply(self, desired: NodeConfig, *, dry_run: bool = False, forget: tuple[str, ...] = (),
+                    expect_revision: int | None = None) -> list[Any]:
         """Node.apply across the workers: plan as one node would (the same refusals), place what is new, have
         every worker apply its new part (and its shells of the others'), then store the whole. If a worker
         or the store fails, the workers done are sent their old part again, and nothing is stored."""
@@ -705,6 +716,7 @@ class Supervisor:
         from openvsan.node.store import VolumeIdentity, import_desired
 
         async with self._applying:
+            check_revision(self.state.revision, expect_revision)
             changes = plan(self.state.config, desired)
             if dry_run or not changes:
                 return changes

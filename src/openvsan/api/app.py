@@ -1,0 +1,429 @@
+"""The REST API (FastAPI): the node's control commands (node/live.py, node/pools.py, node/groups.py) as
+resources under /api/v1, with bearer tokens (api/tokens.py), RFC 9457 problem details and /metrics.
+
+Every route calls the same command the CLI sends over the control socket, with the same typed request body
+(node/requests.py: the OpenAPI schema of each body is generated from it), so both give the same answers and
+the same one-line errors. A change is applied before the answer comes (the node reconciles while it serves),
+so a write returns the new revision of the desired state (also as ETag) with actual state already matching;
+`If-Match: "<revision>"` makes it conditional (412 if the state moved on). Reads need a token of any role,
+writes an `admin` one; only /healthz needs none.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Annotated, Any
+
+from fastapi import Depends, FastAPI, Header, Query, Request, Response
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse
+from pydantic import TypeAdapter
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from openvsan.api.tokens import TokenBook, TokenEntry
+from openvsan.node import requests as R
+from openvsan.node.control import Conflict, NotFound, RequestError, Stale
+
+log = logging.getLogger("openvsan.api")
+
+Handler = Callable[[str, dict[str, Any]], Awaitable[Any]]
+PROBLEM = "application/problem+json"
+FAILURES_ALLOWED = 10          # failed authentications from one address within FAILURE_WINDOW ...
+FAILURE_WINDOW = 60.0          # ... seconds before its requests get 429 for the rest of the window
+
+
+class Problem(Exception):
+    """An RFC 9457 answer: status, a short title, and the one-line detail the CLI would print."""
+
+    def __init__(self, status: int, detail: str, title: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(detail)
+        self.status, self.detail, self.headers = status, detail, headers or {}
+        self.title = title or _TITLES.get(status, "Error")
+
+
+_TITLES = {400: "Bad request", 401: "Not authenticated", 403: "Forbidden", 404: "Not found",
+           405: "Method not allowed", 409: "Conflict", 412: "Precondition failed", 422: "Invalid request",
+           429: "Too many failed authentications", 500: "Internal error"}
+
+
+def _problem_response(p: Problem, instance: str) -> JSONResponse:
+    return JSONResponse({"type": "about:blank", "title": p.title, "status": p.status, "detail": p.detail,
+                         "instance": instance}, status_code=p.status, media_type=PROBLEM, headers=p.headers)
+
+
+def _status_of(e: BaseException) -> int:
+    """The HTTP status of a command's refusal (its line is the detail)."""
+    if isinstance(e, NotFound):
+        return 404
+    if isinstance(e, Conflict):
+        return 409
+    if isinstance(e, Stale):
+        return 412
+    if isinstance(e, (RequestError, ValueError, KeyError)):
+        return 422
+    return 500
+
+
+def _line(e: BaseException) -> str:
+    text = str(e.args[0]) if isinstance(e, KeyError) and e.args else (str(e) or type(e).__name__)
+    return " ".join(text.split())
+
+
+class FailedAuth:
+    """Failed authentications per client address: each is logged; past FAILURES_ALLOWED in FAILURE_WINDOW
+    seconds, the address gets 429 until the window has passed (a token cannot be guessed at request rate)."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self._by: dict[str, list[float]] = {}
+
+    def blocked(self, who: str) -> float:
+        """Seconds `who` must wait, or 0."""
+        now = self.clock()
+        times = [t for t in self._by.get(who, ()) if now - t < FAILURE_WINDOW]
+        if times:
+            self._by[who] = times
+        else:
+            self._by.pop(who, None)
+        return FAILURE_WINDOW - (now - times[0]) if len(times) >= FAILURES_ALLOWED else 0.0
+
+    def failed(self, who: str, why: str) -> None:
+        self._by.setdefault(who, []).append(self.clock())
+        n = len(self._by[who])
+        if n <= FAILURES_ALLOWED:
+            log.warning("API: authentication failed from %s (%s)", who, why)
+        if n == FAILURES_ALLOWED:
+            log.warning("API: %s failed %d times in %g s; its requests are refused for a while", who, n,
+                        FAILURE_WINDOW)
+
+
+def _body_schema(body: type[Any]) -> dict[str, Any]:
+    """The request body's JSON schema from its typed declaration (node/requests.py), referencing the
+    components the custom OpenAPI document gathers."""
+    return TypeAdapter(body).json_schema(ref_template="#/components/schemas/{model}")
+
+
+def _body(body: type[Any], *, drop: tuple[str, ...] = ()) -> dict[str, Any]:
+    schema = _body_schema(body)
+    schema.pop("$defs", None)
+    for key in drop:
+        schema.get("properties", {}).pop(key, None)
+        if key in schema.get("required", ()):
+            schema["required"] = [r for r in schema["required"] if r != key]
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+
+# ---- who is asking (module level: FastAPI reads these annotations from the module's names)
+
+def caller(request: Request, authorization: str | None = Header(default=None)) -> TokenEntry:
+    """The token entry of the request's bearer token; 401 without a valid one, 429 while its address is
+    held back (a valid token is served even then)."""
+    tokens: TokenBook = request.app.state.tokens
+    failures: FailedAuth = request.app.state.failures
+    who = request.client.host if request.client is not None else "?"
+    scheme, _, token = (authorization or "").partition(" ")
+    entry = tokens.verify(token.strip()) if scheme.lower() == "bearer" else None
+    if entry is not None:
+        request.state.token = entry
+        return entry
+    wait = failures.blocked(who)
+    if wait:
+        raise Problem(429, f"too many failed authentications from {who}; retry in {wait:.0f} s",
+                      headers={"Retry-After": str(max(1, round(wait)))})
+    if not authorization:
+        failures.failed(who, "no token")
+        raise Problem(401, "this request needs an API token: send 'Authorization: Bearer <token>' "
+                      "(`vsan token create` makes one)", headers={"WWW-Authenticate": "Bearer"})
+    failures.failed(who, "unknown or revoked token" if scheme.lower() == "bearer" else f"{scheme} scheme")
+    raise Problem(401, "the API token is not valid (unknown, revoked or mistyped)",
+                  headers={"WWW-Authenticate": 'Bearer error="invalid_token"'})
+
+
+Reader = Annotated[TokenEntry, Depends(caller)]
+
+
+def admin(entry: Reader) -> TokenEntry:
+    if entry.role != "admin":
+        raise Problem(403, f"token {entry.name} is {entry.role}: changes need an admin token")
+    return entry
+
+
+Admin = Annotated[TokenEntry, Depends(admin)]
+
+
+def make_app(handler: Handler, tokens: TokenBook, *, metrics: Callable[[], Awaitable[bytes]] | None = None,
+             failed: FailedAuth | None = None) -> FastAPI:
+    """The API app over `handler` (the node's control commands: Node.control or Supervisor.control)."""
+    app = FastAPI(title="openvsan", version="1", summary="An open-source virtual SAN: its REST API",
+                  docs_url="/api/docs", redoc_url=None, openapi_url="/api/v1/openapi.json")
+    app.state.tokens, app.state.failures = tokens, failed or FailedAuth()
+    bodies: list[type[Any]] = []
+
+    # ---- errors: RFC 9457 problem details with the one line
+
+    @app.exception_handler(Problem)
+    async def _problem(request: Request, p: Problem) -> JSONResponse:
+        return _problem_response(p, request.url.path)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        return _problem_response(Problem(e.status_code, str(e.detail)), request.url.path)
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, e: Exception) -> JSONResponse:
+        log.exception("API: %s %s failed", request.method, request.url.path)
+        return _problem_response(Problem(500, f"internal error: {type(e).__name__}: {_line(e)}"), request.url.path)
+
+
+    async def run(cmd: str, args: dict[str, Any] | None = None) -> Any:
+        try:
+            return await handler(cmd, args or {})
+        except Exception as e:
+            status = _status_of(e)
+            if status == 500:
+                log.exception("API: command %s failed", cmd)
+            raise Problem(status, _line(e)) from None
+
+    async def change(cmd: str, args: dict[str, Any], if_match: str | None, response: Response) -> Any:
+        """A command that changes desired state: conditional on If-Match, answered with the new revision."""
+        from openvsan.node.live import EXPECTED_REVISION
+
+        expect = None
+        if if_match is not None and if_match.strip() != "*":
+            try:
+                expect = int(if_match.strip().removeprefix("W/").strip('"'))
+            except ValueError:
+                raise Problem(400, f'If-Match {if_match!r}: give a revision, e.g. If-Match: "12"') from None
+        mark = EXPECTED_REVISION.set(expect)
+        try:
+            out = await run(cmd, args)
+        finally:
+            EXPECTED_REVISION.reset(mark)
+        info = await run("node.info")
+        response.headers["ETag"] = f'"{info["revision"]}"'
+        if isinstance(out, dict):
+            out = {**out, "revision": info["revision"]}
+        return out
+
+    async def revision_tag(response: Response) -> None:
+        info = await run("node.info")
+        response.headers["ETag"] = f'"{info["revision"]}"'
+
+    def documented(body: type[Any], **kw: Any) -> dict[str, Any]:
+        bodies.append(body)
+        return _body(body, **kw)
+
+    async def json_body(request: Request) -> dict[str, Any]:
+        if not await request.body():
+            return {}
+        try:
+            doc = await request.json()
+        except ValueError as e:
+            raise Problem(400, f"the body is not JSON: {e}") from None
+        if not isinstance(doc, dict):
+            raise Problem(422, "the body must be a JSON object")
+        return doc
+
+    # ---- health, node, config
+
+    @app.get("/healthz", tags=["node"], summary="Liveness (no token needed)")
+    async def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/api/v1", tags=["node"], summary="What this API serves")
+    async def index(_: Reader) -> dict[str, Any]:
+        return {"resources": ["/api/v1/node", "/api/v1/config", "/api/v1/volumes", "/api/v1/exports",
+                              "/api/v1/pools", "/api/v1/workers", "/api/v1/tokens/self", "/metrics"],
+                "openapi": "/api/v1/openapi.json"}
+
+    @app.get("/api/v1/node", tags=["node"], summary="This node: name, version, desired-state revision")
+    async def node(_: Reader, response: Response) -> Any:
+        info = await run("node.info")
+        response.headers["ETag"] = f'"{info["revision"]}"'
+        return info
+
+    @app.get("/api/v1/tokens/self", tags=["node"], summary="The token this request was made with")
+    async def token_self(entry: Reader) -> Any:
+        return entry.public()
+
+    @app.get("/api/v1/config", tags=["config"], summary="The whole desired state, as a config document")
+    async def config_get(_: Reader, response: Response) -> Any:
+        await revision_tag(response)
+        return await run("config.show")
+
+    @app.put("/api/v1/config", tags=["config"], summary="Replace the whole desired state (vsan config apply)",
+             openapi_extra={"requestBody": {"required": True, "content": {"application/json": {
+                 "schema": {"type": "object", "description": "a config document, as GET /api/v1/config gives"}}}}})
+    async def config_put(_: Admin, request: Request, response: Response, dry_run: bool = Query(False),
+                         if_match: str | None = Header(default=None)) -> Any:
+        return await change("config.put", {"document": await json_body(request), "dry_run": dry_run}, if_match,
+                            response)
+
+    # ---- volumes
+
+    @app.get("/api/v1/volumes", tags=["volumes"], summary="Every volume, with its stack and statistics")
+    async def volumes(_: Reader, response: Response) -> Any:
+        await revision_tag(response)
+        return await run("volume.list")
+
+    @app.get("/api/v1/volumes/{name}", tags=["volumes"], summary="One volume")
+    async def volume(_: Reader, name: str, response: Response) -> Any:
+        await revision_tag(response)
+        return await run("volume.show", {"name": name})
+
+    @app.put("/api/v1/volumes/{name}", tags=["volumes"], status_code=200,
+             summary="Create the volume, or bring an existing one to this spec (its size, its QoS)",
+             openapi_extra=documented(R.VolumeCreate, drop=("name", "dry_run")))
+    async def volume_put(_: Admin, name: str, request: Request, response: Response, dry_run: bool = Query(False),
+                         if_match: str | None = Header(default=None)) -> Any:
+        spec = await json_body(request)
+        if spec.get("name", name) != name:
+            raise Problem(422, f"name: the body names {spec['name']!r}, the path {name!r}; leave it out of the body")
+        qos = spec.pop("qos", None)
+        listed = {v["name"]: v for v in await run("volume.list")}
+        if name not in listed:
+            made = await change("volume.create", {**spec, "name": name, "dry_run": dry_run}, if_match, response)
+            response.status_code = 201
+            response.headers["Location"] = f"/api/v1/volumes/{name}"
+            if qos:    # a second change (a failure here leaves the volume made, without its limits: 422 says so)
+                made = await change("qos.set", {"volume": name, "limits": qos, "clear": True, "dry_run": dry_run},
+                                    None, response)
+            return made
+        have = listed[name]
+        fixed = {"read_only": have.get("read_only"), "device": have.get("device"), "pool": have.get("pool")}
+        for key, value in fixed.items():
+            if key in spec and spec[key] != value and not (key == "device" and spec[key] == name):
+                raise Problem(409, f"{key}: volume {name} has {value!r}; it cannot change while it exists "
+                              f"(delete it and create it anew)")
+        out: Any = {"changes": [], "volume": have}
+        if "size" in spec and spec["size"] is not None:
+            out = await change("volume.resize", {"name": name, "size": spec["size"], "dry_run": dry_run}, if_match,
+                               response)
+            if_match = None
+        if qos is not None:
+            out = await change("qos.set", {"volume": name, "limits": qos, "clear": True, "dry_run": dry_run},
+                               if_match, response)
+        if not out.get("changes"):
+            await revision_tag(response)
+        return out
+
+    @app.delete("/api/v1/volumes/{name}", tags=["volumes"], summary="Delete a volume (force: with its exports)")
+    async def volume_delete(_: Admin, name: str, response: Response, force: bool = Query(False), dry_run: bool = Query(False),
+                            if_match: str | None = Header(default=None)) -> Any:
+        return await change("volume.delete", {"name": name, "force": force, "dry_run": dry_run}, if_match, response)
+
+    @app.get("/api/v1/volumes/{name}/qos", tags=["volumes"], summary="A volume's QoS limits and counters")
+    async def qos_get(_: Reader, name: str) -> Any:
+        return await run("qos.show", {"volume": name})
+
+    @app.put("/api/v1/volumes/{name}/qos", tags=["volumes"], summary="Set a volume's QoS limits (all of them)",
+             openapi_extra=documented(R.QosSet, drop=("volume", "dry_run", "clear")))
+    async def qos_put(_: Admin, name: str, request: Request, response: Response, dry_run: bool = Query(False),
+                      if_match: str | None = Header(default=None)) -> Any:
+        body = await json_body(request)
+        limits = body.get("limits", body)
+        return await change("qos.set", {"volume": name, "limits": limits, "clear": True, "dry_run": dry_run},
+                            if_match, response)
+
+    @app.get("/api/v1/volumes/{name}/replication", tags=["volumes"],
+             summary="A replicated volume's role, epoch, replicas in and out of sync, resync progress")
+    async def replication(_: Reader, name: str) -> Any:
+        return await run("volume.status", {"name": name})
+
+    @app.get("/api/v1/volumes/{name}/snapshots", tags=["snapshots"], summary="A volume's snapshots, oldest first")
+    async def snapshots(_: Reader, name: str) -> Any:
+        await run("volume.show", {"name": name})        # 404 for a volume that is not there
+        return await run("snapshot.list", {"volume": name})
+
+    @app.post("/api/v1/volumes/{name}/snapshots", tags=["snapshots"], status_code=201,
+              summary="Take a snapshot of the volume",
+              openapi_extra={"requestBody": {"required": True, "content": {"application/json": {"schema": {
+                  "type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}}}}})
+    async def snapshot_create(_: Admin, name: str, request: Request) -> Any:
+        body = await json_body(request)
+        if not isinstance(body.get("name"), str):
+            raise Problem(422, "name: missing; name the snapshot")
+        await run("volume.show", {"name": name})
+        return await run("snapshot.create", {"volume": name, "name": body["name"]})
+
+    @app.delete("/api/v1/volumes/{name}/snapshots/{snapshot}", tags=["snapshots"], summary="Delete a snapshot")
+    async def snapshot_delete(_: Admin, name: str, snapshot: str) -> Any:
+        await run("volume.show", {"name": name})
+        return await run("snapshot.delete", {"volume": name, "name": snapshot})
+
+    # ---- exports
+
+    @app.get("/api/v1/exports", tags=["exports"], summary="Every iSCSI LUN, NVMe namespace and NBD export")
+    async def exports(_: Reader, response: Response) -> Any:
+        await revision_tag(response)
+        return await run("export.list")
+
+    @app.post("/api/v1/exports", tags=["exports"], status_code=201,
+              summary="Export a volume (a target, subsystem or NBD export is made with its first export)",
+              openapi_extra=documented(R.ExportAdd, drop=("dry_run",)))
+    async def export_add(_: Admin, request: Request, response: Response, dry_run: bool = Query(False),
+                         if_match: str | None = Header(default=None)) -> Any:
+        body = await json_body(request)
+        return await change("export.add", {**body, "dry_run": dry_run}, if_match, response)
+
+    @app.delete("/api/v1/exports/{protocol}/{name}", tags=["exports"],
+                summary="Remove an export (lun or nsid: only that one; else the whole target or subsystem)")
+    async def export_remove(_: Admin, protocol: str, name: str, response: Response, lun: int | None = Query(None),
+                            nsid: int | None = Query(None), dry_run: bool = Query(False),
+                            if_match: str | None = Header(default=None)) -> Any:
+        args: dict[str, Any] = {"protocol": protocol, "name": name, "dry_run": dry_run}
+        if lun is not None:
+            args["lun"] = lun
+        if nsid is not None:
+            args["nsid"] = nsid
+        return await change("export.remove", args, if_match, response)
+
+    # ---- pools and workers
+
+    @app.get("/api/v1/pools", tags=["pools"], summary="Every pool: level, members, state, rebuild and scrub")
+    async def pools(_: Reader) -> Any:
+        return await run("pool.list")
+
+    @app.get("/api/v1/pools/{name}", tags=["pools"], summary="One pool")
+    async def pool(_: Reader, name: str) -> Any:
+        listed = await run("pool.list")
+        if not any(p.get("name") == name for p in listed):
+            raise Problem(404, f"no pool named {name!r} (pools: {', '.join(p['name'] for p in listed) or 'none'})")
+        return await run("pool.status", {"name": name})
+
+    @app.get("/api/v1/workers", tags=["node"], summary="The node's worker processes and what each serves")
+    async def workers(_: Reader) -> Any:
+        try:
+            return await handler("workers.list", {})
+        except RequestError:
+            return []          # a node in one process: no workers to list
+
+    # ---- metrics
+
+    if metrics is not None:
+        @app.get("/metrics", tags=["metrics"], summary="Prometheus metrics (text exposition format)")
+        async def metrics_route(_: Reader) -> Response:
+            from prometheus_client import CONTENT_TYPE_LATEST
+
+            return Response(await metrics(), media_type=CONTENT_TYPE_LATEST)
+
+    # ---- the OpenAPI document, with the request bodies' schemas as components
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            doc = get_openapi(title=app.title, version=app.version, summary=app.summary, routes=app.routes)
+            schemas = doc.setdefault("components", {}).setdefault("schemas", {})
+            for body in bodies:
+                full = _body_schema(body)
+                schemas.update(full.pop("$defs", {}))
+                schemas[body.__name__] = full
+            doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+            doc["security"] = [{"bearer": []}]
+            app.openapi_schema = doc
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+    return app

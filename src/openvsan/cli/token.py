@@ -1,0 +1,78 @@
+"""`vsan token`: the REST API's bearer tokens (api/tokens.py), kept hashed in the node's data dir. Works whether
+or not `vsan serve` runs (a running node sees a change at its next request); whoever may write the data dir
+is the node's administrator, as for the control socket. A new token is printed once and kept nowhere."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from openvsan.cli.pool import ConfigOpt, DataDir, JsonOpt, _console, _data_dir, _fail, _print_json
+
+token_app = typer.Typer(help="The REST API's tokens: create (shown once), list, revoke.", no_args_is_help=True)
+
+
+def _book(data_dir: DataDir, config: ConfigOpt):  # type: ignore[no-untyped-def]
+    from openvsan.api.tokens import TokenBook
+
+    where = _data_dir(data_dir, config)
+    if not where.is_dir():
+        _fail(f"no data dir {where}: give the --data-dir of the node (or --config), or start `vsan serve` once")
+    return TokenBook(where)
+
+
+@token_app.command("create")
+def create(name: Annotated[str, typer.Argument(help="A name for the token (who or what uses it).")],
+           role: Annotated[str, typer.Option("--role", help="admin (may change things) or read-only.")] = "admin",
+           data_dir: DataDir = None, config: ConfigOpt = None, as_json: JsonOpt = False) -> None:
+    """Make a token for the REST API and the console; it is printed once: keep it."""
+    from openvsan.api.tokens import TokenError
+
+    try:
+        entry, token = _book(data_dir, config).create(name, role)
+    except (TokenError, OSError) as e:
+        _fail(str(e))
+    if as_json:
+        _print_json({**entry.public(), "token": token})
+        return
+    typer.echo(token)
+    typer.echo(f"(token {entry.name}, {entry.role}; shown once: send it as 'Authorization: Bearer TOKEN')", err=True)
+
+
+@token_app.command("list")
+def list_tokens(data_dir: DataDir = None, config: ConfigOpt = None, as_json: JsonOpt = False) -> None:
+    """The tokens there are (names, roles, when made; never the tokens)."""
+    from openvsan.api.tokens import TokenError
+
+    try:
+        entries = [e.public() for e in _book(data_dir, config).entries()]
+    except TokenError as e:
+        _fail(str(e))
+    if as_json:
+        _print_json(entries)
+        return
+    if not entries:
+        typer.echo("no API tokens")
+        return
+    table = Table("name", "id", "role", "created")
+    for e in entries:
+        table.add_row(str(e["name"]), str(e["id"]), str(e["role"]), str(e["created"]))
+    _console().print(table)
+
+
+@token_app.command("revoke")
+def revoke(which: Annotated[str, typer.Argument(help="The token's name or id.")], data_dir: DataDir = None,
+           config: ConfigOpt = None, as_json: JsonOpt = False) -> None:
+    """Revoke a token: requests made with it are refused from now on."""
+    from openvsan.api.tokens import TokenError
+
+    try:
+        entry = _book(data_dir, config).revoke(which)
+    except (TokenError, OSError) as e:
+        _fail(str(e))
+    if as_json:
+        _print_json(entry.public())
+    else:
+        typer.echo(f"token {entry.name} ({entry.id}) revoked")
