@@ -1,19 +1,28 @@
-"""/metrics: the node in Prometheus' text format (prometheus-client), gathered from the same commands the API
-serves (volume.list, pool.list, workers.list) at each scrape."""
+"""/metrics: the node in Prometheus' text format (prometheus-client), gathered at each scrape from the same
+commands the API serves: volume.list (each volume's I/O counters and latency histograms, volume/meter.py;
+its size, QoS and volume group), pool.list and workers.list.
+
+Names follow Prometheus' conventions (base units, `_total` counters, node_exporter's `_bytes`/`_seconds`
+suffixes); every volume metric has a `volume` label, pool metrics a `pool` label."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+
+from openvsan.node.control import RequestError
 
 Handler = Callable[[str, dict[str, Any]], Awaitable[Any]]
 
+POOL_STATES = ("optimal", "degraded", "rebuilding", "failed", "resyncing")
 
-class _Once:
-    """A collector of metric families made before the scrape."""
+
+class _Made:
+    """A collector of metric families made before the scrape (they come from async calls)."""
 
     def __init__(self, families: list[Metric]) -> None:
         self.families = families
@@ -22,14 +31,119 @@ class _Once:
         return self.families
 
 
+def _buckets(report: dict[str, Any]) -> list[tuple[str, int]]:
+    return [("+Inf" if bound is None else repr(bound), count) for bound, count in report["buckets"]]
+
+
+def volume_families(volumes: list[dict[str, Any]]) -> list[Metric]:
+    V = ["volume"]
+    size = GaugeMetricFamily("openvsan_volume_size_bytes", "The volume's size", labels=V)
+    info = GaugeMetricFamily("openvsan_volume_info", "The volume's identity and stack (always 1)",
+                             labels=["volume", "uuid", "serial", "stack", "read_only"])
+    ops = {d: CounterMetricFamily(f"openvsan_volume_{d}_ops", f"{d.capitalize()} commands completed", labels=V)
+           for d in ("read", "write")}
+    nbytes = {d: CounterMetricFamily(f"openvsan_volume_{d}_bytes", f"Bytes {d} by initiators", labels=V)
+              for d in ("read", "write")}
+    nbytes["read"].documentation = "Bytes read by initiators"
+    nbytes["write"].documentation = "Bytes written by initiators"
+    other = CounterMetricFamily("openvsan_volume_other_ops", "Flush, unmap and write-zeroes commands completed",
+                                labels=V)
+    latency = {d: HistogramMetricFamily(f"openvsan_volume_{d}_latency_seconds",
+                                        f"Time the volume's stack took for a {d} command", labels=V)
+               for d in ("read", "write", "other")}
+    throttled = CounterMetricFamily("openvsan_volume_qos_throttled", "Commands QoS made wait", labels=V)
+    waited = CounterMetricFamily("openvsan_volume_qos_wait_seconds", "Seconds commands waited for QoS", labels=V)
+    for v in volumes:
+        name = v["name"]
+        if "size" in v:
+            size.add_metric([name], v["size"])
+        info.add_metric([name, v.get("uuid", ""), v.get("serial", ""), "/".join(v.get("stack", ())),
+                         str(bool(v.get("read_only"))).lower()], 1)
+        io = v.get("io")
+        if io is not None:
+            for d in ("read", "write"):
+                ops[d].add_metric([name], io[d]["ops"])
+                nbytes[d].add_metric([name], io[d]["bytes"])
+            other.add_metric([name], io["other"]["ops"])
+            for d in ("read", "write", "other"):
+                latency[d].add_metric([name], _buckets(io[d]), io[d]["seconds"])
+        q = v.get("qos_stats")
+        if q:
+            throttled.add_metric([name], q.get("throttled", 0))
+            waited.add_metric([name], q.get("wait_seconds", 0.0))
+    return [size, info, *ops.values(), *nbytes.values(), other, *latency.values(), throttled, waited]
+
+
+def group_families(volumes: list[dict[str, Any]]) -> list[Metric]:
+    """The volume groups carved from devices and pools (volume/thin), once each."""
+    G = ["group"]
+    fams = {k: GaugeMetricFamily(f"openvsan_volume_group_{k}_bytes", doc, labels=G) for k, doc in (
+        ("capacity", "Space the volume group holds"), ("used", "Space in use (data and metadata)"),
+        ("free", "Space free"), ("provisioned", "Space promised to its volumes"))}
+    meta = GaugeMetricFamily("openvsan_volume_group_metadata_used_ratio", "Metadata area in use (0-1)", labels=G)
+    seen: set[str] = set()
+    for v in volumes:
+        g = v.get("volume_group")
+        if not g:
+            continue
+        where = v.get("pool") and f"pool {v['pool']}" or f"device {v.get('device')}"
+        if where in seen:
+            continue
+        seen.add(where)
+        for k, fam in fams.items():
+            if k in g:
+                fam.add_metric([where], g[k])
+        if "metadata_used" in g:
+            meta.add_metric([where], g["metadata_used"])
+    return [*fams.values(), meta]
+
+
+def pool_families(pools: list[dict[str, Any]]) -> list[Metric]:
+    P = ["pool"]
+    state = GaugeMetricFamily("openvsan_pool_state", "1 for the pool's state, 0 for the others",
+                              labels=["pool", "state"])
+    size = GaugeMetricFamily("openvsan_pool_size_bytes", "The pool's usable size", labels=P)
+    members = GaugeMetricFamily("openvsan_pool_members", "Member slots", labels=P)
+    spares = GaugeMetricFamily("openvsan_pool_spares", "Spare devices", labels=P)
+    rebuild = GaugeMetricFamily("openvsan_pool_rebuild_progress_ratio", "Rebuild done (0-1); absent when none runs",
+                                labels=P)
+    resync = GaugeMetricFamily("openvsan_pool_resync_progress_ratio", "Resync done (0-1); absent when none runs",
+                               labels=P)
+    for p in pools:
+        name = p["name"]
+        states = dict.fromkeys((*POOL_STATES, p["state"]), 0)
+        states[p["state"]] = 1
+        for s, on in states.items():
+            state.add_metric([name, s], on)
+        size.add_metric([name], p["size"])
+        members.add_metric([name], p["members"])
+        spares.add_metric([name], p["spares"])
+        if p.get("rebuild_progress") is not None:
+            rebuild.add_metric([name], p["rebuild_progress"] / 100)
+        if p.get("resync_progress") is not None:
+            resync.add_metric([name], p["resync_progress"] / 100)
+    return [state, size, members, spares, rebuild, resync]
+
+
+def worker_families(workers: list[dict[str, Any]]) -> list[Metric]:
+    W = ["worker"]
+    up = GaugeMetricFamily("openvsan_worker_up", "1 while the worker process serves", labels=W)
+    restarts = CounterMetricFamily("openvsan_worker_restarts", "Times the worker was started again", labels=W)
+    volumes = GaugeMetricFamily("openvsan_worker_volumes", "Volumes the worker serves", labels=W)
+    for w in workers:
+        i = str(w["worker"])
+        up.add_metric([i], 1 if w.get("serving") else 0)
+        restarts.add_metric([i], w.get("restarts", 0))
+        volumes.add_metric([i], len(w.get("volumes", ())))
+    return [up, restarts, volumes]
+
+
 async def node_metrics(handler: Handler) -> bytes:
     volumes = await handler("volume.list", {})
-    families: list[Metric] = []
-    size = GaugeMetricFamily("openvsan_volume_size_bytes", "The volume's size", labels=["volume"])
-    for v in volumes:
-        if "size" in v:
-            size.add_metric([v["name"]], v["size"])
-    families.append(size)
+    families = volume_families(volumes) + group_families(volumes)
+    families += pool_families(await handler("pool.list", {}))
+    with contextlib.suppress(RequestError):    # a node in one process has no workers to list
+        families += worker_families(await handler("workers.list", {}))
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Once(families))
+    registry.register(_Made(families))
     return generate_latest(registry)

@@ -89,7 +89,8 @@ class DataPlane:
             "size": vol.size, "block_size": vol.block_size, "blocks": vol.num_blocks,
             "stack": [type(d).__name__ for d in vol.layers], "layers": vol.to_config()["layers"],
             "capabilities": dataclasses.asdict(vol.capabilities),
-            "naa": vol.naa.hex(), "eui64": vol.eui64.hex(), "nguid": vol.nguid.hex()}
+            "naa": vol.naa.hex(), "eui64": vol.eui64.hex(), "nguid": vol.nguid.hex(),
+            "io": vol.meter.report()}
         group = getattr(vol.device, "group", None)
         if group is not None:   # carved from a device or pool (volume/thin)
             out["carved"] = group.info(vol.device.name)

@@ -17,12 +17,14 @@ import hashlib
 import logging
 import uuid as uuidlib
 from collections.abc import AsyncIterator, Awaitable, Callable
+from time import perf_counter_ns
 from typing import Any
 
 from openvsan.block.capabilities import Capabilities
 from openvsan.block.device import BlockDevice, Buffer
 from openvsan.block.errors import Busy, OutOfRange
 from openvsan.block.layer import Layer, stack_of
+from openvsan.volume.meter import IoMeter, metered_read_now, metered_write_now
 
 log = logging.getLogger("openvsan.volume")
 
@@ -50,6 +52,7 @@ class Volume:
         self._inflight = 0
         self._idle: asyncio.Event | None = None   # set when in-flight I/O reaches 0 while someone waits
         self._held: asyncio.Event | None = None   # while a swap drains: new I/O waits for it
+        self.meter = IoMeter()                    # what initiators asked of it (volume/meter.py)
         self._install(stack)
 
     def _install(self, stack: BlockDevice) -> None:
@@ -61,10 +64,13 @@ class Volume:
 
     def _open_fast_path(self) -> None:
         caps = self.capabilities
+        # counted and timed (volume/meter.py) when the stack has a fast path; a decline costs nothing more
         self.read_now: Callable[[int, int], Buffer | None] = (
-            self.stack.read_now if caps.sync_read else _decline_read)  # type: ignore[attr-defined]
+            metered_read_now(self.stack.read_now, self.meter.read, self.block_size)  # type: ignore[attr-defined]
+            if caps.sync_read else _decline_read)
         self.write_now: Callable[[int, Buffer], bool] = (
-            self.stack.write_now if caps.sync_write else _decline_write)  # type: ignore[attr-defined]
+            metered_write_now(self.stack.write_now, self.meter.write)  # type: ignore[attr-defined]
+            if caps.sync_write else _decline_write)
 
     # ---- identity (stable for as long as the volume keeps its uuid)
 
@@ -140,14 +146,20 @@ class Volume:
     async def read(self, lba: int, blocks: int) -> Buffer:
         await self._enter(lba, blocks)
         try:
-            return await self.stack.read(lba, blocks)
+            t = perf_counter_ns()
+            out = await self.stack.read(lba, blocks)
+            self.meter.read.add(blocks * self.block_size, perf_counter_ns() - t)
+            return out
         finally:
             self._leave()
 
     async def write(self, lba: int, data: Buffer, *, fua: bool = False) -> None:
-        await self._enter(lba, self._blocks_of(data))
+        blocks = self._blocks_of(data)
+        await self._enter(lba, blocks)
         try:
+            t = perf_counter_ns()
             await self.stack.write(lba, data, fua=fua)
+            self.meter.write.add(blocks * self.block_size, perf_counter_ns() - t)
         finally:
             self._leave()
 
@@ -159,9 +171,12 @@ class Volume:
         if self._held is not None or not self.capabilities.write_window:
             return None
         self._check(lba, blocks)
+        t = perf_counter_ns()
         view: memoryview | None = self.stack.write_window(lba, blocks)  # type: ignore[attr-defined]
         if view is not None:
             self._inflight += 1
+            # counted as written now: the stack's part is done (the payload lands there as it is received)
+            self.meter.write.add(blocks * self.block_size, perf_counter_ns() - t)
         return view
 
     def close_window(self) -> None:
@@ -172,21 +187,27 @@ class Volume:
     async def flush(self) -> None:
         await self._enter()
         try:
+            t = perf_counter_ns()
             await self.stack.flush()
+            self.meter.other.add(0, perf_counter_ns() - t)
         finally:
             self._leave()
 
     async def unmap(self, lba: int, blocks: int) -> None:
         await self._enter(lba, blocks)
         try:
+            t = perf_counter_ns()
             await self.stack.unmap(lba, blocks)
+            self.meter.other.add(0, perf_counter_ns() - t)   # no data moves: bytes count data moved
         finally:
             self._leave()
 
     async def write_zeroes(self, lba: int, blocks: int) -> None:
         await self._enter(lba, blocks)
         try:
+            t = perf_counter_ns()
             await self.stack.write_zeroes(lba, blocks)
+            self.meter.other.add(0, perf_counter_ns() - t)
         finally:
             self._leave()
 
