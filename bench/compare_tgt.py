@@ -3,7 +3,11 @@
 with the peer's own client, libiscsi's `iscsi-perf`, and with `vsan bench`; several rounds, interleaved, medians
 and the ratio openvsan/tgt. Issue 4 §2; results and commands in docs/benchmarks.md.
 
-    python3 bench/compare_tgt.py [--rounds N] [--seconds S] [--out FILE] [--smoke]
+    python3 bench/compare_tgt.py [--rounds N] [--seconds S] [--out FILE] [--api on|off] [--smoke]
+
+With `--api on` (the default, as a node runs) openvsan serves its REST API on a free port and the bench
+scrapes its /metrics once a second the whole time, as Prometheus and an open console would; `--api off`
+sets [api] enabled = false: the two give the API's cost to the data path.
 
 Both targets run pinned to core 0 and every client to core 1 (when there are two cores). Both are stopped
 (by process id, then process group) on any exit, Ctrl-C and SIGTERM included.
@@ -14,8 +18,11 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import subprocess
 import sys
+import threading
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +75,9 @@ portals = ["127.0.0.1:{port}"]
 [[iscsi.targets]]
 iqn = "{iqn}"
 luns = [{{ lun = 0, volume = "disk0" }}]
+
+[api]
+{api}
 """
 
 # name, tool, queue depth, request bytes, random, the figure compared
@@ -116,6 +126,8 @@ def main() -> int:
     ap.add_argument("--out", type=Path, help="write the JSON result here")
     ap.add_argument("--poll-us", type=int,
                     help="openvsan's adaptive polling window, [node] poll_us (default: vsan serve's; 0: off)")
+    ap.add_argument("--api", choices=("on", "off"), default="on",
+                    help="openvsan's REST API: on (scraped once a second, the default) or off ([api] enabled = false)")
     ap.add_argument("--smoke", action="store_true", help="CI: 1 round, 2 s runs, 64 MiB LUNs")
     args = ap.parse_args()
     if args.smoke:
@@ -130,10 +142,12 @@ def measure(args: argparse.Namespace) -> int:
         raise BenchError(f"{tgt_serve} is missing (the repo is cloned with ../shared beside it)")
     work = make_workdir("openvsan-compare-tgt-")
     target_pin, client_pin, pinned = pinning()
-    tgt_port, vsan_port = free_port(), free_port()
+    tgt_port, vsan_port, api_port = free_port(), free_port(), free_port()
+    api = f'listen = "127.0.0.1:{api_port}"' if args.api == "on" else "enabled = false"
     (work / "vsan.toml").write_text(VSAN_CONFIG.format(size_mib=args.size_mib, port=vsan_port, iqn=VSAN_IQN,
-                                                               poll="" if args.poll_us is None
-                                                               else f"poll_us = {args.poll_us}"))
+                                                       poll="" if args.poll_us is None else f"poll_us = {args.poll_us}",
+                                                       api=api))
+    scraper = Scraper(work / "data", api_port) if args.api == "on" else None
     urls = {"tgt": f"iscsi://127.0.0.1:{tgt_port}/{TGT_IQN}/1", "openvsan": f"iscsi://127.0.0.1:{vsan_port}/{VSAN_IQN}/0"}
     targets = {
         "tgt": Target("tgt", [*target_pin, "bash", str(tgt_serve), str(tgt_port), str(args.size_mib)], work,
@@ -152,6 +166,8 @@ def measure(args: argparse.Namespace) -> int:
             wait_iscsi_ready(t, urls[name])
         memory = MemoryPeaks({name: t.pgid for name, t in targets.items()})
         memory.__enter__()
+        if scraper is not None:
+            scraper.start()
         for rnd in range(args.rounds):
             for case, tool, qd, bs, rand, _ in CASES:
                 # alternate which target goes first, so neither always runs on a warmer machine
@@ -170,13 +186,53 @@ def measure(args: argparse.Namespace) -> int:
                           f"{r['mbps']:.0f} MB/s, target CPU {r['target_cpu_pct']:.0f} %", file=sys.stderr)
         ok = True
     finally:
+        if scraper is not None:
+            scraper.stop()
         if memory is not None:
             memory.__exit__()
         stop_all(list(targets.values()), work, ok)
+    if scraper is not None:
+        print(f"REST API: /metrics scraped {scraper.ok} times once a second ({scraper.failed} failed)", file=sys.stderr)
+        if not scraper.ok or scraper.failed:
+            raise BenchError(f"the REST API was not scraped as it should be ({scraper.ok} ok, {scraper.failed} "
+                             f"failed): {scraper.last_error}")
     doc = report(args, urls, targets, results, pinned, memory)
     if args.out:
         args.out.write_text(json.dumps(doc, indent=2) + "\n")
     return 0
+
+
+class Scraper:
+    """GET /metrics once a second with a token of its own, on a thread, while the rounds run."""
+
+    def __init__(self, data_dir: Path, port: int) -> None:
+        data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        made = subprocess.run([str(VSAN), "token", "create", "bench", "--role", "read-only", "--data-dir",
+                               str(data_dir)], capture_output=True, text=True, check=True, timeout=60)
+        self.token = made.stdout.strip()
+        self.url = f"http://127.0.0.1:{port}/metrics"
+        self.ok = self.failed = 0
+        self.last_error = ""
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+    def _run(self) -> None:
+        req = urllib.request.Request(self.url, headers={"Authorization": f"Bearer {self.token}"})
+        while not self._stop.wait(1.0):
+            try:
+                with urllib.request.urlopen(req, timeout=5) as r:
+                    r.read()
+                self.ok += 1
+            except OSError as e:
+                self.failed += 1
+                self.last_error = str(e)
 
 
 def report(args: argparse.Namespace, urls: dict[str, str], targets: dict[str, Target],
@@ -207,7 +263,7 @@ def report(args: argparse.Namespace, urls: dict[str, str], targets: dict[str, Ta
         cases.append(entry)
     print(f"\nmedians of {args.rounds} round(s), {args.seconds} s each, {args.size_mib} MiB RAM LUNs, "
           f"targets on core 0 and clients on core 1: {pinned}; openvsan poll_us "
-          f"{'default' if args.poll_us is None else args.poll_us}")
+          f"{'default' if args.poll_us is None else args.poll_us}; REST API {args.api}")
     peaks = memory.doc() if memory is not None else {}
     if peaks:
         # issue 4: resident memory under these loads, beyond the RAM disks themselves
@@ -219,7 +275,7 @@ def report(args: argparse.Namespace, urls: dict[str, str], targets: dict[str, Ta
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "host": host_info(pinned),
         "options": {"rounds": args.rounds, "seconds": args.seconds, "size_mib": args.size_mib, "smoke": args.smoke,
-                    "poll_us": args.poll_us},
+                    "poll_us": args.poll_us, "api": args.api},
         "targets": {name: {"url": urls[name], "command": t.argv} for name, t in targets.items()},
         "cases": cases,
         "memory": peaks,

@@ -235,7 +235,7 @@ def make_app(handler: Handler, tokens: TokenBook, *, metrics: Callable[[], Await
 
     @app.get("/api/v1", tags=["node"], summary="What this API serves")
     async def index(_: Reader) -> dict[str, Any]:
-        return {"resources": ["/api/v1/node", "/api/v1/config", "/api/v1/volumes", "/api/v1/exports",
+        return {"resources": ["/api/v1/node", "/api/v1/health", "/api/v1/config", "/api/v1/volumes", "/api/v1/exports",
                               "/api/v1/pools", "/api/v1/workers", "/api/v1/tokens/self", "/metrics"],
                 "openapi": "/api/v1/openapi.json"}
 
@@ -244,6 +244,11 @@ def make_app(handler: Handler, tokens: TokenBook, *, metrics: Callable[[], Await
         info = await run("node.info")
         response.headers["ETag"] = f'"{info["revision"]}"'
         return info
+
+    @app.get("/api/v1/health", tags=["node"],
+             summary="What is not right, why, and what to do (vsan health); status: healthy, warning, critical")
+    async def health(_: Reader) -> Any:
+        return await run("node.health")
 
     @app.get("/api/v1/tokens/self", tags=["node"], summary="The token this request was made with")
     async def token_self(entry: Reader) -> Any:

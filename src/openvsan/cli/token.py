@@ -1,4 +1,4 @@
-"""`vsan token`: the REST API's bearer tokens (api/tokens.py), kept hashed in the node's data dir. Works whether
+"""`vsan token`: the REST API's bearer tokens; and `vsan health`, the node's health report. Tokens: (api/tokens.py), kept hashed in the node's data dir. Works whether
 or not `vsan serve` runs (a running node sees a change at its next request); whoever may write the data dir
 is the node's administrator, as for the control socket. A new token is printed once and kept nowhere."""
 
@@ -76,3 +76,27 @@ def revoke(which: Annotated[str, typer.Argument(help="The token's name or id.")]
         _print_json(entry.public())
     else:
         typer.echo(f"token {entry.name} ({entry.id}) revoked")
+
+
+SEVERITY_STYLE = {"critical": "bold red", "warning": "yellow", "info": "cyan"}
+HEALTH_EXIT = {"healthy": 0, "warning": 1, "critical": 2}   # monitoring plugins' convention: OK, WARNING, CRITICAL
+
+
+def health(data_dir: DataDir = None, config: ConfigOpt = None, as_json: JsonOpt = False) -> None:
+    """What is not right on the running node, why, and what to do (worst first). Exit 0 healthy, 1 warning,
+    2 critical."""
+    from openvsan.cli.pool import _call
+
+    r = _call(data_dir, config, "node.health")
+    if as_json:
+        _print_json(r)
+    else:
+        out = _console()
+        style = {"healthy": "green", **SEVERITY_STYLE}[r["status"]]
+        out.print(f"node health: [{style}]{r['status']}[/]", highlight=False)
+        for f in r["findings"]:
+            out.print(f"[{SEVERITY_STYLE[f['severity']]}]{f['severity']:8}[/] {f['what']}", highlight=False,
+                      soft_wrap=True)
+            out.print(f"         why: {f['why']}", highlight=False, soft_wrap=True)
+            out.print(f"         do:  {f['action']}", highlight=False, soft_wrap=True)
+    raise typer.Exit(HEALTH_EXIT[r["status"]])

@@ -421,6 +421,16 @@ async def node_info(node: Node, args: R.Plain) -> Any:
             "exports": len(cfg.targets) + len(cfg.subsystems) + len(cfg.nbd_exports)}
 
 
+@command("node.health")
+async def node_health(node: Node, args: R.Plain) -> Any:
+    """What is not right on this node, why, and what to do (node/health.py)."""
+    from openvsan.node.health import report
+
+    cfg = node.state.config
+    cert = cfg.api.tls.cert if cfg.api is not None and cfg.api.tls is not None else None
+    return await report(node.control, cert=cert, replicated=[v.name for v in cfg.volumes if v.replicas > 1])
+
+
 @command("config.show")
 async def config_show(node: Node, args: R.Plain) -> Any:
     return config_document(node.state.config)

@@ -98,6 +98,7 @@ class Factories:
     # None: the real one, imported when the config asks for it (NVMe/TCP only with an [nvme] section)
     nvme_server: Callable[..., Any] | None = None
     nbd_server: Callable[[list[Any]], Any] | None = None
+    api: bool = False       # serve the REST API ([api]); the real node's default() does, stand-ins in tests do not
 
     @classmethod
     def default(cls) -> Factories:
@@ -109,7 +110,7 @@ class Factories:
             from openvsan.protocol.scsi import Lun, ScsiTarget
         except ImportError as e:
             raise NodeError(f"this build cannot serve iSCSI and NBD: {e}") from e
-        return cls(Lun, ScsiTarget, IscsiTargetConfig, ChapCredential, IscsiServer, nbd_server=NbdServer)
+        return cls(Lun, ScsiTarget, IscsiTargetConfig, ChapCredential, IscsiServer, nbd_server=NbdServer, api=True)
 
 
 def _real_nvme_server() -> Callable[..., Any]:
@@ -246,7 +247,7 @@ class Node:
                                                     self.worker_control)
                 self.worker.exchange.watch(self._arrived, self._told)
             await self.control_server.start()
-            if self.worker is None:
+            if self.worker is None and f.api:
                 await self._start_api()
             self.pools.start_meter()
             self.groups.start_watch(self._soft_threshold)

@@ -82,6 +82,7 @@ def metered_read_now(fn: Callable[[int, int], Buffer | None], d: Direction,
             d.ns += ns
             d.bytes += blocks * block_size
         return out
+    read_now.__wrapped__ = fn  # type: ignore[attr-defined]  # the stack's own (functools' convention)
     return read_now
 
 
@@ -98,4 +99,5 @@ def metered_write_now(fn: Callable[[int, Buffer], bool], d: Direction) -> Callab
             d.bytes += len(data)
             return True
         return False
+    write_now.__wrapped__ = fn  # type: ignore[attr-defined]
     return write_now
