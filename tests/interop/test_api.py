@@ -4,7 +4,6 @@ the CLI prints), tokens (401, 403; the first one printed once in the log), and /
 
 from __future__ import annotations
 
-import re
 import subprocess
 from collections.abc import Callable
 
@@ -15,12 +14,6 @@ from vsan_harness import TEST_INITIATOR, VSAN, VsanServer, require_tools, run
 pytestmark = pytest.mark.interop
 
 MiB = 1 << 20
-
-
-def first_token(server: VsanServer) -> str:
-    m = re.search(r"the first admin token \(shown once.*?\): (vsan_\S+)", server.log_text())
-    assert m, f"no first token in the log:\n{server.log_tail()}"
-    return m.group(1)
 
 
 def cli(server: VsanServer, *args: str) -> subprocess.CompletedProcess[str]:
@@ -37,7 +30,7 @@ def api(vsan: Callable[..., VsanServer]) -> tuple[VsanServer, httpx.Client]:
     require_tools("nbdinfo", "iscsi-readcapacity16")
     server = vsan(nbd=True)
     base = server.wait_api()
-    client = httpx.Client(base_url=base, headers={"Authorization": f"Bearer {first_token(server)}"}, timeout=60)
+    client = httpx.Client(base_url=base, headers={"Authorization": f"Bearer {server.first_api_token()}"}, timeout=60)
     return server, client
 
 

@@ -313,6 +313,13 @@ class VsanServer:
                             pytrace=False)
             time.sleep(0.1)
 
+    def first_api_token(self) -> str:
+        """The admin token the node printed at its first start (api/server.py)."""
+        m = re.search(r"the first admin token \(shown once.*?\): (vsan_\S+)", self.log_text())
+        if m is None:
+            pytest.fail(f"no first API token in the log:\n{self.log_tail()}", pytrace=False)
+        return m.group(1)
+
     @property
     def running(self) -> bool:
         return self.proc is not None and self.proc.poll() is None

@@ -118,15 +118,28 @@ def _body(body: type[Any], *, drop: tuple[str, ...] = ()) -> dict[str, Any]:
 
 # ---- who is asking (module level: FastAPI reads these annotations from the module's names)
 
+COOKIE = "vsan_session"       # the console's login: the token, HttpOnly, SameSite=Strict (web/console.py)
+SAFE_METHODS = ("GET", "HEAD", "OPTIONS")
+
+
 def caller(request: Request, authorization: str | None = Header(default=None)) -> TokenEntry:
-    """The token entry of the request's bearer token; 401 without a valid one, 429 while its address is
-    held back (a valid token is served even then)."""
+    """The token entry of the request's bearer token (or the console's session cookie); 401 without a valid
+    one, 429 while its address is held back (a valid token is served even then). A change made with the
+    cookie must come from the console's own scripts (an HX-Request or X-Requested-With header, which another
+    site's page cannot send without CORS, which this API does not allow)."""
     tokens: TokenBook = request.app.state.tokens
     failures: FailedAuth = request.app.state.failures
     who = request.client.host if request.client is not None else "?"
     scheme, _, token = (authorization or "").partition(" ")
+    cookie = request.cookies.get(COOKIE) if not authorization else None
+    if cookie is not None:
+        scheme, token = "bearer", cookie
     entry = tokens.verify(token.strip()) if scheme.lower() == "bearer" else None
     if entry is not None:
+        if cookie is not None and request.method not in SAFE_METHODS and not (
+                request.headers.get("hx-request") or request.headers.get("x-requested-with")):
+            raise Problem(403, "a change made with the console's session must come from the console (cross-site "
+                          "request refused)")
         request.state.token = entry
         return entry
     wait = failures.blocked(who)
@@ -249,6 +262,14 @@ def make_app(handler: Handler, tokens: TokenBook, *, metrics: Callable[[], Await
              summary="What is not right, why, and what to do (vsan health); status: healthy, warning, critical")
     async def health(_: Reader) -> Any:
         return await run("node.health")
+
+    @app.get("/api/v1/stats", tags=["metrics"],
+             summary="Every volume's I/O counters now (the console's live charts: rates are their differences)")
+    async def stats(_: Reader) -> Any:
+        return {"t": time.time(), "volumes": [
+            {"name": v["name"], **{f"{d}_{k}": v["io"][d][k] for d in ("read", "write") for k in ("ops", "bytes",
+                                                                                              "seconds")}}
+            for v in await run("volume.list") if "io" in v]}
 
     @app.get("/api/v1/tokens/self", tags=["node"], summary="The token this request was made with")
     async def token_self(entry: Reader) -> Any:
@@ -431,4 +452,8 @@ def make_app(handler: Handler, tokens: TokenBook, *, metrics: Callable[[], Await
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
+
+    from openvsan.web.console import mount_console
+
+    mount_console(app, handler)
     return app

@@ -1,0 +1,1 @@
+"""The web console (console.py), served by the REST API's server."""

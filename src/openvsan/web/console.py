@@ -1,0 +1,262 @@
+"""The web console: server-rendered pages (Jinja2) over the node's control commands, the same ones the REST
+API and the CLI use, with htmx for forms and partial refreshes and uPlot for the live charts (both vendored
+from their npm packages under static/vendor/, versions and checksums in static/vendor/README.md).
+
+Login is by API token (a read-only token shows, an admin token also changes); the session is the token in
+an HttpOnly, SameSite=Strict cookie, and every change is an htmx request (the API refuses a cookie change
+without its header: api/app.py caller). A refusal is the CLI's one line, shown on the page.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Form, Request
+from fastapi.responses import HTMLResponse, RedirectResponse, Response
+from fastapi.staticfiles import StaticFiles
+from fastapi.templating import Jinja2Templates
+
+from openvsan.api.tokens import TokenBook, TokenEntry
+
+Handler = Callable[[str, dict[str, Any]], Awaitable[Any]]
+HERE = Path(__file__).parent
+
+
+def _size(n: float | None) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if abs(n) < 1024 or unit == "PiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def mount_console(app: FastAPI, handler: Handler) -> None:
+    from openvsan.api.app import COOKIE
+
+    templates = Jinja2Templates(directory=str(HERE / "templates"))
+    templates.env.filters["size"] = _size
+    app.mount("/static", StaticFiles(directory=str(HERE / "static")), name="static")
+
+    def who(request: Request) -> TokenEntry | None:
+        token = request.cookies.get(COOKIE)
+        tokens: TokenBook = request.app.state.tokens
+        return tokens.verify(token) if token else None
+
+    async def page(request: Request, name: str, **context: Any) -> Response:
+        user = who(request)
+        if user is None:
+            return RedirectResponse("/login", status_code=303)
+        info = await handler("node.info", {})
+        health = await handler("node.health", {})
+        return templates.TemplateResponse(request, name, {"user": user, "node": info, "health": health,
+                                                          "page": name.removesuffix(".html"), **context})
+
+    async def attempt(cmd: str, args: dict[str, Any]) -> tuple[Any, str | None]:
+        """Run a change for a form: (result, None), or (None, the one-line refusal)."""
+        try:
+            return await handler(cmd, args), None
+        except Exception as e:  # noqa: BLE001 - shown to the administrator as the CLI would print it
+            return None, " ".join(str(e).split()) or type(e).__name__
+
+    def flash(request: Request, ok: str | None, error: str | None, *, refresh: bool = True) -> Response:
+        """The answer to an htmx form: a message, and the page reloaded when something changed."""
+        resp = templates.TemplateResponse(request, "_flash.html", {"ok": ok, "error": error})
+        if ok and refresh:
+            resp.headers["HX-Refresh"] = "true"
+        return resp
+
+    def admin_or_refusal(request: Request) -> str | None:
+        user = who(request)
+        if user is None:
+            return "your session ended: log in again"
+        if user.role != "admin":
+            return f"token {user.name} is {user.role}: changes need an admin token"
+        if not request.headers.get("hx-request"):
+            return "a change must come from the console's own page"
+        return None
+
+    # ---- login
+
+    @app.get("/login", response_class=HTMLResponse, include_in_schema=False)
+    async def login_form(request: Request) -> Response:
+        return templates.TemplateResponse(request, "login.html", {"error": None})
+
+    @app.post("/login", include_in_schema=False)
+    async def login(request: Request, token: str = Form("")) -> Response:
+        from openvsan.api.app import FailedAuth
+
+        failures: FailedAuth = request.app.state.failures
+        client = request.client.host if request.client is not None else "?"
+        entry = request.app.state.tokens.verify(token.strip())
+        if entry is None:
+            wait = failures.blocked(client)
+            if not wait:
+                failures.failed(client, "console login with an unknown token")
+            error = (f"too many failed logins from {client}; retry in {wait:.0f} s" if wait
+                     else "that token is not valid (unknown, revoked or mistyped)")
+            return templates.TemplateResponse(request, "login.html", {"error": error}, status_code=401)
+        resp = RedirectResponse("/", status_code=303)
+        resp.set_cookie(COOKIE, token.strip(), httponly=True, samesite="strict", secure=request.url.scheme == "https")
+        return resp
+
+    @app.post("/logout", include_in_schema=False)
+    async def logout() -> Response:
+        resp = RedirectResponse("/login", status_code=303)
+        resp.delete_cookie(COOKIE)
+        return resp
+
+    # ---- pages
+
+    @app.get("/", response_class=HTMLResponse, include_in_schema=False)
+    async def dashboard(request: Request) -> Response:
+        if who(request) is None:
+            return RedirectResponse("/login", status_code=303)
+        volumes = await handler("volume.list", {})
+        pools = await handler("pool.list", {})
+        groups: dict[str, Any] = {}
+        for v in volumes:
+            if v.get("volume_group"):
+                groups.setdefault(f"pool {v['pool']}" if v.get("pool") else f"device {v['device']}", v["volume_group"])
+        capacity = {"volumes": sum(v.get("size", 0) for v in volumes),
+                    "group_capacity": sum(g["capacity"] for g in groups.values()),
+                    "group_used": sum(g["used"] for g in groups.values()),
+                    "pools": sum(p["size"] for p in pools)}
+        exports = await handler("export.list", {})
+        return await page(request, "dashboard.html", volumes=volumes, pools=pools, groups=groups,
+                          capacity=capacity, exports=exports)
+
+    @app.get("/volumes", response_class=HTMLResponse, include_in_schema=False)
+    async def volumes_page(request: Request) -> Response:
+        if who(request) is None:
+            return RedirectResponse("/login", status_code=303)
+        return await page(request, "volumes.html", volumes=await handler("volume.list", {}),
+                          exports=await handler("export.list", {}), pools=await handler("pool.list", {}))
+
+    @app.get("/volumes/{name}", response_class=HTMLResponse, include_in_schema=False)
+    async def volume_page(request: Request, name: str) -> Response:
+        if who(request) is None:
+            return RedirectResponse("/login", status_code=303)
+        volume, error = await attempt("volume.show", {"name": name})
+        if volume is None:
+            return await page(request, "missing.html", what=error)
+        snaps, _ = await attempt("snapshot.list", {"volume": name}) if volume.get("volume_group") else ([], None)
+        status, _ = await attempt("volume.status", {"name": name})
+        exports = [e for e in await handler("export.list", {}) if e["volume"] == name]
+        return await page(request, "volume.html", v=volume, snapshots=snaps or [], replication=status,
+                          exports=exports)
+
+    @app.get("/pools", response_class=HTMLResponse, include_in_schema=False)
+    async def pools_page(request: Request) -> Response:
+        if who(request) is None:
+            return RedirectResponse("/login", status_code=303)
+        pools = [await handler("pool.status", {"name": p["name"]}) for p in await handler("pool.list", {})]
+        return await page(request, "pools.html", pools=pools)
+
+    @app.get("/ui/pools", response_class=HTMLResponse, include_in_schema=False)
+    async def pools_fragment(request: Request) -> Response:
+        """The pools' state, members and progress (the pools page refreshes it every 2 s)."""
+        if who(request) is None:
+            return HTMLResponse("", status_code=401)
+        pools = [await handler("pool.status", {"name": p["name"]}) for p in await handler("pool.list", {})]
+        return templates.TemplateResponse(request, "_pools.html", {"pools": pools})
+
+    @app.get("/health", response_class=HTMLResponse, include_in_schema=False)
+    async def health_page(request: Request) -> Response:
+        if who(request) is None:
+            return RedirectResponse("/login", status_code=303)
+        return await page(request, "health.html")
+
+    # ---- changes (htmx forms)
+
+    @app.post("/ui/volumes", include_in_schema=False)
+    async def create_volume(request: Request, name: str = Form(""), size: str = Form(""), backing: str = Form("ram"),
+                            where: str = Form("")) -> Response:
+        refused = admin_or_refusal(request)
+        if refused:
+            return flash(request, None, refused)
+        args: dict[str, Any] = {"name": name.strip(), "size": size.strip() or None}
+        kind, _, place = where.partition(":")
+        if kind in ("pool", "device") and place:
+            args[kind] = place
+        else:
+            args["backing"] = backing
+        _, error = await attempt("volume.create", args)
+        return flash(request, None if error else f"volume {name} created", error)
+
+    @app.post("/ui/volumes/{name}/resize", include_in_schema=False)
+    async def resize_volume(request: Request, name: str, size: str = Form("")) -> Response:
+        refused = admin_or_refusal(request)
+        if refused:
+            return flash(request, None, refused)
+        _, error = await attempt("volume.resize", {"name": name, "size": size.strip()})
+        return flash(request, None if error else f"volume {name} resized to {size}", error)
+
+    @app.post("/ui/volumes/{name}/delete", include_in_schema=False)
+    async def delete_volume(request: Request, name: str, force: str = Form("")) -> Response:
+        refused = admin_or_refusal(request)
+        if refused:
+            return flash(request, None, refused)
+        _, error = await attempt("volume.delete", {"name": name, "force": force == "on"})
+        resp = flash(request, None if error else f"volume {name} deleted", error, refresh=False)
+        if not error:
+            resp.headers["HX-Redirect"] = "/volumes"
+        return resp
+
+    @app.post("/ui/volumes/{name}/qos", include_in_schema=False)
+    async def set_qos(request: Request, name: str) -> Response:
+        refused = admin_or_refusal(request)
+        if refused:
+            return flash(request, None, refused)
+        form = await request.form()
+        limits: dict[str, Any] = {}
+        for key, value in form.items():
+            text = str(value).strip()
+            if text:
+                limits[key] = int(text) if text.isdigit() else text
+        _, error = await attempt("qos.set", {"volume": name, "limits": limits, "clear": True})
+        return flash(request, None if error else f"volume {name}: QoS set", error)
+
+    @app.post("/ui/volumes/{name}/export", include_in_schema=False)
+    async def export_volume(request: Request, name: str, protocol: str = Form(""), target: str = Form("")) -> Response:
+        refused = admin_or_refusal(request)
+        if refused:
+            return flash(request, None, refused)
+        _, error = await attempt("export.add", {"protocol": protocol, "name": target.strip() or name, "volume": name})
+        return flash(request, None if error else f"volume {name} exported over {protocol}", error)
+
+    @app.post("/ui/volumes/{name}/snapshots", include_in_schema=False)
+    async def snapshot(request: Request, name: str, snapshot: str = Form("")) -> Response:
+        refused = admin_or_refusal(request)
+        if refused:
+            return flash(request, None, refused)
+        _, error = await attempt("snapshot.create", {"volume": name, "name": snapshot.strip()})
+        return flash(request, None if error else f"snapshot {snapshot} of {name} taken", error)
+
+    @app.post("/ui/volumes/{name}/snapshots/{snap}/delete", include_in_schema=False)
+    async def snapshot_delete(request: Request, name: str, snap: str) -> Response:
+        refused = admin_or_refusal(request)
+        if refused:
+            return flash(request, None, refused)
+        _, error = await attempt("snapshot.delete", {"volume": name, "name": snap})
+        return flash(request, None if error else f"snapshot {snap} deleted", error)
+
+    @app.post("/ui/pools/{name}/fail", include_in_schema=False)
+    async def fail_member(request: Request, name: str, member: str = Form("")) -> Response:
+        refused = admin_or_refusal(request)
+        if refused:
+            return flash(request, None, refused)
+        _, error = await attempt("pool.fail", {"name": name, "member": member})
+        return flash(request, None if error else f"pool {name}: member {member} marked failed", error)
+
+    @app.post("/ui/pools/{name}/replace", include_in_schema=False)
+    async def replace_member(request: Request, name: str, index: str = Form(""), device: str = Form("")) -> Response:
+        refused = admin_or_refusal(request)
+        if refused:
+            return flash(request, None, refused)
+        _, error = await attempt("pool.replace", {"name": name, "index": int(index) if index.isdigit() else index,
+                                                  "device": device.strip()})
+        return flash(request, None if error else f"pool {name}: slot {index} rebuilds onto {device}", error)
