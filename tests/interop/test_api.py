@@ -4,8 +4,10 @@ the CLI prints), tokens (401, 403; the first one printed once in the log), and /
 
 from __future__ import annotations
 
+import json
 import subprocess
 from collections.abc import Callable
+from pathlib import Path
 
 import httpx
 import pytest
@@ -115,7 +117,7 @@ def test_tokens_roles_and_refusals(api: tuple[VsanServer, httpx.Client]) -> None
     r = anon.get("/api/v1/volumes")
     assert r.status_code == 401 and r.headers["www-authenticate"].startswith("Bearer")
     listed = cli(server, "token", "list", "--json")
-    assert {t["name"] for t in __import__("json").loads(listed.stdout)} == {"initial", "watcher"}
+    assert {t["name"] for t in json.loads(listed.stdout)} == {"initial", "watcher"}
     assert "vsan_" not in listed.stdout and "digest" not in listed.stdout
     assert cli(server, "token", "revoke", "watcher").returncode == 0
     assert reader.get("/api/v1/volumes").status_code == 401
@@ -173,6 +175,52 @@ def test_counters_match_a_known_workload(api: tuple[VsanServer, httpx.Client]) -
     before = after
     out = run([str(VSAN), "bench", server.nbd_url("disk0"), "--rw", "randread", "--qd", "16", "--duration", "2",
                "--warmup", "0", "--json"], timeout=120).stdout
-    done = __import__("json").loads(out)["runs"][0]["total"]["ops"]
+    done = json.loads(out)["runs"][0]["total"]["ops"]
     counted = scrape(c)[f"openvsan_volume_read_ops_total{v}"] - before[f"openvsan_volume_read_ops_total{v}"]
     assert done <= counted <= done * 1.01 + 16, (done, counted)
+
+
+def test_the_cli_on_a_remote_node_is_the_cli_on_a_local_one(api: tuple[VsanServer, httpx.Client],
+                                                            tmp_path: Path) -> None:
+    """`vsan --node URL` sends the same commands over the REST API: the same answers, the same one-line
+    refusals, the roles enforced; `config apply` sends the file's contents."""
+    server, c = api
+    token_file = tmp_path / "token"
+    token_file.write_text(server.first_api_token() + "\n")
+    url = str(c.base_url)
+
+    def remote(*args: str, token: Path = token_file) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([str(VSAN), "--node", url, "--token-file", str(token), *args], capture_output=True,
+                              text=True, timeout=60, check=False)
+
+    made = remote("volume", "create", "r1", "--size", "16MiB")
+    assert made.returncode == 0, made.stderr
+    assert "+ volume r1" in made.stdout
+    over_api = json.loads(remote("volume", "show", "r1", "--json").stdout)
+    local = json.loads(cli(server, "volume", "show", "r1", "--json").stdout)
+    for key in ("name", "size", "uuid", "exports"):
+        assert over_api[key] == local[key]
+    assert nbd_size_after_export(server, remote) == 16 * MiB
+    # a refusal: the same line and exit code as the local CLI
+    a, b = remote("volume", "create", "r1", "--size", "8MiB"), cli(server, "volume", "create", "r1", "--size", "8MiB")
+    assert (a.returncode, a.stderr) == (b.returncode, b.stderr) and "exists" in a.stderr
+    # a read-only token reads, and is refused a change
+    ro = tmp_path / "ro"
+    ro.write_text(cli(server, "token", "create", "ro", "--role", "read-only").stdout)
+    assert remote("volume", "list", token=ro).returncode == 0
+    refused = remote("volume", "delete", "r1", "--force", token=ro)
+    assert refused.returncode != 0 and "read-only" in refused.stderr
+    bad = tmp_path / "bad"
+    bad.write_text("vsan_00000000_" + "x" * 43)
+    assert "not valid" in remote("volume", "list", token=bad).stderr
+    # the whole desired state from a file here: the one the node started with (r1 and its export go)
+    applied = remote("config", "apply", str(server.config))
+    assert applied.returncode == 0, applied.stderr
+    assert "- volume r1" in applied.stdout
+    assert c.get("/api/v1/volumes/r1").status_code == 404
+
+
+def nbd_size_after_export(server: VsanServer, remote: Callable[..., subprocess.CompletedProcess[str]]) -> int:
+    out = remote("export", "add", "nbd", "r1", "--volume", "r1")
+    assert out.returncode == 0, out.stderr
+    return nbd_size(server, "r1")

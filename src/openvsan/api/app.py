@@ -30,6 +30,9 @@ log = logging.getLogger("openvsan.api")
 
 Handler = Callable[[str, dict[str, Any]], Awaitable[Any]]
 PROBLEM = "application/problem+json"
+# commands a read-only token may send through /api/v1/commands (they change nothing)
+READ_COMMANDS = frozenset({"volume.list", "volume.show", "volume.status", "export.list", "qos.show", "config.show",
+                           "node.info", "node.health", "pool.list", "pool.status", "snapshot.list", "workers.list"})
 FAILURES_ALLOWED = 10          # failed authentications from one address within FAILURE_WINDOW ...
 FAILURE_WINDOW = 60.0          # ... seconds before its requests get 429 for the rest of the window
 
@@ -406,6 +409,21 @@ def make_app(handler: Handler, tokens: TokenBook, *, metrics: Callable[[], Await
         if nsid is not None:
             args["nsid"] = nsid
         return await change("export.remove", args, if_match, response)
+
+    # ---- any node command (the CLI's `vsan --node URL ...`: cli/remote.py)
+
+    @app.post("/api/v1/commands/{cmd}", tags=["commands"],
+              summary="Run one of the node's commands, as the CLI sends them over the control socket; reads need "
+                      "any token, changes an admin one",
+              openapi_extra={"requestBody": {"content": {"application/json": {"schema": {
+                  "type": "object", "description": "the command's arguments, as the CLI sends them"}}}}})
+    async def command(cmd: str, request: Request, entry: Reader) -> Any:
+        if cmd not in READ_COMMANDS and entry.role != "admin":
+            raise Problem(403, f"token {entry.name} is {entry.role}: {cmd} changes the node and needs an admin token")
+        if cmd == "config.apply":
+            raise Problem(422, "config.apply names a file on the node; send the document itself: config.put "
+                          "(`vsan --node URL config apply FILE` does)")
+        return await run(cmd, await json_body(request))
 
     # ---- pools and workers
 

@@ -37,10 +37,11 @@ VolumeArg = Annotated[str, typer.Argument(help="The volume's name.")]
 
 
 def _call(data_dir: Path | None, config: Path | None, cmd: str, **args: Any) -> Any:
-    from openvsan.node.control import ControlError, NotRunning, call
+    from openvsan.cli.remote import node_call
+    from openvsan.node.control import ControlError, NotRunning
 
     try:
-        return call(_data_dir(data_dir, config), cmd, timeout=120.0, **args)
+        return node_call(lambda: _data_dir(data_dir, config), cmd, timeout=120.0, **args)
     except NotRunning as e:
         _fail(str(e), EXIT_FAILED)
     except ControlError as e:
@@ -416,10 +417,11 @@ def workers(ctx: typer.Context, data_dir: DataDir = None, config: ConfigOpt = No
     """The worker processes of a running node: pid, core, what each serves, restarts."""
     if ctx.invoked_subcommand is not None:
         return
-    from openvsan.node.control import ControlError, NotRunning, call
+    from openvsan.cli.remote import node_call
+    from openvsan.node.control import ControlError, NotRunning
 
     try:
-        rows = call(_data_dir(data_dir, config), "workers.list", timeout=30.0)
+        rows = node_call(lambda: _data_dir(data_dir, config), "workers.list", timeout=30.0)
     except NotRunning as e:
         _fail(str(e), EXIT_FAILED)
     except ControlError as e:

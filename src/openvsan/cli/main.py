@@ -34,7 +34,7 @@ EXIT_USAGE = 2  # bad config or arguments, as click uses for usage errors
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 app = typer.Typer(name="vsan", help="openvsan: a virtual SAN. Serve block volumes over iSCSI.",
-                  no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
+                  no_args_is_help=True, add_completion=True, pretty_exceptions_enable=False)
 config_app = typer.Typer(help="Work with config files.", no_args_is_help=True)
 app.add_typer(config_app, name="config")
 app.add_typer(initiator_app, name="initiator")  # cli/initiator.py: discover, inquiry/identify, read, write, attach
@@ -81,8 +81,32 @@ def _version(value: bool) -> None:
 
 @app.callback()
 def _root(version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
-                                                help="Print the version and exit.")] = False) -> None:
-    """openvsan: a virtual SAN. Serve block volumes over iSCSI."""
+                                                help="Print the version and exit.")] = False,
+          node: Annotated[str | None, typer.Option(
+              "--node", envvar="VSAN_NODE", help="Send the commands to this node's REST API (e.g. "
+              "https://10.0.0.1:8080) instead of the local node's control socket.")] = None,
+          token: Annotated[str | None, typer.Option(
+              "--token", envvar="VSAN_TOKEN", help="The API token for --node (`vsan token create`; better from "
+              "$VSAN_TOKEN or --token-file than on the command line).")] = None,
+          token_file: Annotated[Path | None, typer.Option(
+              "--token-file", help="Read the API token for --node from this file.")] = None,
+          ca: Annotated[Path | None, typer.Option(
+              "--ca", envvar="VSAN_CA", help="CA certificate that signed the node's API certificate (https).")] = None,
+          ) -> None:
+    """openvsan: a virtual SAN. Serve block volumes over iSCSI, NVMe/TCP and NBD."""
+    if node is None:
+        return
+    from openvsan.cli import remote
+
+    if token_file is not None:
+        try:
+            token = token_file.read_text().strip()
+        except OSError as e:
+            fail(f"--token-file {token_file}: {e.strerror}", EXIT_USAGE)
+    if not token:
+        fail("--node needs an API token: --token, $VSAN_TOKEN or --token-file (`vsan token create` on the node "
+             "makes one)", EXIT_USAGE)
+    remote.REMOTE = remote.Remote(node, token, ca)
 
 
 @app.command()

@@ -64,10 +64,11 @@ def _data_dir(data_dir: Path | None, config: Path | None) -> Path:
 
 def _call(data_dir: Path | None, config: Path | None, cmd: str, *, timeout: float | None = 30.0,
           **args: Any) -> Any:
-    from openvsan.node.control import ControlError, call
+    from openvsan.cli.remote import node_call
+    from openvsan.node.control import ControlError
 
     try:
-        return call(_data_dir(data_dir, config), cmd, timeout=timeout, **args)
+        return node_call(lambda: _data_dir(data_dir, config), cmd, timeout=timeout, **args)
     except ControlError as e:
         _fail(str(e))
     except OSError as e:
