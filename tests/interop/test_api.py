@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -224,3 +225,30 @@ def nbd_size_after_export(server: VsanServer, remote: Callable[..., subprocess.C
     out = remote("export", "add", "nbd", "r1", "--volume", "r1")
     assert out.returncode == 0, out.stderr
     return nbd_size(server, "r1")
+
+
+def test_sessions_show_who_is_connected_from_where(api: tuple[VsanServer, httpx.Client]) -> None:
+    """An iSCSI initiator and an NBD client connected now are listed, with their names and addresses."""
+    require_tools("iscsi-perf")
+    server, c = api
+    perf = subprocess.Popen(["iscsi-perf", "-i", TEST_INITIATOR, "-t", "6", server.url()], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    bench = subprocess.Popen([str(VSAN), "bench", server.nbd_url("disk0"), "--rw", "randread", "--duration", "6",
+                              "--warmup", "0"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 5
+        while True:
+            rows = c.get("/api/v1/sessions").json()
+            iscsi = [r for r in rows if r["protocol"] == "iscsi" and r["state"] == "logged in"]
+            nbd = [r for r in rows if r["protocol"] == "nbd" and r["state"] == "transmission"]
+            if iscsi and nbd or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert iscsi and iscsi[0]["initiator"] == TEST_INITIATOR and iscsi[0]["target"] == server.iqn, rows
+        assert iscsi[0]["peer"].startswith("127.0.0.1:")
+        assert nbd and nbd[0]["export"] == "disk0" and nbd[0]["tls"] is False, rows
+        printed = cli(server, "sessions")
+        assert printed.returncode == 0 and TEST_INITIATOR in printed.stdout and "disk0" in printed.stdout
+    finally:
+        perf.wait(60)
+        bench.wait(60)

@@ -207,6 +207,9 @@ def test_log_in_create_export_watch_and_fail_a_member(node: VsanServer, browser:
         assert len(b.all("#chart-iops canvas")) == 1
         time.sleep(2)
         b.shot("4-dashboard-under-load")
+        b.go("/sessions")
+        b.until("the bench's NBD connection", lambda: "disk0" in b.text("#sessions"))
+        b.shot("4b-sessions")
     finally:
         bench.wait(60)
 

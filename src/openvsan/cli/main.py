@@ -21,9 +21,9 @@ from openvsan.cli.bench import bench
 from openvsan.cli.cluster import cluster_app
 from openvsan.cli.initiator import initiator_app
 from openvsan.cli.live import config_apply, export_app, qos_app, volume_app, workers_app
+from openvsan.cli.manage import health, sessions, token_app
 from openvsan.cli.pool import pool_app
 from openvsan.cli.snapshot import snapshot_app
-from openvsan.cli.token import health, token_app
 from openvsan.node.paths import effective_data_dir
 
 if TYPE_CHECKING:
@@ -45,8 +45,9 @@ app.add_typer(volume_app, name="volume")  # cli/live.py: a running node's volume
 app.add_typer(export_app, name="export")
 app.add_typer(qos_app, name="qos")
 app.add_typer(workers_app, name="workers")  # cli/live.py: the worker processes of a node (list, move)
-app.command("health")(health)  # cli/token.py: the node's health report (exit 0 healthy, 1 warning, 2 critical)
-app.add_typer(token_app, name="token")  # cli/token.py: the REST API's tokens (create, list, revoke)
+app.command("health")(health)  # cli/manage.py: the node's health report (exit 0 healthy, 1 warning, 2 critical)
+app.command("sessions")(sessions)  # cli/manage.py: who is connected, from where, as whom
+app.add_typer(token_app, name="token")  # cli/manage.py: the REST API's tokens (create, list, revoke)
 app.add_typer(cluster_app, name="cluster")  # cli/cluster.py: init, join, leave, status (membership in etcd)
 config_app.command("apply")(config_apply)
 

@@ -396,6 +396,10 @@ class Node:
     async def worker_control(self, cmd: str, args: dict[str, Any]) -> Any:
         """A worker's control socket: what its supervisor asks (node/workers.py Supervisor)."""
 
+        if cmd == "worker.sessions":
+            from openvsan.node.sessions import connections
+
+            return connections(self)
         if cmd == "worker.stats":
             return self.plane.stats(str(args["name"]))
         if cmd == "worker.geometry":
@@ -906,6 +910,10 @@ class Node:
             return self._with_groups(cmd, await self.pools.control(cmd, args))
         if cmd.startswith("snapshot."):
             return await snapshot_command(self, cmd, args)
+        if cmd == "node.sessions":
+            from openvsan.node.sessions import connections
+
+            return connections(self)
         from openvsan.node import live
 
         handler = live.COMMANDS.get(cmd)

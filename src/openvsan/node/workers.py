@@ -666,6 +666,13 @@ class Supervisor:
 
         if cmd == "workers.list":
             return self.report()
+        if cmd == "node.sessions":    # each worker's connections, named by worker
+            out: list[dict[str, Any]] = []
+            for w in self.procs:
+                if w.ready:
+                    out += [{**c, "worker": w.index}
+                            for c in await worker_call(self.data_dir, w.index, "worker.sessions") or []]
+            return out
         if cmd == "workers.move":
             return await self.move(str(args["volume"]), int(args["to"]))
         if cmd == "workers.balance":

@@ -164,6 +164,12 @@ def mount_console(app: FastAPI, handler: Handler) -> None:
         pools = [await handler("pool.status", {"name": p["name"]}) for p in await handler("pool.list", {})]
         return templates.TemplateResponse(request, "_pools.html", {"pools": pools})
 
+    @app.get("/sessions", response_class=HTMLResponse, include_in_schema=False)
+    async def sessions_page(request: Request) -> Response:
+        if who(request) is None:
+            return RedirectResponse("/login", status_code=303)
+        return await page(request, "sessions.html", sessions=await handler("node.sessions", {}))
+
     @app.get("/health", response_class=HTMLResponse, include_in_schema=False)
     async def health_page(request: Request) -> Response:
         if who(request) is None:

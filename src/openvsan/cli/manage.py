@@ -1,6 +1,9 @@
-"""`vsan token`: the REST API's bearer tokens; and `vsan health`, the node's health report. Tokens: (api/tokens.py), kept hashed in the node's data dir. Works whether
-or not `vsan serve` runs (a running node sees a change at its next request); whoever may write the data dir
-is the node's administrator, as for the control socket. A new token is printed once and kept nowhere."""
+"""The management commands: `vsan token` (the REST API's bearer tokens), `vsan health` (the node's health
+report) and `vsan sessions` (who is connected).
+
+Tokens (api/tokens.py) are kept hashed in the node's data dir: `vsan token` works whether or not `vsan serve`
+runs (a running node sees a change at its next request); whoever may write the data dir is the node's
+administrator, as for the control socket. A new token is printed once and kept nowhere."""
 
 from __future__ import annotations
 
@@ -100,3 +103,25 @@ def health(data_dir: DataDir = None, config: ConfigOpt = None, as_json: JsonOpt 
             out.print(f"         why: {f['why']}", highlight=False, soft_wrap=True)
             out.print(f"         do:  {f['action']}", highlight=False, soft_wrap=True)
     raise typer.Exit(HEALTH_EXIT[r["status"]])
+
+
+def sessions(data_dir: DataDir = None, config: ConfigOpt = None, as_json: JsonOpt = False) -> None:
+    """Who is connected to the running node: every iSCSI, NVMe/TCP and NBD connection, from where, as whom."""
+    from openvsan.cli.pool import _call
+
+    rows = _call(data_dir, config, "node.sessions")
+    if as_json:
+        _print_json(rows)
+        return
+    if not rows:
+        typer.echo("nobody is connected")
+        return
+    table = Table("protocol", "from", "state", "who", "to", "session", *(["worker"] if any("worker" in r for r in rows)
+                                                                      else []))
+    for r in rows:
+        ident = (f"TSIH {r['tsih']}, ISID {r['isid']}" if "tsih" in r
+                 else f"controller {r['controller']}, queue {r['queue']}" if "controller" in r else "")
+        to = (r.get("target") or r.get("subsystem") or r.get("export") or "") + (" (TLS)" if r.get("tls") else "")
+        table.add_row(r["protocol"], r["peer"], r["state"], r.get("initiator") or r.get("host") or "", to, ident,
+                      *([str(r.get("worker", ""))] if "worker" in r else []))
+    _console().print(table)
