@@ -52,6 +52,8 @@ def test_a_volume_made_resized_exported_and_deleted_through_the_api_is_what_init
 
     r = c.post("/api/v1/exports", json={"protocol": "nbd", "name": "v1", "volume": "v1"})
     assert r.status_code == 201, r.text
+    changes = [e for e in c.get("/api/v1/events").json() if e["kind"] == "change"]
+    assert [e["object"] for e in changes][-2:] == ["volume v1", "export v1"], changes
     r = c.post("/api/v1/exports", json={"protocol": "iscsi", "name": server.iqn, "volume": "v1", "lun": 1})
     assert r.status_code == 201, r.text
     assert nbd_size(server, "v1") == 32 * MiB

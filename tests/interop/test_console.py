@@ -227,6 +227,12 @@ def test_log_in_create_export_watch_and_fail_a_member(node: VsanServer, browser:
     b.go("/pools")
     b.until("the rebuilt pool", lambda: b.text('section[data-pool="p0"] .pool-state') == "optimal", 60)
     b.shot("7-pool-rebuilt")
+    # the events: the changes made here, the pool's alert raised, then cleared
+    b.go("/events")
+    b.until("the pool's alert cleared", lambda: bool(b.all('#events tr.cleared[data-code^="pool-"]')), 20)
+    assert b.all('#events tr.alert[data-code^="pool-"]')
+    assert "volume web1" in b.text("#events") and "pool.fail" in b.text("#events")
+    b.shot("8-events")
 
 
 def test_a_read_only_token_sees_no_forms_and_cannot_change(node: VsanServer, browser: Browser) -> None:

@@ -24,15 +24,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from openvsan.api.tokens import TokenBook, TokenEntry
 from openvsan.node import requests as R
-from openvsan.node.control import Conflict, NotFound, RequestError, Stale
+from openvsan.node.control import READ_COMMANDS, Conflict, NotFound, RequestError, Stale
 
 log = logging.getLogger("openvsan.api")
 
 Handler = Callable[[str, dict[str, Any]], Awaitable[Any]]
 PROBLEM = "application/problem+json"
-# commands a read-only token may send through /api/v1/commands (they change nothing)
-READ_COMMANDS = frozenset({"volume.list", "volume.show", "volume.status", "export.list", "qos.show", "config.show",
-                           "node.info", "node.health", "node.sessions", "pool.list", "pool.status", "snapshot.list", "workers.list"})
 FAILURES_ALLOWED = 10          # failed authentications from one address within FAILURE_WINDOW ...
 FAILURE_WINDOW = 60.0          # ... seconds before its requests get 429 for the rest of the window
 
@@ -252,7 +249,7 @@ def make_app(handler: Handler, tokens: TokenBook, *, metrics: Callable[[], Await
     @app.get("/api/v1", tags=["node"], summary="What this API serves")
     async def index(_: Reader) -> dict[str, Any]:
         return {"resources": ["/api/v1/node", "/api/v1/health", "/api/v1/config", "/api/v1/volumes", "/api/v1/exports",
-                              "/api/v1/pools", "/api/v1/sessions", "/api/v1/workers", "/api/v1/tokens/self", "/metrics"],
+                              "/api/v1/pools", "/api/v1/sessions", "/api/v1/events", "/api/v1/workers", "/api/v1/tokens/self", "/metrics"],
                 "openapi": "/api/v1/openapi.json"}
 
     @app.get("/api/v1/node", tags=["node"], summary="This node: name, version, desired-state revision")
@@ -437,6 +434,11 @@ def make_app(handler: Handler, tokens: TokenBook, *, metrics: Callable[[], Await
         if not any(p.get("name") == name for p in listed):
             raise Problem(404, f"no pool named {name!r} (pools: {', '.join(p['name'] for p in listed) or 'none'})")
         return await run("pool.status", {"name": name})
+
+    @app.get("/api/v1/events", tags=["node"],
+             summary="Alerts raised and cleared, and changes made, oldest first (after: only newer ids)")
+    async def events(_: Reader, after: int = Query(0), limit: int = Query(100, ge=1, le=1000)) -> Any:
+        return await run("node.events", {"after": after, "limit": limit})
 
     @app.get("/api/v1/sessions", tags=["node"],
              summary="Who is connected: every iSCSI, NVMe/TCP and NBD connection, from where, as whom, to what")

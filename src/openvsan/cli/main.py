@@ -21,7 +21,7 @@ from openvsan.cli.bench import bench
 from openvsan.cli.cluster import cluster_app
 from openvsan.cli.initiator import initiator_app
 from openvsan.cli.live import config_apply, export_app, qos_app, volume_app, workers_app
-from openvsan.cli.manage import health, sessions, token_app
+from openvsan.cli.manage import events, health, sessions, token_app
 from openvsan.cli.pool import pool_app
 from openvsan.cli.snapshot import snapshot_app
 from openvsan.node.paths import effective_data_dir
@@ -46,6 +46,7 @@ app.add_typer(export_app, name="export")
 app.add_typer(qos_app, name="qos")
 app.add_typer(workers_app, name="workers")  # cli/live.py: the worker processes of a node (list, move)
 app.command("health")(health)  # cli/manage.py: the node's health report (exit 0 healthy, 1 warning, 2 critical)
+app.command("events")(events)  # cli/manage.py: alerts raised and cleared, changes made
 app.command("sessions")(sessions)  # cli/manage.py: who is connected, from where, as whom
 app.add_typer(token_app, name="token")  # cli/manage.py: the REST API's tokens (create, list, revoke)
 app.add_typer(cluster_app, name="cluster")  # cli/cluster.py: init, join, leave, status (membership in etcd)

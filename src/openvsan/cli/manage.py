@@ -125,3 +125,31 @@ def sessions(data_dir: DataDir = None, config: ConfigOpt = None, as_json: JsonOp
         table.add_row(r["protocol"], r["peer"], r["state"], r.get("initiator") or r.get("host") or "", to, ident,
                       *([str(r.get("worker", ""))] if "worker" in r else []))
     _console().print(table)
+
+
+def events(after: Annotated[int, typer.Option("--after", help="Only events with a higher id.")] = 0,
+           limit: Annotated[int, typer.Option("--limit", help="At most this many (the newest).")] = 50,
+           follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep printing new events.")] = False,
+           data_dir: DataDir = None, config: ConfigOpt = None, as_json: JsonOpt = False) -> None:
+    """The running node's events, oldest first: alerts raised and cleared (from the health report), and the
+    changes made to it (by the CLI, the API or the console)."""
+    import json
+    import time
+
+    from openvsan.cli.pool import _call
+
+    while True:
+        rows = _call(data_dir, config, "node.events", after=after, limit=limit)
+        if as_json and not follow:
+            _print_json(rows)
+            return
+        for e in rows:
+            if as_json:
+                typer.echo(json.dumps(e))
+            else:
+                when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(e["time"]))
+                typer.echo(f"{e['id']:>6} {when} {e['kind']:8} {e['severity']:8} {e['object']}: {e['message']}")
+            after = max(after, e["id"])
+        if not follow:
+            return
+        time.sleep(1.0)

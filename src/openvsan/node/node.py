@@ -156,6 +156,7 @@ class Node:
     plane: DataPlane = field(init=False)                     # the owner of the above, driven by changes
     control_server: ControlServer | None = None
     api_server: Any = None                                   # api/server.py ApiServer (a node in one process)
+    events: Any = None                                       # node/events.py EventLog (a node in one process)
     busy_poll: BusyPoll | None = None
     limits: ConnectionLimits | None = None                   # one for all three servers (frontend/limits.py)
     auth_throttle: AuthThrottle | None = None                # failed logins per (initiator, address)
@@ -239,7 +240,10 @@ class Node:
             if nbd:
                 await self.start_nbd(nbd)
             if self.worker is None:
-                self.control_server = ControlServer(socket_path(self.data_dir), self.control)
+                from openvsan.node.events import EventLog
+
+                self.events = EventLog(self.data_dir)
+                self.control_server = ControlServer(socket_path(self.data_dir), self.events.wrap(self.control))
             else:
                 from openvsan.node.workers import worker_socket_path
 
@@ -249,6 +253,8 @@ class Node:
             await self.control_server.start()
             if self.worker is None and f.api:
                 await self._start_api()
+            if self.events is not None:
+                self.events.watch(self.events.wrap(self.control))
             self.pools.start_meter()
             self.groups.start_watch(self._soft_threshold)
             if self.replication is not None:
@@ -796,11 +802,14 @@ class Node:
         from openvsan.api.server import ApiStartError, start_api
 
         try:
-            self.api_server = await start_api(self.state.config, self.data_dir, self.control)
+            assert self.events is not None
+            self.api_server = await start_api(self.state.config, self.data_dir, self.events.wrap(self.control))
         except ApiStartError as e:
             raise NodeError(str(e)) from None
 
     async def _stop_control(self) -> None:
+        if self.events is not None:
+            await self.events.stop()
         if self.api_server is not None:
             await self.api_server.stop()
             self.api_server = None
@@ -914,6 +923,8 @@ class Node:
             from openvsan.node.sessions import connections
 
             return connections(self)
+        if cmd == "node.events" and self.events is not None:
+            return self.events.since(int(args.get("after") or 0), int(args.get("limit") or 100))
         from openvsan.node import live
 
         handler = live.COMMANDS.get(cmd)

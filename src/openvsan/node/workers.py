@@ -456,6 +456,7 @@ class Supervisor:
         self._pairs: list[Any] = []
         self._control: Any = None
         self._api: Any = None          # api/server.py ApiServer, beside the control socket
+        self.events: Any = None        # node/events.py EventLog
         # RAM devices' memory (no backing file): made here and handed to the worker that serves them, so a
         # worker that dies and is started again finds the blocks its writes left (node/node.py memfd)
         self.memfds: dict[str, int] = {}
@@ -479,10 +480,15 @@ class Supervisor:
                 return      # SIGTERM or SIGINT while starting: the workers stop as they would serving (below)
             self.up = True
             self._tell_geometry(range(self.workers))
-            self._control = ControlServer(socket_path(self.data_dir), self.control)
+            from openvsan.node.events import EventLog
+
+            self.events = EventLog(self.data_dir)
+            handler = self.events.wrap(self.control)
+            self._control = ControlServer(socket_path(self.data_dir), handler)
             await self._control.start()
+            self.events.watch(handler)
             try:
-                self._api = await start_api(self.state.config, self.data_dir, self.control)
+                self._api = await start_api(self.state.config, self.data_dir, handler)
             except ApiStartError as e:
                 raise WorkerSetupError(str(e)) from None
             for w in self.procs:
@@ -607,6 +613,8 @@ class Supervisor:
             self._balancer.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._balancer
+        if self.events is not None:
+            await self.events.stop()
         if self._api is not None:
             await self._api.stop()
             self._api = None
@@ -666,6 +674,8 @@ class Supervisor:
 
         if cmd == "workers.list":
             return self.report()
+        if cmd == "node.events":
+            return self.events.since(int(args.get("after") or 0), int(args.get("limit") or 100))
         if cmd == "node.sessions":    # each worker's connections, named by worker
             out: list[dict[str, Any]] = []
             for w in self.procs:

@@ -9,6 +9,7 @@ without its header: api/app.py caller). A refusal is the CLI's one line, shown o
 
 from __future__ import annotations
 
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -39,6 +40,7 @@ def mount_console(app: FastAPI, handler: Handler) -> None:
 
     templates = Jinja2Templates(directory=str(HERE / "templates"))
     templates.env.filters["size"] = _size
+    templates.env.filters["when"] = lambda t: time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
     app.mount("/static", StaticFiles(directory=str(HERE / "static")), name="static")
 
     def who(request: Request) -> TokenEntry | None:
@@ -169,6 +171,12 @@ def mount_console(app: FastAPI, handler: Handler) -> None:
         if who(request) is None:
             return RedirectResponse("/login", status_code=303)
         return await page(request, "sessions.html", sessions=await handler("node.sessions", {}))
+
+    @app.get("/events", response_class=HTMLResponse, include_in_schema=False)
+    async def events_page(request: Request) -> Response:
+        if who(request) is None:
+            return RedirectResponse("/login", status_code=303)
+        return await page(request, "events.html", events=list(reversed(await handler("node.events", {"limit": 200}))))
 
     @app.get("/health", response_class=HTMLResponse, include_in_schema=False)
     async def health_page(request: Request) -> Response:
