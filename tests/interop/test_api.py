@@ -5,6 +5,7 @@ the CLI prints), tokens (401, 403; the first one printed once in the log), and /
 from __future__ import annotations
 
 import json
+import ssl
 import subprocess
 import time
 from collections.abc import Callable
@@ -254,3 +255,65 @@ def test_sessions_show_who_is_connected_from_where(api: tuple[VsanServer, httpx.
     finally:
         perf.wait(60)
         bench.wait(60)
+
+
+def test_the_api_over_https_with_the_given_certificate(vsan: Callable[..., VsanServer], tmp_path: Path) -> None:
+    """[api] tls: HTTPS with the configured certificate; a client that trusts its CA gets in (httpx and
+    `vsan --node https://... --ca`), a plain-HTTP request gets nothing; the health report warns of the
+    certificate's end."""
+    require_tools("openssl")
+    from tls_pki import make_pki
+
+    pki = make_pki(tmp_path / "pki")
+    server = vsan(start=False)
+    text = server.config.read_text()
+    server.config.write_text(text + f'tls = {{ cert = "{pki.server / "server-cert.pem"}", key = '
+                                    f'"{pki.server / "server-key.pem"}" }}\n')
+    server.start()
+    base = f"https://127.0.0.1:{server.api_port}"
+    trust = ssl.create_default_context(cafile=str(pki.ca))
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            assert httpx.get(f"{base}/healthz", verify=trust, timeout=5).status_code == 200
+            break
+        except httpx.TransportError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+    token = server.first_api_token()
+    r = httpx.get(f"{base}/api/v1/node", verify=trust, headers={"Authorization": f"Bearer {token}"})
+    assert r.status_code == 200 and r.json()["name"] == "test-node"
+    with pytest.raises(httpx.TransportError):
+        httpx.get(f"http://127.0.0.1:{server.api_port}/healthz", timeout=5)
+    with pytest.raises(httpx.TransportError):      # a client that does not trust the CA refuses the server
+        httpx.get(f"{base}/healthz", timeout=5)
+    out = subprocess.run([str(VSAN), "--node", base, "--token", token, "--ca", str(pki.ca), "health", "--json"],
+                         capture_output=True, text=True, timeout=60, check=False)
+    # the test CA's certificates live a few days: the health report says so (a warning: exit 1)
+    assert out.returncode == 1, out.stderr
+    report = json.loads(out.stdout)
+    assert report["status"] == "warning" and report["findings"][0]["code"] == "cert-expiring", report
+
+
+def test_a_scrape_of_a_node_with_100_volumes(vsan: Callable[..., VsanServer]) -> None:
+    """100 volumes (carved from one device): every one is in /metrics, promtool passes, and the scrape's
+    time is printed (issue 15 asks for 50 ms or less; this 2-core machine's figure is in docs/benchmarks.md,
+    not asserted)."""
+    require_tools("promtool")
+    server = vsan("ram", "256MiB", carve="1MiB", carved=[(f"v{i:02d}", "1MiB", True) for i in range(99)])
+    c = httpx.Client(base_url=server.wait_api(), headers={"Authorization": f"Bearer {server.first_api_token()}"},
+                     timeout=60)
+    c.get("/metrics")
+    times = []
+    for _ in range(9):
+        t0 = time.perf_counter()
+        text = c.get("/metrics").text
+        times.append(time.perf_counter() - t0)
+    assert text.count("openvsan_volume_size_bytes{") == 100
+    check = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True, timeout=60,
+                           check=False)
+    assert check.returncode == 0, check.stdout + check.stderr
+    times.sort()
+    print(f"/metrics of 100 volumes: median {times[4] * 1000:.1f} ms, best {times[0] * 1000:.1f} ms, worst "
+          f"{times[-1] * 1000:.1f} ms ({len(text)} bytes)")

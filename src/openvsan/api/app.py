@@ -266,10 +266,11 @@ def make_app(handler: Handler, tokens: TokenBook, *, metrics: Callable[[], Await
     @app.get("/api/v1/stats", tags=["metrics"],
              summary="Every volume's I/O counters now (the console's live charts: rates are their differences)")
     async def stats(_: Reader) -> Any:
+        m = await run("node.metrics")
         return {"t": time.time(), "volumes": [
-            {"name": v["name"], **{f"{d}_{k}": v["io"][d][k] for d in ("read", "write") for k in ("ops", "bytes",
-                                                                                              "seconds")}}
-            for v in await run("volume.list") if "io" in v]}
+            {"name": name, **{f"{d}_{k}": v["io"][d][k] for d in ("read", "write") for k in ("ops", "bytes",
+                                                                                           "seconds")}}
+            for name, v in sorted(m["volumes"].items())]}
 
     @app.get("/api/v1/tokens/self", tags=["node"], summary="The token this request was made with")
     async def token_self(entry: Reader) -> Any:

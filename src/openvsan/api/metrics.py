@@ -1,6 +1,6 @@
-"""/metrics: the node in Prometheus' text format (prometheus-client), gathered at each scrape from the same
-commands the API serves: volume.list (each volume's I/O counters and latency histograms, volume/meter.py;
-its size, QoS and volume group), pool.list and workers.list.
+"""/metrics: the node in Prometheus' text format (prometheus-client), gathered at each scrape from the node's
+commands: node.metrics (one message per worker: each volume's I/O counters and latency histograms,
+volume/meter.py, its size, QoS and stack, each volume group's space once), pool.list and workers.list.
 
 Names follow Prometheus' conventions (base units, `_total` counters, node_exporter's `_bytes`/`_seconds`
 suffixes); every volume metric has a `volume` label, pool metrics a `pool` label."""
@@ -35,17 +35,17 @@ def _buckets(report: dict[str, Any]) -> list[tuple[str, int]]:
     return [("+Inf" if bound is None else repr(bound), count) for bound, count in report["buckets"]]
 
 
-def volume_families(volumes: list[dict[str, Any]]) -> list[Metric]:
+def volume_families(m: dict[str, Any]) -> list[Metric]:
+    """From node.metrics: {"volumes": {name: {size, stack, io, qos_stats?, group?}}, "groups": {home: space},
+    "identities": {name: {uuid, serial, read_only}}}."""
     V = ["volume"]
     size = GaugeMetricFamily("openvsan_volume_size_bytes", "The volume's size", labels=V)
     info = GaugeMetricFamily("openvsan_volume_info", "The volume's identity and stack (always 1)",
                              labels=["volume", "uuid", "serial", "stack", "read_only"])
     ops = {d: CounterMetricFamily(f"openvsan_volume_{d}_ops", f"{d.capitalize()} commands completed", labels=V)
            for d in ("read", "write")}
-    nbytes = {d: CounterMetricFamily(f"openvsan_volume_{d}_bytes", f"Bytes {d} by initiators", labels=V)
-              for d in ("read", "write")}
-    nbytes["read"].documentation = "Bytes read by initiators"
-    nbytes["write"].documentation = "Bytes written by initiators"
+    nbytes = {d: CounterMetricFamily(f"openvsan_volume_{d}_bytes", f"Bytes {w} by initiators", labels=V)
+              for d, w in (("read", "read"), ("write", "written"))}
     other = CounterMetricFamily("openvsan_volume_other_ops", "Flush, unmap and write-zeroes commands completed",
                                 labels=V)
     latency = {d: HistogramMetricFamily(f"openvsan_volume_{d}_latency_seconds",
@@ -53,20 +53,19 @@ def volume_families(volumes: list[dict[str, Any]]) -> list[Metric]:
                for d in ("read", "write", "other")}
     throttled = CounterMetricFamily("openvsan_volume_qos_throttled", "Commands QoS made wait", labels=V)
     waited = CounterMetricFamily("openvsan_volume_qos_wait_seconds", "Seconds commands waited for QoS", labels=V)
-    for v in volumes:
-        name = v["name"]
-        if "size" in v:
-            size.add_metric([name], v["size"])
-        info.add_metric([name, v.get("uuid", ""), v.get("serial", ""), "/".join(v.get("stack", ())),
-                         str(bool(v.get("read_only"))).lower()], 1)
-        io = v.get("io")
-        if io is not None:
-            for d in ("read", "write"):
-                ops[d].add_metric([name], io[d]["ops"])
-                nbytes[d].add_metric([name], io[d]["bytes"])
-            other.add_metric([name], io["other"]["ops"])
-            for d in ("read", "write", "other"):
-                latency[d].add_metric([name], _buckets(io[d]), io[d]["seconds"])
+    idents = m.get("identities", {})
+    for name, v in sorted(m.get("volumes", {}).items()):
+        ident = idents.get(name, {})
+        size.add_metric([name], v["size"])
+        info.add_metric([name, ident.get("uuid", ""), ident.get("serial", ""), "/".join(v.get("stack", ())),
+                         str(bool(ident.get("read_only"))).lower()], 1)
+        io = v["io"]
+        for d in ("read", "write"):
+            ops[d].add_metric([name], io[d]["ops"])
+            nbytes[d].add_metric([name], io[d]["bytes"])
+        other.add_metric([name], io["other"]["ops"])
+        for d in ("read", "write", "other"):
+            latency[d].add_metric([name], _buckets(io[d]), io[d]["seconds"])
         q = v.get("qos_stats")
         if q:
             throttled.add_metric([name], q.get("throttled", 0))
@@ -74,22 +73,14 @@ def volume_families(volumes: list[dict[str, Any]]) -> list[Metric]:
     return [size, info, *ops.values(), *nbytes.values(), other, *latency.values(), throttled, waited]
 
 
-def group_families(volumes: list[dict[str, Any]]) -> list[Metric]:
-    """The volume groups carved from devices and pools (volume/thin), once each."""
+def group_families(groups: dict[str, Any]) -> list[Metric]:
+    """The volume groups carved from devices and pools (volume/thin)."""
     G = ["group"]
     fams = {k: GaugeMetricFamily(f"openvsan_volume_group_{k}_bytes", doc, labels=G) for k, doc in (
         ("capacity", "Space the volume group holds"), ("used", "Space in use (data and metadata)"),
         ("free", "Space free"), ("provisioned", "Space promised to its volumes"))}
     meta = GaugeMetricFamily("openvsan_volume_group_metadata_used_ratio", "Metadata area in use (0-1)", labels=G)
-    seen: set[str] = set()
-    for v in volumes:
-        g = v.get("volume_group")
-        if not g:
-            continue
-        where = v.get("pool") and f"pool {v['pool']}" or f"device {v.get('device')}"
-        if where in seen:
-            continue
-        seen.add(where)
+    for where, g in sorted(groups.items()):
         for k, fam in fams.items():
             if k in g:
                 fam.add_metric([where], g[k])
@@ -139,8 +130,8 @@ def worker_families(workers: list[dict[str, Any]]) -> list[Metric]:
 
 
 async def node_metrics(handler: Handler) -> bytes:
-    volumes = await handler("volume.list", {})
-    families = volume_families(volumes) + group_families(volumes)
+    m = await handler("node.metrics", {})
+    families = volume_families(m) + group_families(m.get("groups", {}))
     families += pool_families(await handler("pool.list", {}))
     with contextlib.suppress(RequestError):    # a node in one process has no workers to list
         families += worker_families(await handler("workers.list", {}))

@@ -402,6 +402,8 @@ class Node:
     async def worker_control(self, cmd: str, args: dict[str, Any]) -> Any:
         """A worker's control socket: what its supervisor asks (node/workers.py Supervisor)."""
 
+        if cmd == "worker.metrics":
+            return self.plane.metrics()
         if cmd == "worker.sessions":
             from openvsan.node.sessions import connections
 
@@ -923,6 +925,10 @@ class Node:
             from openvsan.node.sessions import connections
 
             return connections(self)
+        if cmd == "node.metrics":
+            from openvsan.node.plane import volume_identities
+
+            return {**self.plane.metrics(), "identities": volume_identities(self.state)}
         if cmd == "node.events" and self.events is not None:
             return self.events.since(int(args.get("after") or 0), int(args.get("limit") or 100))
         from openvsan.node import live

@@ -105,6 +105,29 @@ class DataPlane:
                 out[f"{getattr(layer, 'type_name', 'layer')}_stats"] = report()
         return out
 
+    def metrics(self) -> dict[str, Any]:
+        """What /metrics shows of every volume here, in one message: size, stack, I/O counters, QoS, and the
+        space of each volume group once (not once per volume)."""
+        from openvsan.node.groups import home_of
+
+        specs = {v.name: v for v in self.config.volumes}
+        volumes: dict[str, Any] = {}
+        groups: dict[str, Any] = {}
+        for name, vol in self.node.volumes.items():
+            entry: dict[str, Any] = {"size": vol.size, "stack": [type(d).__name__ for d in vol.layers],
+                                     "io": vol.meter.report()}
+            for layer in vol.layers:
+                if getattr(layer, "type_name", None) == "qos":
+                    entry["qos_stats"] = layer.stats()  # type: ignore[attr-defined]
+            group = getattr(vol.device, "group", None)
+            if group is not None and name in specs:
+                home = home_of(specs[name])
+                entry["group"] = home
+                if home not in groups:
+                    groups[home] = group.space()
+            volumes[name] = entry
+        return {"volumes": volumes, "groups": groups}
+
     # ---- devices and volumes
 
     async def _add_device(self, c: Change) -> None:
@@ -287,3 +310,13 @@ class DataPlane:
     async def _remove_nbd_export(self, c: Change) -> None:
         e = await self.node.nbd_server.remove_export(c.key)
         self.node.nbd_exports.remove(e)
+
+
+def volume_identities(state: Any) -> dict[str, dict[str, Any]]:
+    """Each volume's uuid, serial and read-only flag, from the node's stored state (for /metrics' info)."""
+    out = {}
+    for v in state.config.volumes:
+        ident = state.identities.get(v.name)
+        out[v.name] = {"uuid": str(ident.uuid) if ident else "", "serial": ident.serial if ident else "",
+                       "read_only": v.read_only}
+    return out

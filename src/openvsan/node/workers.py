@@ -674,6 +674,17 @@ class Supervisor:
 
         if cmd == "workers.list":
             return self.report()
+        if cmd == "node.metrics":     # every worker's volumes, one message each
+            merged: dict[str, Any] = {"volumes": {}, "groups": {}}
+            for w in self.procs:
+                if w.ready:
+                    part = await worker_call(self.data_dir, w.index, "worker.metrics") or {}
+                    merged["volumes"].update(part.get("volumes", {}))
+                    merged["groups"].update(part.get("groups", {}))
+            from openvsan.node.plane import volume_identities
+
+            merged["identities"] = volume_identities(self.state)
+            return merged
         if cmd == "node.events":
             return self.events.since(int(args.get("after") or 0), int(args.get("limit") or 100))
         if cmd == "node.sessions":    # each worker's connections, named by worker
