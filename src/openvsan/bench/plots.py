@@ -3,8 +3,8 @@ them beside the numbers. matplotlib is the optional extra `bench` (pip install '
 
 from __future__ import annotations
 
-import html
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -68,21 +68,93 @@ def write_report(doc: dict[str, Any], out: Path) -> list[Path]:
         plt.close(fig)
         written += [iops_png, lat_png, hist_png]
 
-        tot = run["total"]
-        lat = tot["latency_us"]
-        rows = "".join(f"<tr><th>{html.escape(k)}</th><td>{v}</td></tr>" for k, v in (
-            ("IOPS", tot["iops"]), ("MB/s", tot["mbps"]), *((f"latency {k} (µs)", v) for k, v in lat.items()),
-            ("CPU bench %", run["cpu"]["bench_pct"]), ("CPU target %", run["cpu"]["target_pct"]),
-            ("I/O errors", run["errors"]["io"]), ("verify mismatches", run["errors"]["verify"])))
-        imgs = "".join(f'<img src="{p.name}" alt="{p.stem}">' for p in (iops_png, lat_png, hist_png))
-        sections.append(f"<section><h2>{html.escape(label)}</h2><p>{html.escape(json.dumps(run['job']))}</p>"
-                        f"<table>{rows}</table>{imgs}</section>")
+        sections.append({"label": label, "profile": describe_job(run["job"]), "run": run,
+                         "sides": _sides(run), "images": [x.name for x in (iops_png, lat_png, hist_png)]})
+    compares = []
+    for i, c in enumerate(doc.get("compare") or []):
+        png = out / f"compare{i:02d}-{c['job']}.png".replace("/", "_")
+        _compare_chart(plt, c, png)
+        written.append(png)
+        compares.append({"c": c, "image": png.name})
     page = out / "index.html"
-    page.write_text(
-        "<!doctype html><html><head><meta charset='utf-8'><title>vsan bench</title><style>"
-        "body{font-family:sans-serif;margin:2em} table{border-collapse:collapse} th,td{padding:2px 8px;"
-        "text-align:left;border-bottom:1px solid #ddd} img{display:block;margin:1em 0}</style></head><body>"
-        f"<h1>vsan bench</h1><p>{html.escape(doc['started'])}, openvsan {html.escape(doc['version'])}, "
-        f"host {html.escape(doc['host']['hostname'])}</p>" + "".join(sections) + "</body></html>\n")
+    page.write_text(_render(doc, sections, compares))
+    shutil.copyfile(CONSOLE_CSS, out / "console.css")
     (out / "results.json").write_text(json.dumps(doc, indent=2) + "\n")
-    return [*written, page, out / "results.json"]
+    return [*written, page, out / "console.css", out / "results.json"]
+
+
+# ---- the page: the console's look (web/static/console.css), the profile in words, numbers with units
+
+CONSOLE_CSS = Path(__file__).parents[1] / "web" / "static" / "console.css"
+_SIZES = ((1 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB"))
+
+
+def size_words(n: int) -> str:
+    for unit, name in _SIZES:
+        if n >= unit and n % unit == 0:
+            return f"{n // unit} {name}"
+    return f"{n} bytes"
+
+
+def count(x: float) -> str:
+    """IOPS and the like: 97.5K, 1.20M, 812."""
+    return f"{x / 1e6:.2f}M" if x >= 1e6 else f"{x / 1e3:.1f}K" if x >= 1e4 else f"{x:,.0f}"
+
+
+def latency(us: float | None) -> str:
+    """845 µs, 12.3 µs, 1.25 ms, 2.0 s."""
+    if us is None:
+        return "-"
+    if us >= 1e6:
+        return f"{us / 1e6:.1f} s"
+    if us >= 1e3:
+        return f"{us / 1e3:.2f} ms"
+    return f"{us:.0f} µs" if us >= 100 else f"{us:.1f} µs"
+
+
+def rate(mbps: float) -> str:
+    return f"{mbps:,.0f} MB/s" if mbps >= 100 else f"{mbps:.1f} MB/s"
+
+
+def describe_job(job: dict[str, Any]) -> str:
+    """The profile in words: "4 KiB random reads, 1 worker keeping 32 requests in flight"."""
+    pattern = "random" if job["pattern"] == "rand" else "sequential"
+    w = job["write_pct"]
+    what = ("reads" if w == 0 else "writes" if w == 100 else f"reads and writes ({100 - w} % reads)")
+    workers = f"{job['threads']} worker{'s' if job['threads'] != 1 else ''}"
+    each = " each" if job["threads"] != 1 else ""
+    return f"{size_words(job['bs'])} {pattern} {what}, {workers} keeping {job['qd']} request" \
+           f"{'s' if job['qd'] != 1 else ''} in flight{each}"
+
+
+def _sides(run: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    sides = [(s, run[s]) for s in ("read", "write") if run[s]["ops"]]
+    if len(sides) > 1:
+        sides.append(("read and write", run["total"]))
+    return sides or [("total", run["total"])]
+
+
+def _compare_chart(plt: Any, c: dict[str, Any], png: Path) -> None:
+    """Every target of one compared job side by side: IOPS, and p99 latency, one bar each."""
+    names = [row["target"] for row in c["targets"]]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.5))
+    a.barh(names, [row["iops"] for row in c["targets"]], color="#2f6fdf")
+    a.set(xlabel="IOPS (median of rounds)", title=f"{c['job']}: IOPS")
+    b.barh(names, [row["p99_us"] for row in c["targets"]], color="#df7d2f")
+    b.set(xlabel="p99 latency (µs)", title="p99 latency (lower is better)")
+    b.set_yticks([])
+    for ax in (a, b):
+        ax.grid(axis="x", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(png, dpi=100)
+    plt.close(fig)
+
+
+def _render(doc: dict[str, Any], sections: list[dict[str, Any]], compares: list[dict[str, Any]]) -> str:
+    from jinja2 import Environment, FileSystemLoader, select_autoescape
+
+    env = Environment(loader=FileSystemLoader(str(Path(__file__).parents[1] / "web" / "templates")),
+                      autoescape=select_autoescape(["html"]))
+    env.filters.update(count=count, latency=latency, rate=rate)
+    opts = doc.get("options", {})
+    return env.get_template("bench_report.html").render(doc=doc, sections=sections, compares=compares, opts=opts)
