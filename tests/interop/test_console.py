@@ -256,3 +256,30 @@ def test_a_read_only_token_sees_no_forms_and_cannot_change(node: VsanServer, bro
             .then(r => done(r.status));""")
     assert out == 403
     assert "sneaky" not in run([str(VSAN), "volume", "list", "--data-dir", str(node.data_dir)]).stdout
+
+
+def test_the_benchmark_page_runs_vsan_bench_and_keeps_its_report(node: VsanServer, browser: Browser) -> None:
+    """A read profile against disk0's export runs from the console; its row shows the IOPS, and its report
+    (the console's look) opens; a write profile is refused unless told it may overwrite the data."""
+    b = browser
+    b.login(node.first_api_token())
+    b.go("/bench")
+    from selenium.webdriver.support.ui import Select
+
+    Select(b.find("#bench-volume")).select_by_value("disk0")
+    Select(b.find("#bench-profile")).select_by_visible_text("4k-randwrite")
+    b.find("#bench-seconds").clear()
+    b.find("#bench-seconds").send_keys("2")
+    b.find("#bench-run").click()
+    b.until("the refusal", lambda: "overwrites" in b.text(".flash.error") or "writes over" in b.text(".flash.error"))
+    Select(b.find("#bench-profile")).select_by_visible_text("4k-randread")
+    b.find("#bench-run").click()
+    b.until("the run", lambda: bool(b.all("#runs tr.running, #runs tr.done")))
+    b.until("its result", lambda: bool(b.all("#runs tr.done")), 60)
+    assert float(b.text("#runs tr.done .iops")) > 100
+    b.shot("9-bench")
+    b.find("#runs tr.done a").click()
+    b.d.switch_to.window(b.d.window_handles[-1])
+    b.until("the report", lambda: "4 KiB random reads" in b.d.page_source)
+    assert "None" not in b.text("main")
+    b.shot("10-bench-report")

@@ -15,11 +15,12 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Form, Request
-from fastapi.responses import HTMLResponse, RedirectResponse, Response
+from fastapi.responses import FileResponse, HTMLResponse, RedirectResponse, Response
 from fastapi.staticfiles import StaticFiles
 from fastapi.templating import Jinja2Templates
 
 from openvsan.api.tokens import TokenBook, TokenEntry
+from openvsan.web.benchruns import BENCH_PROFILES, BenchRuns, bench_targets
 
 Handler = Callable[[str, dict[str, Any]], Awaitable[Any]]
 HERE = Path(__file__).parent
@@ -33,6 +34,11 @@ def _size(n: float | None) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return str(n)
+
+
+def data_dir_of(app: FastAPI) -> Path:
+    tokens: TokenBook = app.state.tokens
+    return tokens.path.parent
 
 
 def mount_console(app: FastAPI, handler: Handler) -> None:
@@ -183,6 +189,47 @@ def mount_console(app: FastAPI, handler: Handler) -> None:
         if who(request) is None:
             return RedirectResponse("/login", status_code=303)
         return await page(request, "health.html")
+
+    # ---- benchmarks: `vsan bench` against a volume's export, as a process of its own (web/benchruns.py)
+
+    runs = BenchRuns(data_dir_of(app))
+
+    @app.get("/bench/runs/{run}/report/{name}", include_in_schema=False)
+    async def bench_report(request: Request, run: str, name: str) -> Response:
+        """A run's report (its index.html, plots, console.css, results.json), for a logged-in user."""
+        if who(request) is None:
+            return RedirectResponse("/login", status_code=303)
+        path = runs.report_file(run, name)
+        if path is None:
+            return HTMLResponse("no such report", status_code=404)
+        return FileResponse(path)
+
+    @app.get("/bench", response_class=HTMLResponse, include_in_schema=False)
+    async def bench_page(request: Request) -> Response:
+        if who(request) is None:
+            return RedirectResponse("/login", status_code=303)
+        exports = await handler("export.list", {})
+        return await page(request, "bench.html", targets=bench_targets(exports), profiles=BENCH_PROFILES,
+                          runs=runs.list())
+
+    @app.get("/ui/bench/runs", response_class=HTMLResponse, include_in_schema=False)
+    async def bench_runs_fragment(request: Request) -> Response:
+        if who(request) is None:
+            return HTMLResponse("", status_code=401)
+        return templates.TemplateResponse(request, "_bench_runs.html", {"runs": runs.list()})
+
+    @app.post("/ui/bench", include_in_schema=False)
+    async def bench_start(request: Request, target: str = Form(""), profile: str = Form(""),
+                          seconds: str = Form("10"), overwrite: str = Form("")) -> Response:
+        refused = admin_or_refusal(request)
+        if refused:
+            return flash(request, None, refused)
+        exports = await handler("export.list", {})
+        try:
+            run = runs.start(bench_targets(exports), target, profile, seconds, overwrite == "on")
+        except ValueError as e:
+            return flash(request, None, str(e))
+        return flash(request, f"benchmark {run} started: {profile} on {target} for {seconds} s", None)
 
     # ---- changes (htmx forms)
 
