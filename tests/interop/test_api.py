@@ -266,9 +266,9 @@ def test_the_api_over_https_with_the_given_certificate(vsan: Callable[..., VsanS
 
     pki = make_pki(tmp_path / "pki")
     server = vsan(start=False)
-    text = server.config.read_text()
-    server.config.write_text(text + f'tls = {{ cert = "{pki.server / "server-cert.pem"}", key = '
-                                    f'"{pki.server / "server-key.pem"}" }}\n')
+    listen = f'listen = "127.0.0.1:{server.api_port}"\n'
+    server.config.write_text(server.config.read_text().replace(listen, listen + (
+        f'tls = {{ cert = "{pki.server / "server-cert.pem"}", key = "{pki.server / "server-key.pem"}" }}\n')))
     server.start()
     base = f"https://127.0.0.1:{server.api_port}"
     trust = ssl.create_default_context(cafile=str(pki.ca))

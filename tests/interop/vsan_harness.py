@@ -181,6 +181,8 @@ class VsanServer:
         lines = ["# written by tests/interop/vsan_harness.py", "[node]", 'name = "test-node"']
         if self.workers is not None:
             lines.append(f"workers = {self.workers}")
+        # before the device and target tables: a test may append keys to the file's last table
+        lines += ["", "[api]", f'listen = "127.0.0.1:{self.api_port}"']
         lines.append("")
         lines += self.device.toml()
         if self.cluster is not None:
@@ -212,7 +214,6 @@ class VsanServer:
             lines += ["", "[nbd]", f'portals = ["127.0.0.1:{self.nbd_port}"]']
             for v in self.volume_names:
                 lines += ["", "[[nbd.exports]]", f'name = "{v}"', f'volume = "{v}"']
-        lines += ["", "[api]", f'listen = "127.0.0.1:{self.api_port}"']
         self.config.write_text("\n".join(lines) + "\n")
         self.config.chmod(0o600)  # it may hold CHAP secrets: serve warns about a config others can read
 
