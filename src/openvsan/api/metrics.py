@@ -73,6 +73,42 @@ def volume_families(m: dict[str, Any]) -> list[Metric]:
     return [size, info, *ops.values(), *nbytes.values(), other, *latency.values(), throttled, waited]
 
 
+def replication_families(m: dict[str, Any]) -> list[Metric]:
+    """Replicated volumes (replication/): which replicas are in sync, what a resync has copied, what is left."""
+    V = ["volume"]
+    primary = GaugeMetricFamily("openvsan_volume_replica_primary", "1 on the volume's primary, 0 on a standby",
+                                labels=V)
+    epoch = GaugeMetricFamily("openvsan_volume_replica_epoch", "The volume's epoch (the primary's fencing token)",
+                              labels=V)
+    in_sync = GaugeMetricFamily("openvsan_volume_replica_in_sync", "1 for a replica in sync, 0 for one out of sync",
+                                labels=["volume", "node"])
+    left = GaugeMetricFamily("openvsan_volume_replica_resync_remaining_bytes",
+                             "Bytes a replica still misses (dirty regions x region size), on the primary",
+                             labels=["volume", "node"])
+    copied = CounterMetricFamily("openvsan_volume_replica_resync_bytes", "Bytes copied by resyncs from this primary",
+                                 labels=V)
+    failures = CounterMetricFamily("openvsan_volume_replica_peer_failures", "Writes a peer replica failed",
+                                   labels=V)
+    refused = CounterMetricFamily("openvsan_volume_replica_stale_epoch_refused",
+                                  "Commands of an older epoch this replica refused (fencing)", labels=V)
+    for name, v in sorted(m.get("volumes", {}).items()):
+        r = v.get("replication")
+        if not r:
+            continue
+        primary.add_metric([name], 1 if r["role"] == "primary" else 0)
+        epoch.add_metric([name], r["epoch"])
+        for node in r["nodes"]:
+            in_sync.add_metric([name, node], 1 if node in r["in_sync"] else 0)
+        for node, regions in (r.get("dirty_regions") or {}).items():
+            left.add_metric([name, node], regions * (r.get("region_size") or 0))
+        if r.get("resync_bytes") is not None:
+            copied.add_metric([name], r["resync_bytes"])
+        if r.get("peer_failures") is not None:
+            failures.add_metric([name], r["peer_failures"])
+        refused.add_metric([name], r["fenced_refused"])
+    return [primary, epoch, in_sync, left, copied, failures, refused]
+
+
 def group_families(groups: dict[str, Any]) -> list[Metric]:
     """The volume groups carved from devices and pools (volume/thin)."""
     G = ["group"]
@@ -131,7 +167,7 @@ def worker_families(workers: list[dict[str, Any]]) -> list[Metric]:
 
 async def node_metrics(handler: Handler) -> bytes:
     m = await handler("node.metrics", {})
-    families = volume_families(m) + group_families(m.get("groups", {}))
+    families = volume_families(m) + replication_families(m) + group_families(m.get("groups", {}))
     families += pool_families(await handler("pool.list", {}))
     with contextlib.suppress(RequestError):    # a node in one process has no workers to list
         families += worker_families(await handler("workers.list", {}))

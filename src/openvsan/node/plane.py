@@ -119,6 +119,17 @@ class DataPlane:
             for layer in vol.layers:
                 if getattr(layer, "type_name", None) == "qos":
                     entry["qos_stats"] = layer.stats()  # type: ignore[attr-defined]
+            replication = getattr(self.node, "replication", None)
+            status = replication.status(name) if replication is not None else None
+            if status is not None:      # a replicated volume: its role, replicas, resync (controller.status)
+                mirror = status.get("mirror") or {}
+                entry["replication"] = {
+                    "role": status["role"], "epoch": status["epoch"], "nodes": status["nodes"],
+                    "in_sync": status["in_sync"], "fenced_refused": status["fence"]["refused"],
+                    "writes": mirror.get("writes"), "peer_failures": mirror.get("peer_failures"),
+                    "resync_bytes": mirror.get("resync_bytes"),
+                    "dirty_regions": {n: p["dirty_regions"] for n, p in (status.get("peers") or {}).items()},
+                    "region_size": status.get("region_size")}
             group = getattr(vol.device, "group", None)
             if group is not None and name in specs:
                 home = home_of(specs[name])
