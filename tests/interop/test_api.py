@@ -60,6 +60,8 @@ def test_a_volume_made_resized_exported_and_deleted_through_the_api_is_what_init
     assert nbd_size(server, "v1") == 32 * MiB
     cap = run(["iscsi-readcapacity16", "-i", TEST_INITIATOR, "-s", server.url(1)]).stdout
     assert int(cap.strip()) == 32 * MiB
+    devices = {d["name"]: d for d in c.get("/api/v1/devices").json()}
+    assert devices["v1"]["used_by"] == "volume v1" and devices["v1"]["size"] == 32 * MiB
     listed = {(e["protocol"], e["name"]) for e in c.get("/api/v1/exports").json()}
     assert {("nbd", "v1"), ("iscsi", server.iqn), ("nbd", "disk0")} <= listed
 

@@ -421,6 +421,18 @@ async def node_info(node: Node, args: R.Plain) -> Any:
             "exports": len(cfg.targets) + len(cfg.subsystems) + len(cfg.nbd_exports)}
 
 
+@command("device.list")
+async def device_list(node: Node, args: R.Plain) -> Any:
+    """The node's devices: type, size, where their data lives, and who uses each (a volume, a pool, or the
+    volume group carved from it)."""
+    cfg = node.state.config
+    carved = {v.device for v in cfg.volumes if v.device is not None and v.size is not None}
+    return [{"name": d.name, "type": d.type, "size": d.size, "block_size": d.block_size,
+             "path": str(d.path) if d.path else None, "backing": str(d.backing) if d.backing else None,
+             "used_by": f"volume group device {d.name}" if d.name in carved else cfg.device_user(d.name)}
+            for d in cfg.devices]
+
+
 @command("node.health")
 async def node_health(node: Node, args: R.Plain) -> Any:
     """What is not right on this node, why, and what to do (node/health.py)."""
