@@ -70,6 +70,12 @@ def test_a_replicated_volume_on_nodes_with_two_workers(tmp_path: Path) -> None:
                              log), log[-3000:]
             status = cluster[p].status()
             assert status is not None and status["role"] == "primary" and set(status["in_sync"]) == {"a", "b"}
+            # the whole cluster from a member's own commands (the REST API's /api/v1/cluster): via worker 0
+            from openvsan.node.control import call
+
+            whole = call(cluster[s].data_dir, "cluster.status")
+            assert {(n["name"], n["up"]) for n in whole["nodes"]} == {("a", True), ("b", True)}
+            assert [(v["volume"], v["primary"]) for v in whole["volumes"]] == [("v1", p)]
 
             moved = vsan("volume", "move-primary", "v1", "--data-dir", str(cluster[p].data_dir))
             assert moved.returncode == 0, moved.stderr

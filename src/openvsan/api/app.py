@@ -248,7 +248,7 @@ def make_app(handler: Handler, tokens: TokenBook, *, metrics: Callable[[], Await
 
     @app.get("/api/v1", tags=["node"], summary="What this API serves")
     async def index(_: Reader) -> dict[str, Any]:
-        return {"resources": ["/api/v1/node", "/api/v1/health", "/api/v1/config", "/api/v1/volumes", "/api/v1/devices", "/api/v1/exports",
+        return {"resources": ["/api/v1/node", "/api/v1/cluster", "/api/v1/health", "/api/v1/config", "/api/v1/volumes", "/api/v1/devices", "/api/v1/exports",
                               "/api/v1/pools", "/api/v1/sessions", "/api/v1/events", "/api/v1/workers", "/api/v1/tokens/self", "/metrics"],
                 "openapi": "/api/v1/openapi.json"}
 
@@ -424,6 +424,11 @@ def make_app(handler: Handler, tokens: TokenBook, *, metrics: Callable[[], Await
         return await run(cmd, await json_body(request))
 
     # ---- devices, pools and workers
+
+    @app.get("/api/v1/cluster", tags=["node"],
+             summary="The cluster this node is in: members up or not, every replicated volume's primary and replicas")
+    async def cluster(_: Reader) -> Any:
+        return await run("cluster.status")
 
     @app.get("/api/v1/devices", tags=["pools"], summary="The node's devices, and who uses each")
     async def devices(_: Reader) -> Any:

@@ -153,26 +153,8 @@ def cluster_leave(name: Annotated[str, typer.Argument(help="The node's name.")],
 def cluster_status(etcd: EtcdOpt = None, config: ConfigOpt = None, as_json: JsonOpt = False) -> None:
     """Members (up or not), and every replicated volume's primary, epoch and replicas."""
     from openvsan.cluster import membership as M
-    from openvsan.replication import record as R
 
-    async def work(store: Any) -> dict[str, Any]:
-        info = await store.get(M.INFO)
-        if info is None:
-            raise M.ClusterError("no openvsan cluster in this etcd; run `vsan cluster init --id NAME` first")
-        members, up = await M.members(store), await M.alive(store)
-        volumes = []
-        for e in await store.list(R.VOLUMES):
-            rs = R.ReplicaSet.from_entry(e.key[len(R.VOLUMES):], e.value, e.revision)
-            held = await store.get(R.PRIMARY + rs.volume)
-            volumes.append({"volume": rs.volume, "nodes": list(rs.nodes), "epoch": rs.epoch,
-                            "primary": held.value.get("node") if held is not None else None,
-                            "in_sync": list(rs.in_sync), "out_of_sync": dict(rs.out_of_sync)})
-        return {"id": info.value.get("id"),
-                "nodes": [{"name": n, "number": m.number, "replication": m.replication, "management": m.management,
-                           "up": n in up} for n, m in sorted(members.items(), key=lambda x: x[1].number)],
-                "volumes": volumes}
-
-    r = _run(_endpoints(etcd, config), work)
+    r = _run(_endpoints(etcd, config), M.status)
     if as_json:
         _print_json(r)
         return

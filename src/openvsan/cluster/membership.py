@@ -141,3 +141,25 @@ async def alive(store: StateStore) -> dict[str, dict[str, Any]]:
 async def announce(store: StateStore, name: str, lease: Lease, **facts: Any) -> None:
     """This node is up (for as long as `lease` lives)."""
     await store.put(ALIVE + name, {"since": _now(), **facts}, lease=lease)
+
+
+async def status(store: StateStore) -> dict[str, Any]:
+    """The cluster as its store has it: members (up or not) and every replicated volume's primary, epoch and
+    replicas (`vsan cluster status`, and any member's REST API: /api/v1/cluster)."""
+    from openvsan.replication import record as R
+
+    info = await store.get(INFO)
+    if info is None:
+        raise ClusterError("no openvsan cluster in this etcd; run `vsan cluster init --id NAME` first")
+    listed, up = await members(store), await alive(store)
+    volumes = []
+    for e in await store.list(R.VOLUMES):
+        rs = R.ReplicaSet.from_entry(e.key[len(R.VOLUMES):], e.value, e.revision)
+        held = await store.get(R.PRIMARY + rs.volume)
+        volumes.append({"volume": rs.volume, "nodes": list(rs.nodes), "epoch": rs.epoch,
+                        "primary": held.value.get("node") if held is not None else None,
+                        "in_sync": list(rs.in_sync), "out_of_sync": dict(rs.out_of_sync)})
+    return {"id": info.value.get("id"),
+            "nodes": [{"name": n, "number": m.number, "replication": m.replication, "management": m.management,
+                       "up": n in up} for n, m in sorted(listed.items(), key=lambda x: x[1].number)],
+            "volumes": volumes}

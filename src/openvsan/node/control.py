@@ -66,7 +66,7 @@ def check_revision(now: int | None, expected: int | None) -> None:
 
 # the commands that change nothing (a read-only API token may send them; the event log does not record them)
 READ_COMMANDS = frozenset({"volume.list", "volume.show", "volume.status", "export.list", "qos.show", "config.show",
-                           "node.info", "node.health", "device.list", "node.sessions", "node.events", "node.metrics", "pool.list", "pool.status",
+                           "node.info", "node.health", "device.list", "cluster.status", "node.sessions", "node.events", "node.metrics", "pool.list", "pool.status",
                            "snapshot.list", "workers.list"})
 
 Handler = Callable[[str, dict[str, Any]], Awaitable[Any]]

@@ -421,6 +421,18 @@ async def node_info(node: Node, args: R.Plain) -> Any:
             "exports": len(cfg.targets) + len(cfg.subsystems) + len(cfg.nbd_exports)}
 
 
+@command("cluster.status")
+async def cluster_status(node: Node, args: R.Plain) -> Any:
+    """The whole cluster as its store has it (members up or not, every replicated volume's primary, epoch and
+    replicas): what `vsan cluster status` prints, from any member."""
+    from openvsan.cluster.membership import status
+
+    replication = node.replication
+    if replication is None or getattr(replication, "store", None) is None:
+        raise RequestError("this node is not in a cluster (its config has no [cluster] table)")
+    return await status(replication.store)
+
+
 @command("device.list")
 async def device_list(node: Node, args: R.Plain) -> Any:
     """The node's devices: type, size, where their data lives, and who uses each (a volume, a pool, or the

@@ -151,7 +151,7 @@ def joins(desired: NodeConfig, now: NodeConfig, where: Placement) -> list[tuple[
 
 
 # live commands (node/live.py) about a replicated volume, answered by the worker that serves it
-REPLICATION_COMMANDS = ("volume.status", "volume.move_primary", "volume.force_in_sync")
+REPLICATION_COMMANDS = ("volume.status", "volume.move_primary", "volume.force_in_sync", "cluster.status")
 
 
 @dataclass
@@ -706,6 +706,10 @@ class Supervisor:
                 raise RequestError(f"no volume named {args.get('volume')!r} on this node")
             # a decouple copies clusters for as long as the volume is big
             return await worker_call(self.data_dir, w, "worker.snapshot", timeout=3600.0, command=cmd, args=args)
+        if cmd == "cluster.status":     # the node's cluster membership and store are worker 0's
+            if self.state.config.cluster is None:
+                raise RequestError("this node is not in a cluster (its config has no [cluster] table)")
+            return await worker_call(self.data_dir, 0, "worker.live", command=cmd, args=args)
         if cmd in REPLICATION_COMMANDS:
             # a replicated volume's role, switchover, forced sync: the worker that serves it (worker 0) answers
             w = self.placement.volumes.get(str(args.get("name")))
