@@ -110,10 +110,31 @@ class Op:
 
 @dataclass
 class History:
+    """Every op, or with `compact` (a soak's history: millions of ops) only what judging a block needs: per
+    writer and extent, the last acked op and every op begun after it. An older op can only be the value a
+    block holds if an ack was lost, and its generation says so on its own (a writer's generations of an extent
+    run 1, 2, 3 ...: every one up to the highest begun was attempted)."""
+
     block_size: int
     ops: dict[int, Op] = field(default_factory=dict)
     claims: dict[int, list[tuple[int, int]]] = field(default_factory=dict)  # writer -> [(lba, blocks)]
     meta: dict[str, Any] = field(default_factory=dict)
+    compact: bool = False
+    counts: dict[str, int] = field(default_factory=lambda: {"pending": 0, "acked": 0, "failed": 0})
+    # compact: (writer, lba) -> ids of the ops kept for that extent; the highest generation begun there
+    _extent: dict[tuple[int, int], list[int]] = field(default_factory=dict)
+    _max_gen: dict[tuple[int, int], int] = field(default_factory=dict)
+
+    def attempted(self, writer: int, lba: int, gen: int) -> bool:
+        """Whether `writer` began generation `gen` of a write covering `lba` (compact: by the numbering of the
+        extent `writer` claimed there, or of the ops kept on it)."""
+        if any(o.writer == writer and o.gen == gen and o.covers(lba) for o in self.ops.values()):
+            return True
+        if not self.compact:
+            return False
+        starts = [a for a, n in self.claims.get(writer, ()) if a <= lba < a + n]
+        starts += [o.lba for o in self.ops.values() if o.writer == writer and o.covers(lba)]
+        return any(1 <= gen <= self._max_gen.get((writer, a), 0) for a in starts)
 
     def apply(self, ev: Mapping[str, Any]) -> None:
         """One JSON-lines event (Recorder writes them, load() replays them)."""
@@ -127,7 +148,12 @@ class History:
             op = int(ev["op"])
             if op in self.ops:
                 raise ValueError(f"op {op} begun twice")
-            self.ops[op] = Op(op, int(ev["writer"]), int(ev["lba"]), int(ev["blocks"]), int(ev["gen"]), ev["t"])
+            o = self.ops[op] = Op(op, int(ev["writer"]), int(ev["lba"]), int(ev["blocks"]), int(ev["gen"]), ev["t"])
+            self.counts["pending"] += 1
+            if self.compact:
+                key = (o.writer, o.lba)
+                self._extent.setdefault(key, []).append(op)
+                self._max_gen[key] = max(self._max_gen.get(key, 0), o.gen)
         elif kind in ("ack", "fail"):
             o = self.ops.get(int(ev["op"]))
             if o is None:
@@ -135,11 +161,24 @@ class History:
             if o.status != "pending":
                 raise ValueError(f"{kind} of op {o.op}, already {o.status}")
             o.status, o.t_end, o.why = ("acked" if kind == "ack" else "failed"), ev["t"], ev.get("why", "")
+            self.counts["pending"] -= 1
+            self.counts[o.status] += 1
+            if self.compact and o.status == "acked":
+                # what came before this ack on its extent judges nothing any more: the ack outranks it
+                key = (o.writer, o.lba)
+                keep = []
+                for i in self._extent[key]:
+                    older = self.ops[i]
+                    if older.gen < o.gen and older.status != "pending":
+                        del self.ops[i]
+                    else:
+                        keep.append(i)
+                self._extent[key] = keep
         else:
             raise ValueError(f"unknown history event {kind!r}")
 
     def count(self, status: Status) -> int:
-        return sum(1 for o in self.ops.values() if o.status == status)
+        return self.counts[status]
 
     def lbas(self) -> list[int]:
         """Every LBA a writer claimed or wrote, in order."""
@@ -152,20 +191,23 @@ class History:
         return sorted(out)
 
 
-def load(path: str | os.PathLike[str]) -> History:
-    """A history saved by Recorder (log= or save()); a last line cut short by a killed run is ignored."""
-    hist = History(0)
-    lines = Path(path).read_text().splitlines()
-    for i, line in enumerate(lines):
-        if not line.strip():
-            continue
-        try:
-            ev = json.loads(line)
-        except json.JSONDecodeError:
-            if i == len(lines) - 1:
-                break
-            raise ValueError(f"{path}:{i + 1}: not a JSON line: {line[:80]!r}") from None
-        hist.apply(ev)
+def load(path: str | os.PathLike[str], *, compact: bool = False) -> History:
+    """A history saved by Recorder (log= or save()), read a line at a time; a last line cut short by a killed
+    run is ignored. `compact`: keep only what judging needs (History), for histories of millions of ops."""
+    hist = History(0, compact=compact)
+    bad: tuple[int, str] | None = None
+    with open(path) as f:
+        for i, line in enumerate(f):
+            if bad is not None:
+                raise ValueError(f"{path}:{bad[0] + 1}: not a JSON line: {bad[1][:80]!r}")
+            if not line.strip():
+                continue
+            try:
+                ev = json.loads(line)
+            except json.JSONDecodeError:
+                bad = (i, line)     # the last line of a killed run, unless more follow
+                continue
+            hist.apply(ev)
     return hist
 
 
@@ -181,8 +223,10 @@ class Recorder:
         clock: Clock = time.monotonic,
         log: str | os.PathLike[str] | None = None,
         meta: Mapping[str, Any] | None = None,
+        keep: bool = True,
     ) -> None:
         self.clock = clock
+        self.keep = keep        # False (a soak's writer process): events only go to `log`, nothing stays here
         self._lock = threading.Lock()
         self._events: list[dict[str, Any]] = []
         self._hist = History(block_size)
@@ -196,8 +240,9 @@ class Recorder:
 
     def _emit(self, ev: dict[str, Any]) -> None:
         # caller holds the lock (or is __init__)
-        self._hist.apply(ev)
-        self._events.append(ev)
+        if self.keep:
+            self._hist.apply(ev)
+            self._events.append(ev)
         if self._log is not None:
             self._log.write(json.dumps(ev, separators=(",", ":")) + "\n")
             self._log.flush()
@@ -226,6 +271,8 @@ class Recorder:
 
     def history(self) -> History:
         """A snapshot: later events do not change it."""
+        if not self.keep:
+            raise RuntimeError("this Recorder keeps nothing (keep=False): load() its log")
         with self._lock:
             hist = History(self._hist.block_size)
             for ev in self._events:
@@ -440,15 +487,14 @@ def _judge(
             f"holds writer {d.writer}'s block for lba {d.lba} gen {d.gen} (lba owned by writer(s) {sorted(owners)})",
         )
     match = [o for o in ops if o.writer == d.writer and o.gen == d.gen]
-    if not match:
+    if not match and not hist.attempted(d.writer, lba, d.gen):
         return Finding(lba, "unknown", f"holds writer {d.writer} gen {d.gen}, a write never attempted")
     if last is not None and d.gen < last.gen:
-        o = match[0]
+        what = f"op {match[0].op}, {match[0].status}" if match else "a write older than the last ack"
         return Finding(
             lba,
             "lost",
-            f"reads gen {d.gen} (op {o.op}, {o.status}), but gen {last.gen} was acked "
-            f"(op {last.op}, t={last.t_end:.3f})",
+            f"reads gen {d.gen} ({what}), but gen {last.gen} was acked (op {last.op}, t={last.t_end:.3f})",
             gap=last.gen - d.gen,
         )
     return None

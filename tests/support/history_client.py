@@ -22,7 +22,7 @@ from openvsan.initiator import open_url
 
 async def main(a: argparse.Namespace) -> int:
     dev = await open_url(a.urls, no_path_retry=a.no_path_retry) if len(a.urls) > 1 else await open_url(a.urls[0])
-    rec = Recorder(dev.block_size, log=a.log, meta={"urls": a.urls})
+    rec = Recorder(dev.block_size, log=a.log, meta={"urls": a.urls}, keep=False)   # the log is the history
     writers = [Writer(dev, rec, i, ext, concurrency=a.concurrency, seed=i)
                for i, ext in enumerate(stripe(a.first, a.count, writers=a.writers, blocks=a.extent))]
     stop = asyncio.Event()
