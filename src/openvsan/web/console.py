@@ -12,9 +12,9 @@ from __future__ import annotations
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import FastAPI, Form, Request
+from fastapi import Depends, FastAPI, Form, Request
 from fastapi.responses import FileResponse, HTMLResponse, RedirectResponse, Response
 from fastapi.staticfiles import StaticFiles
 from fastapi.templating import Jinja2Templates
@@ -36,6 +36,25 @@ def _size(n: float | None) -> str:
     return str(n)
 
 
+class LoginNeeded(Exception):
+    """A console page asked for without a valid session: the answer is the login page."""
+
+
+def viewer(request: Request) -> TokenEntry:
+    """The console user of this request (its session cookie's token), or LoginNeeded."""
+    from openvsan.api.app import COOKIE
+
+    token = request.cookies.get(COOKIE)
+    tokens: TokenBook = request.app.state.tokens
+    entry = tokens.verify(token) if token else None
+    if entry is None:
+        raise LoginNeeded
+    return entry
+
+
+Viewer = Annotated[TokenEntry, Depends(viewer)]
+
+
 def data_dir_of(app: FastAPI) -> Path:
     tokens: TokenBook = app.state.tokens
     return tokens.path.parent
@@ -50,14 +69,18 @@ def mount_console(app: FastAPI, handler: Handler) -> None:
     app.mount("/static", StaticFiles(directory=str(HERE / "static")), name="static")
 
     def who(request: Request) -> TokenEntry | None:
-        token = request.cookies.get(COOKIE)
-        tokens: TokenBook = request.app.state.tokens
-        return tokens.verify(token) if token else None
+        try:
+            return viewer(request)
+        except LoginNeeded:
+            return None
 
-    async def page(request: Request, name: str, **context: Any) -> Response:
-        user = who(request)
-        if user is None:
-            return RedirectResponse("/login", status_code=303)
+    @app.exception_handler(LoginNeeded)
+    async def _login(request: Request, e: LoginNeeded) -> Response:
+        if request.url.path.startswith("/ui/"):
+            return HTMLResponse("", status_code=401)       # a fragment: htmx leaves the page as it is
+        return RedirectResponse("/login", status_code=303)
+
+    async def page(request: Request, name: str, user: TokenEntry, **context: Any) -> Response:
         info = await handler("node.info", {})
         health = await handler("node.health", {})
         return templates.TemplateResponse(request, name, {"user": user, "node": info, "health": health,
@@ -76,6 +99,15 @@ def mount_console(app: FastAPI, handler: Handler) -> None:
         if ok and refresh:
             resp.headers["HX-Refresh"] = "true"
         return resp
+
+    async def change(request: Request, cmd: str, args: dict[str, Any], done: str) -> Response:
+        """A form's change: refused for a read-only user or a request not from the console's page, else the
+        command's own refusal, or `done`."""
+        refused = admin_or_refusal(request)
+        if refused:
+            return flash(request, None, refused)
+        _, error = await attempt(cmd, args)
+        return flash(request, None if error else done, error)
 
     def admin_or_refusal(request: Request) -> str | None:
         user = who(request)
@@ -120,9 +152,7 @@ def mount_console(app: FastAPI, handler: Handler) -> None:
     # ---- pages
 
     @app.get("/", response_class=HTMLResponse, include_in_schema=False)
-    async def dashboard(request: Request) -> Response:
-        if who(request) is None:
-            return RedirectResponse("/login", status_code=303)
+    async def dashboard(request: Request, user: Viewer) -> Response:
         volumes = await handler("volume.list", {})
         pools = await handler("pool.list", {})
         groups: dict[str, Any] = {}
@@ -134,88 +164,68 @@ def mount_console(app: FastAPI, handler: Handler) -> None:
                     "group_used": sum(g["used"] for g in groups.values()),
                     "pools": sum(p["size"] for p in pools)}
         exports = await handler("export.list", {})
-        return await page(request, "dashboard.html", volumes=volumes, pools=pools, groups=groups,
+        return await page(request, "dashboard.html", user, volumes=volumes, pools=pools, groups=groups,
                           capacity=capacity, exports=exports)
 
     @app.get("/volumes", response_class=HTMLResponse, include_in_schema=False)
-    async def volumes_page(request: Request) -> Response:
-        if who(request) is None:
-            return RedirectResponse("/login", status_code=303)
-        return await page(request, "volumes.html", volumes=await handler("volume.list", {}),
+    async def volumes_page(request: Request, user: Viewer) -> Response:
+        return await page(request, "volumes.html", user, volumes=await handler("volume.list", {}),
                           exports=await handler("export.list", {}), pools=await handler("pool.list", {}))
 
     @app.get("/volumes/{name}", response_class=HTMLResponse, include_in_schema=False)
-    async def volume_page(request: Request, name: str) -> Response:
-        if who(request) is None:
-            return RedirectResponse("/login", status_code=303)
+    async def volume_page(request: Request, user: Viewer, name: str) -> Response:
         volume, error = await attempt("volume.show", {"name": name})
         if volume is None:
-            return await page(request, "missing.html", what=error)
+            return await page(request, "missing.html", user, what=error)
         snaps, _ = await attempt("snapshot.list", {"volume": name}) if volume.get("volume_group") else ([], None)
         status, _ = await attempt("volume.status", {"name": name})
         exports = [e for e in await handler("export.list", {}) if e["volume"] == name]
-        return await page(request, "volume.html", v=volume, snapshots=snaps or [], replication=status,
+        return await page(request, "volume.html", user, v=volume, snapshots=snaps or [], replication=status,
                           exports=exports)
 
     @app.get("/pools", response_class=HTMLResponse, include_in_schema=False)
-    async def pools_page(request: Request) -> Response:
-        if who(request) is None:
-            return RedirectResponse("/login", status_code=303)
+    async def pools_page(request: Request, user: Viewer) -> Response:
         pools = [await handler("pool.status", {"name": p["name"]}) for p in await handler("pool.list", {})]
-        return await page(request, "pools.html", pools=pools)
+        return await page(request, "pools.html", user, pools=pools)
 
     @app.get("/ui/pools", response_class=HTMLResponse, include_in_schema=False)
-    async def pools_fragment(request: Request) -> Response:
+    async def pools_fragment(request: Request, user: Viewer) -> Response:
         """The pools' state, members and progress (the pools page refreshes it every 2 s)."""
-        if who(request) is None:
-            return HTMLResponse("", status_code=401)
         pools = [await handler("pool.status", {"name": p["name"]}) for p in await handler("pool.list", {})]
         return templates.TemplateResponse(request, "_pools.html", {"pools": pools})
 
     @app.get("/sessions", response_class=HTMLResponse, include_in_schema=False)
-    async def sessions_page(request: Request) -> Response:
-        if who(request) is None:
-            return RedirectResponse("/login", status_code=303)
-        return await page(request, "sessions.html", sessions=await handler("node.sessions", {}))
+    async def sessions_page(request: Request, user: Viewer) -> Response:
+        return await page(request, "sessions.html", user, sessions=await handler("node.sessions", {}))
 
     @app.get("/events", response_class=HTMLResponse, include_in_schema=False)
-    async def events_page(request: Request) -> Response:
-        if who(request) is None:
-            return RedirectResponse("/login", status_code=303)
-        return await page(request, "events.html", events=list(reversed(await handler("node.events", {"limit": 200}))))
+    async def events_page(request: Request, user: Viewer) -> Response:
+        return await page(request, "events.html", user, events=list(reversed(await handler("node.events", {"limit": 200}))))
 
     @app.get("/health", response_class=HTMLResponse, include_in_schema=False)
-    async def health_page(request: Request) -> Response:
-        if who(request) is None:
-            return RedirectResponse("/login", status_code=303)
-        return await page(request, "health.html")
+    async def health_page(request: Request, user: Viewer) -> Response:
+        return await page(request, "health.html", user)
 
     # ---- benchmarks: `vsan bench` against a volume's export, as a process of its own (web/benchruns.py)
 
     runs = BenchRuns(data_dir_of(app))
 
     @app.get("/bench/runs/{run}/report/{name}", include_in_schema=False)
-    async def bench_report(request: Request, run: str, name: str) -> Response:
+    async def bench_report(request: Request, user: Viewer, run: str, name: str) -> Response:
         """A run's report (its index.html, plots, console.css, results.json), for a logged-in user."""
-        if who(request) is None:
-            return RedirectResponse("/login", status_code=303)
         path = runs.report_file(run, name)
         if path is None:
             return HTMLResponse("no such report", status_code=404)
         return FileResponse(path)
 
     @app.get("/bench", response_class=HTMLResponse, include_in_schema=False)
-    async def bench_page(request: Request) -> Response:
-        if who(request) is None:
-            return RedirectResponse("/login", status_code=303)
+    async def bench_page(request: Request, user: Viewer) -> Response:
         exports = await handler("export.list", {})
-        return await page(request, "bench.html", targets=bench_targets(exports), profiles=BENCH_PROFILES,
+        return await page(request, "bench.html", user, targets=bench_targets(exports), profiles=BENCH_PROFILES,
                           runs=runs.list())
 
     @app.get("/ui/bench/runs", response_class=HTMLResponse, include_in_schema=False)
-    async def bench_runs_fragment(request: Request) -> Response:
-        if who(request) is None:
-            return HTMLResponse("", status_code=401)
+    async def bench_runs_fragment(request: Request, user: Viewer) -> Response:
         return templates.TemplateResponse(request, "_bench_runs.html", {"runs": runs.list()})
 
     @app.post("/ui/bench", include_in_schema=False)
@@ -250,11 +260,7 @@ def mount_console(app: FastAPI, handler: Handler) -> None:
 
     @app.post("/ui/volumes/{name}/resize", include_in_schema=False)
     async def resize_volume(request: Request, name: str, size: str = Form("")) -> Response:
-        refused = admin_or_refusal(request)
-        if refused:
-            return flash(request, None, refused)
-        _, error = await attempt("volume.resize", {"name": name, "size": size.strip()})
-        return flash(request, None if error else f"volume {name} resized to {size}", error)
+        return await change(request, "volume.resize", {"name": name, "size": size.strip()}, f"volume {name} resized to {size}")
 
     @app.post("/ui/volumes/{name}/delete", include_in_schema=False)
     async def delete_volume(request: Request, name: str, force: str = Form("")) -> Response:
@@ -283,35 +289,19 @@ def mount_console(app: FastAPI, handler: Handler) -> None:
 
     @app.post("/ui/volumes/{name}/export", include_in_schema=False)
     async def export_volume(request: Request, name: str, protocol: str = Form(""), target: str = Form("")) -> Response:
-        refused = admin_or_refusal(request)
-        if refused:
-            return flash(request, None, refused)
-        _, error = await attempt("export.add", {"protocol": protocol, "name": target.strip() or name, "volume": name})
-        return flash(request, None if error else f"volume {name} exported over {protocol}", error)
+        return await change(request, "export.add", {"protocol": protocol, "name": target.strip() or name, "volume": name}, f"volume {name} exported over {protocol}")
 
     @app.post("/ui/volumes/{name}/snapshots", include_in_schema=False)
     async def snapshot(request: Request, name: str, snapshot: str = Form("")) -> Response:
-        refused = admin_or_refusal(request)
-        if refused:
-            return flash(request, None, refused)
-        _, error = await attempt("snapshot.create", {"volume": name, "name": snapshot.strip()})
-        return flash(request, None if error else f"snapshot {snapshot} of {name} taken", error)
+        return await change(request, "snapshot.create", {"volume": name, "name": snapshot.strip()}, f"snapshot {snapshot} of {name} taken")
 
     @app.post("/ui/volumes/{name}/snapshots/{snap}/delete", include_in_schema=False)
     async def snapshot_delete(request: Request, name: str, snap: str) -> Response:
-        refused = admin_or_refusal(request)
-        if refused:
-            return flash(request, None, refused)
-        _, error = await attempt("snapshot.delete", {"volume": name, "name": snap})
-        return flash(request, None if error else f"snapshot {snap} deleted", error)
+        return await change(request, "snapshot.delete", {"volume": name, "name": snap}, f"snapshot {snap} deleted")
 
     @app.post("/ui/pools/{name}/fail", include_in_schema=False)
     async def fail_member(request: Request, name: str, member: str = Form("")) -> Response:
-        refused = admin_or_refusal(request)
-        if refused:
-            return flash(request, None, refused)
-        _, error = await attempt("pool.fail", {"name": name, "member": member})
-        return flash(request, None if error else f"pool {name}: member {member} marked failed", error)
+        return await change(request, "pool.fail", {"name": name, "member": member}, f"pool {name}: member {member} marked failed")
 
     @app.post("/ui/pools/{name}/replace", include_in_schema=False)
     async def replace_member(request: Request, name: str, index: str = Form(""), device: str = Form("")) -> Response:
