@@ -80,11 +80,8 @@ class ApiServer:
         self.server: Any = None
         self.ready = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
-
-    @property
-    def address(self) -> str:
-        host, port = self.sock.getsockname()[:2]
-        return f"{self.scheme}://{f'[{host}]' if ':' in host else host}:{port}"
+        host, port = sock.getsockname()[:2]   # now: uvicorn closes the socket when it stops
+        self.address = f"{self.scheme}://{f'[{host}]' if ':' in host else host}:{port}"
 
     def launch(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run())
@@ -112,7 +109,7 @@ class ApiServer:
             serving = asyncio.get_running_loop().create_task(self.server.serve(sockets=[self.sock]))
             while not self.server.started and not serving.done():
                 await asyncio.sleep(0.01)
-            if self.server.started:
+            if self.server.started and not self.server.should_exit:
                 log.info("REST API and console on %s (OpenAPI: %s/api/v1/openapi.json)", self.address,
                          self.address)
                 self.ready.set()

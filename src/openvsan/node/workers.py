@@ -464,6 +464,7 @@ class Supervisor:
         self.geometry: dict[str, list[int]] = {}   # volume -> [blocks, block size], from the workers
         self._applying = asyncio.Lock()
         self._balancer: asyncio.Task[None] | None = None
+        self._stop: asyncio.Event | None = None
 
     async def run(self, stop: asyncio.Event, started: Callable[[], None] | None = None) -> None:
         from openvsan.api.server import ApiStartError, start_api
@@ -472,6 +473,7 @@ class Supervisor:
 
         await wait_for_old_workers(self.data_dir)
         self._pairs = inbox_pairs(self.workers)
+        self._stop = stop
         try:
             for w in self.procs:
                 await self._spawn(w)
@@ -556,7 +558,12 @@ class Supervisor:
         rc = await proc.wait()
         w.ready = False
         w.last_exit = _exit_text(rc)
-        if self.stopping or not self.up:
+        if rc == 0 and not self.stopping and self._stop is not None:
+            # a worker ends cleanly only when told to: a signal to the process group (systemd, ^C, a test
+            # harness) reaches it first, and the supervisor's own handler follows within moments
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stop.wait(), 1.0)
+        if self.stopping or not self.up or (self._stop is not None and self._stop.is_set()):
             return      # at start, a worker that cannot serve fails the node (_wait_ready says which)
         lived = time.monotonic() - w.started
         w.deaths_young = 0 if lived >= LIVED else w.deaths_young + 1
