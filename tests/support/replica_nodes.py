@@ -43,9 +43,10 @@ class ReplicaNode:
     def __init__(self, name: str, workdir: Path, etcd: Sequence[str], nodes: Sequence[str], *, size: str,
                  host: str = "127.0.0.1", lab: Any = None, lease_ttl: int = 3, suspend: float = 5.0,
                  ram: bool = False, ports: Sequence[int] = (), workers: int = 1, log_level: str = "",
-                 carve: str = "") -> None:
+                 carve: str = "", api: bool = False) -> None:
         """`carve`: the volume is carved (thin) from the device at this size, beside others (volume/thin);
-        else it is the whole device."""
+        else it is the whole device. `api`: an [api] table on a port of its own (api_url); else none (the
+        node tries the default 127.0.0.1:8080, and one of several nodes on a host gets it)."""
         self.name, self.host, self.lab = name, host, lab
         self.dir = workdir / name
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -58,6 +59,7 @@ class ReplicaNode:
         self.repl_port, self.iscsi_port, self.nvme_port = (ports or free_ports(3)) if same else (4430, 3260, 4420)
         self.proc: subprocess.Popen[bytes] | None = None
         self.log_level = log_level
+        self.api_port = (free_ports(1)[0] if same else 8080) if api else None
         self.config.write_text("\n".join([
             "[node]", f'name = "{name}"', f'data_dir = "{self.data_dir}"', f"workers = {workers}", "",
             "[cluster]", f'id = "{CLUSTER_ID}"', f"etcd = {json.dumps(list(etcd))}",
@@ -71,7 +73,20 @@ class ReplicaNode:
             "[[iscsi.targets]]", f'iqn = "{IQN}"', f'luns = [{{ lun = 0, volume = "{VOLUME}" }}]', "",
             "[nvme]", f'portals = ["{host}:{self.nvme_port}"]', "",
             "[[nvme.subsystems]]", f'nqn = "{NQN}"', f'namespaces = [{{ nsid = 1, volume = "{VOLUME}" }}]', "",
+            *(["[api]", f'listen = "{host}:{self.api_port}"', ""] if api else []),
         ]))
+
+    @property
+    def api_url(self) -> str:
+        assert self.api_port is not None, "made without api=True"
+        return f"http://{self.host}:{self.api_port}"
+
+    def api_token(self, name: str, role: str = "admin") -> str:
+        """A new API token of this node (`vsan token create`)."""
+        r = vsan("token", "create", name, "--role", role, "--data-dir", str(self.data_dir), "--json")
+        assert r.returncode == 0, r.stderr
+        token: str = json.loads(r.stdout)["token"]
+        return token
 
     @property
     def nvme_url(self) -> str:

@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse
 from pydantic import TypeAdapter
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from openvsan.api.peers import HEADER, Forwarded, Peers
 from openvsan.api.tokens import TokenBook, TokenEntry
 from openvsan.node import requests as R
 from openvsan.node.control import READ_COMMANDS, Conflict, NotFound, RequestError, Stale
@@ -46,7 +47,8 @@ class Problem(Exception):
 
 _TITLES = {400: "Bad request", 401: "Not authenticated", 403: "Forbidden", 404: "Not found",
            405: "Method not allowed", 409: "Conflict", 412: "Precondition failed", 422: "Invalid request",
-           429: "Too many failed authentications", 500: "Internal error"}
+           429: "Too many failed authentications", 500: "Internal error", 502: "Member not reachable",
+           503: "Cluster store not reachable", 504: "Member did not answer"}
 
 
 def _problem_response(p: Problem, instance: str) -> JSONResponse:
@@ -122,14 +124,18 @@ COOKIE = "vsan_session"       # the console's login: the token, HttpOnly, SameSi
 SAFE_METHODS = ("GET", "HEAD", "OPTIONS")
 
 
-def caller(request: Request, authorization: str | None = Header(default=None)) -> TokenEntry:
-    """The token entry of the request's bearer token (or the console's session cookie); 401 without a valid
-    one, 429 while its address is held back (a valid token is served even then). A change made with the
-    cookie must come from the console's own scripts (an HX-Request or X-Requested-With header, which another
-    site's page cannot send without CORS, which this API does not allow)."""
+async def caller(request: Request, authorization: str | None = Header(default=None)) -> TokenEntry:
+    """The token entry of the request's bearer token (or the console's session cookie, or another member's
+    signature on a request it forwarded: api/peers.py); 401 without a valid one, 429 while its address is
+    held back (a valid token is served even then). A change made with the cookie must come from the
+    console's own scripts (an HX-Request or X-Requested-With header, which another site's page cannot send
+    without CORS, which this API does not allow)."""
     tokens: TokenBook = request.app.state.tokens
     failures: FailedAuth = request.app.state.failures
     who = request.client.host if request.client is not None else "?"
+    forwarded = request.headers.get(HEADER)
+    if forwarded is not None and not authorization:
+        return await _forwarded_by(request, forwarded, who)
     scheme, _, token = (authorization or "").partition(" ")
     cookie = request.cookies.get(COOKIE) if not authorization else None
     if cookie is not None:
@@ -155,6 +161,32 @@ def caller(request: Request, authorization: str | None = Header(default=None)) -
                   headers={"WWW-Authenticate": 'Bearer error="invalid_token"'})
 
 
+async def _forwarded_by(request: Request, header: str, who: str) -> TokenEntry:
+    """A request another member forwarded (api/peers.py): served with the role that member checked."""
+    from openvsan.api.peers import ForwardError, verify
+
+    failures: FailedAuth = request.app.state.failures
+    peers: Peers | None = request.app.state.peers
+    wait = failures.blocked(who)
+    if wait:
+        raise Problem(429, f"too many failed authentications from {who}; retry in {wait:.0f} s",
+                      headers={"Retry-After": str(max(1, round(wait)))})
+    if peers is None or not peers.clustered:
+        failures.failed(who, "a forwarded request, and this node is in no cluster")
+        raise Problem(401, "a forwarded request, and this node is in no cluster")
+    target = request.url.path + (f"?{request.url.query}" if request.url.query else "")
+    try:
+        f = verify(await peers.key(), request.method, target, await request.body(), header, peers.seen)
+    except ForwardError as e:
+        failures.failed(who, str(e))
+        raise Problem(401, f"{e}; refused") from None
+    if f.role not in ("admin", "read-only"):
+        raise Problem(403, f"a request forwarded by {f.node} with role {f.role!r}")
+    entry = TokenEntry("peer", f"{f.token}@{f.node}", f.role, "", f.at)
+    request.state.token = entry
+    return entry
+
+
 Reader = Annotated[TokenEntry, Depends(caller)]
 
 
@@ -168,11 +200,12 @@ Admin = Annotated[TokenEntry, Depends(admin)]
 
 
 def make_app(handler: Handler, tokens: TokenBook, *, metrics: Callable[[], Awaitable[bytes]] | None = None,
-             failed: FailedAuth | None = None) -> FastAPI:
-    """The API app over `handler` (the node's control commands: Node.control or Supervisor.control)."""
+             failed: FailedAuth | None = None, peers: Peers | None = None) -> FastAPI:
+    """The API app over `handler` (the node's control commands: Node.control or Supervisor.control);
+    `peers`: the other members of its cluster, reached through /api/v1/nodes/{node}/..."""
     app = FastAPI(title="openvsan", version="1", summary="An open-source virtual SAN: its REST API",
                   docs_url="/api/docs", redoc_url=None, openapi_url="/api/v1/openapi.json")
-    app.state.tokens, app.state.failures = tokens, failed or FailedAuth()
+    app.state.tokens, app.state.failures, app.state.peers = tokens, failed or FailedAuth(), peers
     bodies: list[type[Any]] = []
 
     # ---- errors: RFC 9457 problem details with the one line
@@ -249,7 +282,7 @@ def make_app(handler: Handler, tokens: TokenBook, *, metrics: Callable[[], Await
     @app.get("/api/v1", tags=["node"], summary="What this API serves")
     async def index(_: Reader) -> dict[str, Any]:
         return {"resources": ["/api/v1/node", "/api/v1/cluster", "/api/v1/health", "/api/v1/config", "/api/v1/volumes", "/api/v1/devices", "/api/v1/exports",
-                              "/api/v1/pools", "/api/v1/sessions", "/api/v1/events", "/api/v1/workers", "/api/v1/tokens/self", "/metrics"],
+                              "/api/v1/pools", "/api/v1/sessions", "/api/v1/events", "/api/v1/workers", "/api/v1/tokens/self", "/api/v1/nodes", "/metrics"],
                 "openapi": "/api/v1/openapi.json"}
 
     @app.get("/api/v1/node", tags=["node"], summary="This node: name, version, desired-state revision")
@@ -461,6 +494,60 @@ def make_app(handler: Handler, tokens: TokenBook, *, metrics: Callable[[], Await
             return await handler("workers.list", {})
         except RequestError:
             return []          # a node in one process: no workers to list
+
+    # ---- the other members of the cluster (api/peers.py)
+
+    @app.get("/api/v1/nodes", tags=["cluster"],
+             summary="The cluster's members: name, management address, up or not; /api/v1/nodes/{node}/... is "
+                     "that member's /api/v1/...")
+    async def nodes(_: Reader) -> Any:
+        if peers is None or not peers.clustered:
+            info = await run("node.info")
+            return [{"name": info["name"], "management": None, "up": True, "this": True}]
+        try:
+            return await peers.members()
+        except Exception as e:  # noqa: BLE001 - etcd unreachable: say so
+            raise Problem(503, f"the cluster's store does not answer: {_line(e)}") from None
+
+    async def on_node(node: str, rest: str, request: Request, entry: Reader) -> Response:
+        target = f"/api/v1/{rest}" + (f"?{request.url.query}" if request.url.query else "")
+        if entry.id == "peer":
+            raise Problem(400, f"a request forwarded by {entry.name.rpartition('@')[2]} is not forwarded again")
+        body = await request.body()
+        if peers is None or not peers.clustered or node == peers.me:
+            if node != (await run("node.info"))["name"]:
+                raise Problem(404, f"no node named {node!r}: this node is in no cluster")
+            return await _locally(request, target, body)
+        who = Forwarded(peers.me, entry.role, entry.name, time.time())
+        try:
+            status, content, headers = await peers.forward(node, request.method, target, body,
+                                                           dict(request.headers), who)
+        except LookupError:
+            names = ", ".join(m["name"] for m in await peers.members())
+            raise Problem(404, f"no node named {node!r} in the cluster (members: {names})") from None
+        except TimeoutError as e:
+            raise Problem(504, str(e)) from None
+        except ConnectionError as e:
+            raise Problem(502, str(e)) from None
+        return Response(content, status_code=status, headers=headers)
+
+    for method in ("GET", "PUT", "POST", "DELETE", "PATCH"):
+        app.add_api_route("/api/v1/nodes/{node}/{rest:path}", on_node, methods=[method], tags=["cluster"],
+                          operation_id=f"on_node_{method.lower()}",
+                          summary="Any /api/v1/... resource of the member `node` (the request is forwarded, signed "
+                                  "for the cluster, with this token's role)")
+
+    async def _locally(request: Request, target: str, body: bytes) -> Response:
+        """This node's own resource, through its own routes (the same credentials)."""
+        import httpx
+
+        sent = {k: v for k, v in request.headers.items()
+                if k in ("authorization", "cookie", "content-type", "if-match", "hx-request", "x-requested-with")}
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://node") as c:
+            r = await c.request(request.method, target, content=body, headers=sent)
+        kept = {k: v for k, v in r.headers.items() if k in ("content-type", "etag", "location", "retry-after",
+                                                            "www-authenticate")}
+        return Response(r.content, status_code=r.status_code, headers=kept)
 
     # ---- metrics
 

@@ -59,7 +59,7 @@ def _check_tls(spec: ApiSpec) -> None:
                             f"{getattr(e, 'strerror', None) or e}") from None
 
 
-def _load_app(handler: Any, tokens: TokenBook) -> Any:
+def _load_app(handler: Any, tokens: TokenBook, peers: Any) -> Any:
     """The app (imports FastAPI: run off the loop)."""
     from openvsan.api.app import make_app
     from openvsan.api.metrics import node_metrics
@@ -67,14 +67,18 @@ def _load_app(handler: Any, tokens: TokenBook) -> Any:
     async def metrics() -> bytes:
         return await node_metrics(handler)
 
-    return make_app(handler, tokens, metrics=metrics)
+    return make_app(handler, tokens, metrics=metrics, peers=peers)
 
 
 class ApiServer:
     """uvicorn serving the API app on a socket bound at start (so the address is known, port 0 included)."""
 
-    def __init__(self, sock: socket.socket, spec: ApiSpec, handler: Any, data_dir: Path) -> None:
+    def __init__(self, sock: socket.socket, spec: ApiSpec, handler: Any, data_dir: Path,
+                 cfg: NodeConfig | None = None) -> None:
+        from openvsan.api.peers import Peers
+
         self.sock, self.spec, self.handler = sock, spec, handler
+        self.peers = Peers(cfg) if cfg is not None and cfg.cluster is not None else None
         self.tokens = TokenBook(data_dir)
         self.scheme = "https" if spec.tls is not None else "http"
         self.server: Any = None
@@ -88,7 +92,7 @@ class ApiServer:
 
     async def _run(self) -> None:
         try:
-            app = await asyncio.to_thread(_load_app, self.handler, self.tokens)
+            app = await asyncio.to_thread(_load_app, self.handler, self.tokens, self.peers)
             import uvicorn
 
             class Embedded(uvicorn.Server):
@@ -130,6 +134,9 @@ class ApiServer:
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await self._task
             self._task = None
+        if self.peers is not None:
+            with contextlib.suppress(Exception):
+                await self.peers.close()
         self.sock.close()
 
 
@@ -150,6 +157,6 @@ async def start_api(cfg: NodeConfig, data_dir: Path, handler: Any) -> ApiServer 
                         '"127.0.0.1:PORT" to serve it elsewhere', spec.listen, e.strerror)
             return None
         raise ApiStartError(f"api.listen: cannot listen on {spec.listen}: {e.strerror}") from None
-    server = ApiServer(sock, spec, handler, data_dir)
+    server = ApiServer(sock, spec, handler, data_dir, cfg)
     server.launch()
     return server

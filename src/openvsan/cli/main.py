@@ -94,9 +94,14 @@ def _root(version: Annotated[bool, typer.Option("--version", callback=_version, 
               "--token-file", help="Read the API token for --node from this file.")] = None,
           ca: Annotated[Path | None, typer.Option(
               "--ca", envvar="VSAN_CA", help="CA certificate that signed the node's API certificate (https).")] = None,
+          member: Annotated[str | None, typer.Option(
+              "--member", envvar="VSAN_MEMBER", help="With --node: run the command on this member of the node's "
+              "cluster, through the node's API (with the node's token).")] = None,
           ) -> None:
     """openvsan: a virtual SAN. Serve block volumes over iSCSI, NVMe/TCP and NBD."""
     if node is None:
+        if member is not None:
+            fail("--member goes through a node's REST API: give --node URL too", EXIT_USAGE)
         return
     from openvsan.cli import remote
 
@@ -108,7 +113,7 @@ def _root(version: Annotated[bool, typer.Option("--version", callback=_version, 
     if not token:
         fail("--node needs an API token: --token, $VSAN_TOKEN or --token-file (`vsan token create` on the node "
              "makes one)", EXIT_USAGE)
-    remote.REMOTE = remote.Remote(node, token, ca)
+    remote.REMOTE = remote.Remote(node, token, ca, member)
 
 
 @app.command()

@@ -5,6 +5,8 @@ the same one-line refusals, so every `vsan volume|export|qos|pool|snapshot|worke
 a remote node as on a local one.
 
 Over the API a command is `POST /api/v1/commands/{cmd}` with its arguments as the JSON body (api/app.py);
+with `--member NAME` it is `POST /api/v1/nodes/NAME/commands/{cmd}`: the node forwards it to that member of
+its cluster (api/peers.py), so one node's address and token reach the whole cluster;
 `vsan config apply FILE` reads the file here and sends its contents (paths in it are the remote node's).
 """
 
@@ -26,6 +28,7 @@ class Remote:
     url: str
     token: str
     ca: Path | None = None
+    member: str | None = None    # another member of the node's cluster, reached through it (api/peers.py)
 
     def call(self, cmd: str, timeout: float | None, args: dict[str, Any]) -> Any:
         from openvsan.node.control import ControlError, NotRunning
@@ -37,7 +40,8 @@ class Remote:
             except (OSError, tomllib.TOMLDecodeError) as e:
                 raise ControlError(f"{path}: {e}") from None
             cmd = "config.put"
-        req = urllib.request.Request(f"{self.url.rstrip('/')}/api/v1/commands/{cmd}", method="POST",
+        via = f"/api/v1/nodes/{self.member}" if self.member else "/api/v1"
+        req = urllib.request.Request(f"{self.url.rstrip('/')}{via}/commands/{cmd}", method="POST",
                                      data=json.dumps(args).encode(),
                                      headers={"Authorization": f"Bearer {self.token}",
                                               "Content-Type": "application/json"})

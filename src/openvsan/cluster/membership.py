@@ -103,7 +103,8 @@ async def join(store: StateStore, cluster_id: str, name: str, replication: str,
         assert info is not None
         known = await store.get(NODES + name)
         if known is not None:
-            m = Member(name, int(known.value["number"]), replication, management)
+            m = Member(name, int(known.value["number"]), replication,
+                       management or known.value.get("management"))     # None: keep what `join` was told
             try:
                 await store.put(NODES + name, m.value(), expect=known.revision)
             except Conflict:

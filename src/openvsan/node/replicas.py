@@ -134,7 +134,10 @@ class NodeReplication:
         self.store = self.open_store()
         try:
             await M.check(self.store, self.spec.id)
-            me = await M.join(self.store, self.spec.id, self.me, str(self.spec.replication), self.spec.management)
+            from openvsan.api.peers import published_api
+
+            me = await M.join(self.store, self.spec.id, self.me, str(self.spec.replication),
+                              published_api(self.node.state.config))
             self.auth = replication_keys(await M.secret(self.store, self.spec.id))
         except M.ClusterError as e:
             raise ReplicationSetupError(f"cluster {self.spec.id}: {e}") from None
