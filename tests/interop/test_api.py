@@ -226,6 +226,36 @@ def test_the_cli_on_a_remote_node_is_the_cli_on_a_local_one(api: tuple[VsanServe
     assert c.get("/api/v1/volumes/r1").status_code == 404
 
 
+def test_the_local_cli_goes_through_the_api(api: tuple[VsanServer, httpx.Client]) -> None:
+    """The node tells its local CLI where its API is, with a token made at start (api-local.json, 0600, in no
+    token list): `vsan` commands then work with the control socket out of the way; a file left by a node that
+    is gone is ignored; the node removes the file when it stops."""
+    server, _ = api
+    local = server.data_dir / "api-local.json"
+    assert local.stat().st_mode & 0o777 == 0o600
+    doc = json.loads(local.read_text())
+    assert doc["url"] == f"http://127.0.0.1:{server.api_port}" and doc["pid"] == server.proc.pid  # type: ignore[union-attr]
+    listed = json.loads(cli(server, "token", "list", "--json").stdout)
+    assert [t["name"] for t in listed] == ["initial"]
+    sock, aside = server.data_dir / "control.sock", server.data_dir / "control.sock.aside"
+    sock.rename(aside)
+    try:
+        made = cli(server, "volume", "create", "l1", "--size", "8MiB")
+        assert made.returncode == 0 and "+ volume l1" in made.stdout, made.stderr
+        refused = cli(server, "volume", "create", "l1", "--size", "8MiB")
+        assert refused.returncode == 2 and "exists" in refused.stderr, refused.stderr
+        # the file of a node that is gone: ignored (here: the control socket, which is away)
+        local.write_text(json.dumps({**doc, "pid": 2 ** 22 + 1, "token": "vsan_00000000_" + "x" * 43}))
+        gone = cli(server, "volume", "list")
+        assert gone.returncode == 1 and "no vsan serve is running" in gone.stderr, gone.stderr
+    finally:
+        aside.rename(sock)
+    assert "l1" in cli(server, "volume", "list").stdout
+    local.write_text(json.dumps(doc))
+    server.stop()
+    assert not local.exists()
+
+
 def nbd_size_after_export(server: VsanServer, remote: Callable[..., subprocess.CompletedProcess[str]]) -> int:
     out = remote("export", "add", "nbd", "r1", "--volume", "r1")
     assert out.returncode == 0, out.stderr
@@ -290,6 +320,14 @@ def test_the_api_over_https_with_the_given_certificate(vsan: Callable[..., VsanS
         httpx.get(f"http://127.0.0.1:{server.api_port}/healthz", timeout=5)
     with pytest.raises(httpx.TransportError):      # a client that does not trust the CA refuses the server
         httpx.get(f"{base}/healthz", timeout=5)
+    # the local CLI reaches the API over HTTPS, trusting the node's own certificate (not through the socket)
+    sock = server.data_dir / "control.sock"
+    sock.rename(sock.with_name("control.sock.aside"))
+    try:
+        listed = cli(server, "volume", "list", "--json")
+        assert listed.returncode == 0 and json.loads(listed.stdout)[0]["name"] == "disk0", listed.stderr
+    finally:
+        sock.with_name("control.sock.aside").rename(sock)
     out = subprocess.run([str(VSAN), "--node", base, "--token", token, "--ca", str(pki.ca), "health", "--json"],
                          capture_output=True, text=True, timeout=60, check=False)
     # the test CA's certificates live a few days: the health report says so (a warning: exit 1)

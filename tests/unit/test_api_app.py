@@ -13,7 +13,8 @@ import pytest
 
 from openvsan.api.app import FAILURE_WINDOW, FAILURES_ALLOWED, FailedAuth, make_app
 from openvsan.api.tokens import TokenBook
-from openvsan.node.control import Conflict, NotFound, RequestError, Stale
+from openvsan.node.control import Conflict, ControlServer, NotFound, RequestError, Stale
+from openvsan.node.workers import WorkerError
 
 
 class FakeNode:
@@ -45,6 +46,10 @@ class FakeNode:
             raise Conflict("volume v0 is exported")
         if cmd == "pool.list":
             raise RuntimeError("disk on fire")
+        if cmd == "volume.status":      # a worker's refusal, as its supervisor passes it on
+            raise WorkerError(f"no volume named {args['name']!r}", "not-found")
+        if cmd == "node.sessions":
+            raise WorkerError("worker 1 did not answer", "failed")
         raise RequestError(f"unknown command {cmd!r}")
 
 
@@ -98,7 +103,9 @@ def test_refusals_map_to_their_status_with_the_one_line(setup: Any) -> None:
     cases = [("GET", "/api/v1/volumes/nope", None, 404, "no volume named 'nope'"),
              ("PUT", "/api/v1/volumes/v9", {"backing": "ram"}, 422, "size: missing; give the volume's size"),
              ("DELETE", "/api/v1/volumes/v0", None, 409, "volume v0 is exported"),
-             ("GET", "/api/v1/pools", None, 500, "disk on fire")]
+             ("GET", "/api/v1/pools", None, 500, "disk on fire"),
+             ("GET", "/api/v1/volumes/w/replication", None, 404, "no volume named 'w'"),
+             ("GET", "/api/v1/sessions", None, 500, "worker 1 did not answer")]
     for method, path, body, status, line in cases:
         r = call(app, method, path, admin, json=body)
         assert r.status_code == status, (path, r.text)
@@ -141,3 +148,15 @@ def test_the_openapi_document_has_the_typed_request_bodies(setup: Any) -> None:
     body = doc["paths"]["/api/v1/volumes/{name}"]["put"]["requestBody"]["content"]["application/json"]["schema"]
     assert "name" not in body["properties"] and "size" in body["properties"]
     assert doc["components"]["securitySchemes"]["bearer"]["scheme"] == "bearer"
+
+
+def test_a_refusal_keeps_its_kind_across_a_control_socket() -> None:
+    """What a worker's control socket answers carries the refusal's kind, and the supervisor's raises it again
+    (node/workers.py WorkerError), so a volume's 404 is a 404 whichever process owns the volume."""
+    async def handler(cmd: str, args: dict[str, Any]) -> Any:
+        raise {"a": NotFound("no volume named 'x'"), "b": Conflict("taken"), "c": ValueError("size: too big"),
+               "d": RuntimeError("device d0 failed"), "e": WorkerError("no volume named 'y'", "not-found")}[cmd]
+
+    server = ControlServer(Path("/nonexistent"), handler)
+    kinds = {cmd: asyncio.run(server._answer(f'{{"cmd": "{cmd}"}}'.encode()))["kind"] for cmd in "abcde"}
+    assert kinds == {"a": "not-found", "b": "conflict", "c": "refused", "d": "failed", "e": "not-found"}

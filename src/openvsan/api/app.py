@@ -25,7 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from openvsan.api.peers import HEADER, Forwarded, Peers
 from openvsan.api.tokens import TokenBook, TokenEntry
 from openvsan.node import requests as R
-from openvsan.node.control import READ_COMMANDS, Conflict, NotFound, RequestError, Stale
+from openvsan.node.control import KIND_STATUS, READ_COMMANDS, Conflict, NotFound, RequestError, Stale
 
 log = logging.getLogger("openvsan.api")
 
@@ -64,6 +64,8 @@ def _status_of(e: BaseException) -> int:
         return 409
     if isinstance(e, Stale):
         return 412
+    if getattr(e, "kind", None) in KIND_STATUS:     # a worker's refusal, passed on by its supervisor
+        return KIND_STATUS[e.kind]  # type: ignore[attr-defined]
     if isinstance(e, (RequestError, ValueError, KeyError)):
         return 422
     return 500
@@ -229,7 +231,10 @@ def make_app(handler: Handler, tokens: TokenBook, *, metrics: Callable[[], Await
             return await handler(cmd, args or {})
         except Exception as e:
             status = _status_of(e)
-            if status == 500:
+            if status == 500 and isinstance(e, (RuntimeError, OSError)):
+                # a device or worker that failed: its text is meant for the user (as on the control socket)
+                log.warning("API: command %s failed: %s", cmd, _line(e))
+            elif status == 500:
                 log.exception("API: command %s failed", cmd)
             raise Problem(status, _line(e)) from None
 

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
+import os
 import socket
 import ssl
 from collections.abc import Iterator
@@ -26,6 +28,9 @@ from openvsan.node.specs import ApiSpec, NodeConfig
 
 log = logging.getLogger("openvsan.api")
 logging.getLogger("uvicorn.error").setLevel(logging.WARNING)   # not its "Started server process" lines
+
+
+LOCAL_API = "api-local.json"     # in the data dir, 0600: the running node's API for its own CLI (cli/remote.py)
 
 
 class ApiStartError(RuntimeError):
@@ -86,6 +91,30 @@ class ApiServer:
         self._task: asyncio.Task[None] | None = None
         host, port = sock.getsockname()[:2]   # now: uvicorn closes the socket when it stops
         self.address = f"{self.scheme}://{f'[{host}]' if ':' in host else host}:{port}"
+        self.local_file = data_dir / LOCAL_API
+        self._tell_local_cli(host, port)
+
+    def _tell_local_cli(self, host: str, port: int) -> None:
+        """Where the CLI on this host reaches this API, with a token made for it now (no file holds it but
+        this one, readable by the user that runs the node, as the control socket is): so the local `vsan`
+        commands go through the API, as remote ones do. Removed at stop; a node killed leaves it behind, with
+        its pid, which the CLI checks."""
+        if host in ("0.0.0.0", "::"):
+            host = "127.0.0.1" if host == "0.0.0.0" else "::1"
+        url = f"{self.scheme}://{f'[{host}]' if ':' in host else host}:{port}"
+        doc = {"url": url, "token": self.tokens.local_token(), "pid": os.getpid(),
+               "cert": str(self.spec.tls.cert) if self.spec.tls is not None else None}
+        tmp = self.local_file.with_name(LOCAL_API + ".tmp")
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+            try:
+                os.write(fd, json.dumps(doc).encode())
+            finally:
+                os.close(fd)
+            os.replace(tmp, self.local_file)
+        except OSError as e:
+            log.warning("REST API: cannot write %s (%s); the local CLI uses the control socket", self.local_file,
+                        e.strerror)
 
     def launch(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run())
@@ -137,6 +166,9 @@ class ApiServer:
         if self.peers is not None:
             with contextlib.suppress(Exception):
                 await self.peers.close()
+        with contextlib.suppress(OSError, ValueError):
+            if json.loads(self.local_file.read_text()).get("pid") == os.getpid():
+                self.local_file.unlink()
         self.sock.close()
 
 

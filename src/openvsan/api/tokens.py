@@ -60,6 +60,7 @@ class TokenBook:
         self._lock = data_dir / LOCK_FILE
         self._seen: tuple[int, int] | None = None    # (mtime_ns, inode) of what _entries holds
         self._entries: dict[str, TokenEntry] = {}
+        self._local: dict[str, TokenEntry] = {}       # held in memory only: the local CLI's (local_token)
 
     # ---- reading
 
@@ -73,7 +74,7 @@ class TokenBook:
         if m is None:
             return None
         self._refresh()
-        entry = self._entries.get(m.group(1))
+        entry = self._entries.get(m.group(1)) or self._local.get(m.group(1))
         if entry is None or not hmac.compare_digest(entry.digest, _digest(token)):
             return None
         return entry
@@ -140,6 +141,17 @@ class TokenBook:
             entry = TokenEntry(tid, name, role, _digest(token), time.time())
             entries.append(entry)
         return entry, token
+
+    def local_token(self, name: str = "local-cli") -> str:
+        """An admin token that lives as long as this process and is in no file but the one the running node
+        gives its local CLI (api/server.py LOCAL_API, mode 0600: whoever may use the control socket)."""
+        while True:
+            tid = secrets.token_hex(4)
+            if tid not in self._local and all(e.id != tid for e in self._load()):
+                break
+        token = f"vsan_{tid}_{secrets.token_urlsafe(32)}"
+        self._local[tid] = TokenEntry(tid, name, "admin", _digest(token), time.time())
+        return token
 
     def revoke(self, which: str) -> TokenEntry:
         """Revoke the token named or numbered `which`."""

@@ -156,10 +156,30 @@ class ControlServer:
             # PoolError is a ValueError, DeviceFailed a RuntimeError's cousin: their text is meant for the user
             # a refusal says why in its line; anything else may be a bug: its traceback, at debug level
             log.debug("control request refused: %s", _one_line(e), exc_info=not isinstance(e, RequestError))
-            return {"ok": False, "error": _one_line(e)}
+            return {"ok": False, "error": _one_line(e), "kind": error_kind(e)}
         except Exception as e:
             log.exception("control request failed")
-            return {"ok": False, "error": f"internal error: {type(e).__name__}: {_one_line(e)}"}
+            return {"ok": False, "error": f"internal error: {type(e).__name__}: {_one_line(e)}", "kind": "internal"}
+
+
+# a refusal's class, carried in the reply ("kind") so that a supervisor raises the same class as its worker
+# did, and the REST API answers a volume's refusal with the same status whichever process owns the volume
+_KINDS: dict[str, type[Exception]] = {"not-found": NotFound, "conflict": Conflict, "stale": Stale,
+                                      "refused": RequestError}
+
+
+def error_kind(e: BaseException) -> str:
+    """The kind of a refusal: its class's, or the one a worker's reply gave it (node/workers.py WorkerError)."""
+    kind = getattr(e, "kind", None)
+    if kind in _KINDS:
+        return str(kind)
+    for kind, cls in _KINDS.items():
+        if isinstance(e, cls):
+            return kind
+    return "refused" if isinstance(e, (ValueError, KeyError)) else "failed"
+
+
+KIND_STATUS = {"not-found": 404, "conflict": 409, "stale": 412, "refused": 422}   # the REST API's status
 
 
 def _one_line(e: BaseException) -> str:

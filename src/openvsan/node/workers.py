@@ -246,10 +246,20 @@ def worker_socket_path(data_dir: Path, index: int) -> Path:
     return data_dir / f"worker-{index}.sock"
 
 
+class WorkerError(RuntimeError):
+    """A worker's refusal or failure. `kind` is the refusal's class as the worker raised it (control.py
+    error_kind: "not-found", "conflict", ...), so the supervisor's control socket and REST API answer it as
+    the worker would have; a RuntimeError still, for the supervisor's own handling of a worker that fails."""
+
+    def __init__(self, line: str, kind: str = "failed") -> None:
+        super().__init__(line)
+        self.kind = kind
+
+
 async def worker_call(data_dir: Path, index: int, cmd: str, timeout: float = 120.0, **args: Any) -> Any:
     """One request to worker `index` (node/control.py's JSON lines); RuntimeError with its line when it
     refuses or cannot be reached."""
-    from openvsan.node.control import _reachable
+    from openvsan.node.control import KIND_STATUS, _reachable
 
     path = worker_socket_path(data_dir, index)
     try:
@@ -269,7 +279,9 @@ async def worker_call(data_dir: Path, index: int, cmd: str, timeout: float = 120
         raise RuntimeError(f"worker {index} closed its control connection without an answer")
     reply = json.loads(line)
     if not reply.get("ok"):
-        raise RuntimeError(f"worker {index}: {reply.get('error')}")
+        # a refusal is the user's line as the worker said it; anything else says which worker failed
+        kind = str(reply.get("kind", "failed"))
+        raise WorkerError(("" if kind in KIND_STATUS else f"worker {index}: ") + str(reply.get("error")), kind)
     return reply.get("result")
 
 
