@@ -357,3 +357,93 @@ def test_a_scrape_of_a_node_with_100_volumes(vsan: Callable[..., VsanServer]) ->
     times.sort()
     print(f"/metrics of 100 volumes: median {times[4] * 1000:.1f} ms, best {times[0] * 1000:.1f} ms, worst "
           f"{times[-1] * 1000:.1f} ms ({len(text)} bytes)")
+
+
+POOL_CONFIG = """
+[node]
+name = "pool-node"
+
+[[devices]]
+name = "m0"
+type = "ram"
+size = "16MiB"
+
+[[devices]]
+name = "m1"
+type = "ram"
+size = "16MiB"
+
+[[devices]]
+name = "s0"
+type = "ram"
+size = "16MiB"
+
+[[pools]]
+name = "p0"
+level = "raid1"
+members = ["m0", "m1"]
+
+[[volumes]]
+name = "pv"
+pool = "p0"
+
+[iscsi]
+portals = ["127.0.0.1:{port}"]
+
+[[iscsi.targets]]
+iqn = "{iqn}"
+luns = [{{ lun = 0, volume = "pv" }}]
+
+[nbd]
+portals = ["127.0.0.1:{nbd_port}"]
+
+[[nbd.exports]]
+name = "pv"
+volume = "pv"
+
+[api]
+listen = "127.0.0.1:{api_port}"
+"""
+
+
+def test_a_pool_through_the_api_scrub_fail_spare_rebuild(vsan: Callable[..., VsanServer]) -> None:
+    """Pools as resources: state and members, a scrub's report, a member failed, a spare added and rebuilt
+    onto while an NBD client reads what was written before; a read-only token sees and changes nothing; an
+    unknown pool is a 404 with the CLI's line."""
+    require_tools("nbdcopy")
+    server = vsan(start=False)
+    server.config.write_text(POOL_CONFIG.format(port=server.port, iqn=server.iqn, nbd_port=server.nbd_port,
+                                                api_port=server.api_port))
+    server.start()
+    c = httpx.Client(base_url=server.wait_api(), headers={"Authorization": f"Bearer {server.first_api_token()}"},
+                     timeout=120)
+    data = bytes(range(256)) * (4 * MiB // 256)
+    run(["nbdcopy", "-", server.nbd_url("pv")], input=data)
+    p = c.get("/api/v1/pools/p0").json()
+    assert p["state"] == "optimal" and [m["device"] for m in p["members"]] == ["m0", "m1"], p
+    r = c.get("/api/v1/pools/p9")
+    assert r.status_code == 404 and "no pool" in r.json()["detail"] and "p0" in r.json()["detail"], r.text
+    scrub = c.post("/api/v1/pools/p0/scrub", json={"repair": False})
+    assert scrub.status_code == 200 and scrub.json()["mismatches"] == 0, scrub.text
+    r = c.post("/api/v1/pools/p0/scrub", json={"repiar": False})
+    assert r.status_code == 422 and "repiar" in r.json()["detail"]
+
+    ro = cli(server, "token", "create", "viewer", "--role", "read-only").stdout.strip()
+    r = httpx.post(f"{c.base_url}/api/v1/pools/p0/members/1/fail", headers={"Authorization": f"Bearer {ro}"})
+    assert r.status_code == 403 and "read-only" in r.json()["detail"]
+    assert c.get("/api/v1/pools/p0").json()["state"] == "optimal"
+
+    r = c.post("/api/v1/pools/p0/members/m1/fail")
+    assert r.status_code == 200, r.text
+    assert c.get("/api/v1/pools/p0").json()["state"] == "degraded"
+    r = c.post("/api/v1/pools/p0/spares", json={"device": "s0"})
+    assert r.status_code == 200, r.text
+    deadline = time.monotonic() + 60
+    while (st := c.get("/api/v1/pools/p0").json())["state"] != "optimal":
+        assert time.monotonic() < deadline, st
+        time.sleep(0.2)
+    assert [m["device"] for m in st["members"]] == ["m0", "s0"], st
+    out = subprocess.run(["nbdcopy", server.nbd_url("pv"), "-"], capture_output=True, timeout=60, check=True).stdout
+    assert out[:len(data)] == data
+    health = {f["code"] for f in c.get("/api/v1/health").json()["findings"]}
+    assert not any(code.startswith("pool-") for code in health), health

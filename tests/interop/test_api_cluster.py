@@ -8,6 +8,7 @@ signature is refused; a member that is down is a 502 with its address."""
 from __future__ import annotations
 
 import json
+import re
 import time
 from pathlib import Path
 
@@ -100,6 +101,15 @@ def test_one_members_api_and_token_manage_every_member(tmp_path: Path) -> None:
         r = ops.get("/api/v1/nodes/c/node")
         assert r.status_code == 404 and "members: a, b" in r.json()["detail"], r.text
 
+        # the console's cluster page on a: both members, b's health asked of b, the replicated volume
+        console = httpx.Client(base_url=a.api_url, timeout=60)
+        assert console.post("/login", data={"token": viewer_token}).status_code == 303
+        page = console.get("/cluster")
+        assert page.status_code == 200, page.text
+        b_health = ops.get("/api/v1/nodes/b/health").json()["status"]
+        assert re.search(rf'data-member="b"[^>]*>.*?badge {b_health}', page.text, re.DOTALL), page.text
+        assert 'data-member="a"' in page.text and 'data-volume="v1"' in page.text
+
         # b down: a says so, with b's address
         b.kill()
         r = ops.get("/api/v1/nodes/b/node")
@@ -108,3 +118,4 @@ def test_one_members_api_and_token_manage_every_member(tmp_path: Path) -> None:
         while {m["name"]: m["up"] for m in ops.get("/api/v1/nodes").json()}["b"]:
             assert time.monotonic() < deadline, "b still up in the cluster's store 20 s after it was killed"
             time.sleep(0.5)
+        assert re.search(r'data-member="b" class="down"', console.get("/cluster").text)

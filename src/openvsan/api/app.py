@@ -476,12 +476,48 @@ def make_app(handler: Handler, tokens: TokenBook, *, metrics: Callable[[], Await
     async def pools(_: Reader) -> Any:
         return await run("pool.list")
 
-    @app.get("/api/v1/pools/{name}", tags=["pools"], summary="One pool")
+    @app.get("/api/v1/pools/{name}", tags=["pools"],
+             summary="One pool: level, state, members (device, state), rebuild progress and speed, spares")
     async def pool(_: Reader, name: str) -> Any:
-        listed = await run("pool.list")
-        if not any(p.get("name") == name for p in listed):
-            raise Problem(404, f"no pool named {name!r} (pools: {', '.join(p['name'] for p in listed) or 'none'})")
         return await run("pool.status", {"name": name})
+
+    async def pool_body(request: Request, *keys: str) -> dict[str, Any]:
+        body = await json_body(request)
+        unknown = sorted(set(body) - set(keys))
+        if unknown:
+            raise Problem(422, f"{unknown[0]}: not a field of this request (fields: {', '.join(keys)})")
+        return body
+
+    @app.post("/api/v1/pools/{name}/scrub", tags=["pools"],
+              summary="Read every stripe and check its parity or copies (repair: rewrite what disagrees); the "
+                      "answer is the scrub's report")
+    async def pool_scrub(_: Admin, name: str, request: Request) -> Any:
+        body = await pool_body(request, "repair")
+        return await run("pool.scrub", {"name": name, "repair": bool(body.get("repair", True))})
+
+    @app.post("/api/v1/pools/{name}/members/{member}/fail", tags=["pools"],
+              summary="Take a member out of service (its slot or device name): the pool runs degraded")
+    async def pool_fail(_: Admin, name: str, member: str) -> Any:
+        return await run("pool.fail", {"name": name, "member": int(member) if member.isdigit() else member})
+
+    @app.post("/api/v1/pools/{name}/members/{index}/replace", tags=["pools"],
+              summary="Rebuild a failed or missing slot onto a device (a config device in no use, or "
+                      "file:PATH:SIZE); progress in GET /api/v1/pools/{name}")
+    async def pool_replace(_: Admin, name: str, index: int, request: Request) -> Any:
+        body = await pool_body(request, "device", "force")
+        if not isinstance(body.get("device"), str):
+            raise Problem(422, "device: missing; name the device to rebuild onto")
+        return await run("pool.replace", {"name": name, "index": index, "device": body["device"],
+                                          "force": bool(body.get("force", False))})
+
+    @app.post("/api/v1/pools/{name}/spares", tags=["pools"],
+              summary="Add a hot spare (a failed member is rebuilt onto it at once)")
+    async def pool_spare(_: Admin, name: str, request: Request) -> Any:
+        body = await pool_body(request, "device", "force")
+        if not isinstance(body.get("device"), str):
+            raise Problem(422, "device: missing; name the spare device")
+        return await run("pool.add_spare", {"name": name, "device": body["device"],
+                                            "force": bool(body.get("force", False))})
 
     @app.get("/api/v1/events", tags=["node"],
              summary="Alerts raised and cleared, and changes made, oldest first (after: only newer ids)")

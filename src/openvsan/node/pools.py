@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from openvsan.block import BlockDevice, FileDevice
-from openvsan.node.control import RequestError
+from openvsan.node.control import NotFound, RequestError
 from openvsan.node.specs import PoolSpec
 from openvsan.node.store import STATE_DB, StoredState, record_pool_devices
 from openvsan.node.values import format_size, parse_size
@@ -287,6 +287,8 @@ class ServedPools(Mapping[str, ServedPool]):
             raise RequestError(f"unknown command {cmd!r}")
         try:
             return await handler(args)
+        except RequestError:
+            raise
         except ValueError as e:  # PoolError among them
             raise RequestError(_pool_text(e)) from None
 
@@ -294,7 +296,7 @@ class ServedPools(Mapping[str, ServedPool]):
         name = args.get("name")
         if name not in self._pools:
             known = ", ".join(self._pools) or "none is configured"
-            raise RequestError(f"no pool {name!r}; pools: {known}")
+            raise NotFound(f"no pool {name!r}; pools: {known}")
         return self._pools[name]
 
     def _device_for(self, sp: ServedPool, ref: str) -> tuple[BlockDevice, bool]:

@@ -980,7 +980,7 @@ class Supervisor:
     async def _pool(self, cmd: str, args: dict[str, Any]) -> Any:
         """`vsan pool ...`: to the worker that serves the pool named (a pool is one volume's), or to every
         worker for pool.list."""
-        from openvsan.node.control import RequestError
+        from openvsan.node.control import NotFound
 
         if cmd == "pool.list":
             out: list[Any] = []
@@ -990,7 +990,8 @@ class Supervisor:
         name = args.get("name") or args.get("pool")
         owner = next((self.placement.volumes[v.name] for v in self.state.config.volumes if v.pool == name), None)
         if owner is None:
-            raise RequestError(f"no pool named {name!r} is served by a volume of this node")
+            known = ", ".join(v.pool for v in self.state.config.volumes if v.pool) or "none is configured"
+            raise NotFound(f"no pool {name!r}; pools: {known}")     # as one process says it (node/pools.py)
         return await worker_call(self.data_dir, owner, "worker.pool", command=cmd, args=args)
 
 

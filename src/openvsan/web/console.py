@@ -194,6 +194,41 @@ def mount_console(app: FastAPI, handler: Handler) -> None:
         pools = [await handler("pool.status", {"name": p["name"]}) for p in await handler("pool.list", {})]
         return templates.TemplateResponse(request, "_pools.html", {"pools": pools})
 
+    @app.get("/cluster", response_class=HTMLResponse, include_in_schema=False)
+    async def cluster_page(request: Request, user: Viewer) -> Response:
+        """The cluster's members (up, address, each one's health, asked through api/peers.py with this
+        user's role) and its replicated volumes (primary, epoch, replicas in and out of sync)."""
+        import json
+
+        from openvsan.api.peers import Forwarded
+
+        peers = request.app.state.peers
+        if peers is None or not peers.clustered:
+            return await page(request, "cluster.html", user, members=None, status=None)
+        status, error = await attempt("cluster.status", {})
+        try:
+            members = await peers.members()
+        except Exception as e:  # noqa: BLE001 - the store not answering is what the page must say
+            return await page(request, "cluster.html", user, members=[], status=None,
+                              error=f"the cluster's store does not answer: {e}")
+        for m in members:
+            m["health"], m["findings"], m["error"] = None, 0, None
+            try:
+                if m["this"]:
+                    report = await handler("node.health", {})
+                elif m["up"]:
+                    code, body, _ = await peers.forward(m["name"], "GET", "/api/v1/health", b"", {},
+                                                        Forwarded(peers.me, user.role, user.name, time.time()))
+                    report = json.loads(body) if code == 200 else {"status": None, "detail": json.loads(body)}
+                    if code != 200:
+                        m["error"] = f"HTTP {code}: {report['detail'].get('detail', '')}"
+                else:
+                    continue
+                m["health"], m["findings"] = report.get("status"), len(report.get("findings", ()))
+            except (OSError, ValueError, LookupError, TimeoutError) as e:
+                m["error"] = " ".join(str(e).split())
+        return await page(request, "cluster.html", user, members=members, status=status, error=error)
+
     @app.get("/sessions", response_class=HTMLResponse, include_in_schema=False)
     async def sessions_page(request: Request, user: Viewer) -> Response:
         return await page(request, "sessions.html", user, sessions=await handler("node.sessions", {}))
