@@ -1,0 +1,131 @@
+"""LUKS2 headers and keyslots (volume/luks2.py) on a store in memory: AES-XTS against IEEE 1619's known
+answers, the AF splitter, format/unlock round trips with each KDF, a damaged copy (the other one serves), both
+damaged (one line, nothing written), a wrong passphrase (one line, nothing written), adding, removing and
+changing passphrases. cryptsetup itself reads and writes the same headers in
+tests/integration/test_luks2_cryptsetup.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from openvsan.volume import luks2 as L
+
+FAST = L.Kdf("pbkdf2", iterations=1000)
+SMALL_ARGON = L.Kdf("argon2id", time=1, memory=1024, cpus=1)
+
+
+class MemStore:
+    def __init__(self, size: int = 17 << 20) -> None:
+        self.data = bytearray(size)
+        self.writes = 0
+
+    def read(self, offset: int, length: int) -> bytes:
+        return bytes(self.data[offset:offset + length])
+
+    def write(self, offset: int, data: bytes) -> None:
+        self.data[offset:offset + len(data)] = data
+        self.writes += 1
+
+
+def test_xts_gives_ieee_1619s_known_answers() -> None:
+    # IEEE 1619-2007 annex B, vector 2: AES-128 keys 11.. and 22.., data unit 0x3333333333, 32 bytes of 0x44
+    key = bytes([0x11]) * 16 + bytes([0x22]) * 16
+    out = L.xts(key, bytes([0x44]) * 32, 0x3333333333, 32, encrypt=True)
+    assert out.hex() == "c454185e6a16936e39334038acef838bfb186fff7480adc4289382ecd6d394f0"
+    assert L.xts(key, out, 0x3333333333, 32, encrypt=False) == bytes([0x44]) * 32
+
+
+def test_xts_tweaks_count_512_byte_sectors_whatever_the_sector_size() -> None:
+    key = bytes(range(64))
+    data = bytes(range(256)) * 32                       # 8 KiB
+    big = L.xts(key, data, 16, 4096, encrypt=True)      # two 4 KiB sectors: tweaks 16 and 24
+    assert big[:4096] == L.xts(key, data[:4096], 16, 4096, encrypt=True)
+    assert big[4096:] == L.xts(key, data[4096:], 24, 4096, encrypt=True)
+    assert big[4096:] != L.xts(key, data[4096:], 17, 4096, encrypt=True)
+    with pytest.raises(L.Luks2Error, match="whole number"):
+        L.xts(key, data[:1000], 0, 512, encrypt=True)
+
+
+def test_the_af_splitter_needs_every_stripe() -> None:
+    key = bytes(range(64))
+    material = L.af_split(key, 100, "sha256")
+    assert len(material) == 6400
+    assert L.af_merge(material, 64, 100, "sha256") == key
+    broken = bytearray(material)
+    broken[1234] ^= 1
+    assert L.af_merge(bytes(broken), 64, 100, "sha256") != key
+
+
+@pytest.mark.parametrize("kdf", [FAST, SMALL_ARGON, L.Kdf("argon2i", time=1, memory=1024, cpus=1)],
+                         ids=["pbkdf2", "argon2id", "argon2i"])
+@pytest.mark.parametrize("key_size,sector_size", [(64, 512), (32, 4096)])
+def test_format_then_unlock(kdf: L.Kdf, key_size: int, sector_size: int) -> None:
+    store = MemStore()
+    c, key = L.Luks2.format(store, b"correct horse", key_size=key_size, sector_size=sector_size, kdf=kdf,
+                            label="vol1")
+    again = L.Luks2.open(store)
+    assert again.unlock(b"correct horse") == key and len(key) == key_size
+    seg = again.segment
+    assert (seg.offset, seg.sector_size, seg.iv_tweak, seg.cipher, seg.size) == (
+        L.DATA_OFFSET, sector_size, 0, "aes-xts-plain64", None)
+    assert again.header.label == "vol1" and again.header.uuid == c.header.uuid
+    assert again.keyslots() == [0]
+
+
+def test_a_wrong_passphrase_is_one_line_and_writes_nothing() -> None:
+    store = MemStore()
+    L.Luks2.format(store, b"right", kdf=FAST)
+    before, writes = bytes(store.data), store.writes
+    with pytest.raises(L.WrongPassphrase, match="no keyslot opens with this passphrase"):
+        L.Luks2.open(store).unlock(b"wrong")
+    assert store.writes == writes and bytes(store.data) == before
+
+
+def test_a_damaged_copy_leaves_the_other_and_two_leave_a_clear_error() -> None:
+    store = MemStore()
+    _, key = L.Luks2.format(store, b"pw", kdf=FAST)
+    store.data[L.BINARY + 10] ^= 0xFF                   # the primary's JSON
+    assert L.Luks2.open(store).unlock(b"pw") == key     # the secondary serves
+    store.data[L.DEFAULT_HDR_SIZE + L.BINARY + 10] ^= 0xFF
+    before, writes = bytes(store.data), store.writes
+    with pytest.raises(L.Luks2Error, match="primary: the header checksum does not match.*secondary: the header "
+                                           "checksum does not match"):
+        L.Luks2.open(store)
+    assert store.writes == writes and bytes(store.data) == before
+    with pytest.raises(L.Luks2Error, match="not a LUKS2 device"):
+        L.Luks2.open(MemStore(1 << 20))
+
+
+def test_the_newer_copy_wins() -> None:
+    store = MemStore()
+    c, key = L.Luks2.format(store, b"pw", kdf=FAST)
+    old_primary = store.read(0, L.DEFAULT_HDR_SIZE)
+    c.add_keyslot(key, b"second", FAST)                 # seqid + 1 in both copies
+    store.write(0, old_primary)                         # a crash between the two writes: the primary is older
+    assert L.Luks2.open(store).keyslots() == [0, 1]
+
+
+def test_passphrases_added_removed_and_changed() -> None:
+    store = MemStore()
+    c, key = L.Luks2.format(store, b"first", kdf=FAST)
+    assert c.add_keyslot(key, b"second", SMALL_ARGON) == 1
+    with pytest.raises(L.Luks2Error, match="not this container's volume key"):
+        c.add_keyslot(bytes(64), b"third", FAST)
+    c = L.Luks2.open(store)
+    assert c.unlock(b"second") == key
+    area = c.header.meta["keyslots"]["0"]["area"]
+    c.remove_keyslot(0)
+    c = L.Luks2.open(store)
+    assert c.keyslots() == [1]
+    with pytest.raises(L.WrongPassphrase):
+        c.unlock(b"first")
+    assert store.read(int(area["offset"]), 64) != bytes(64)        # overwritten, not left as it was
+    with pytest.raises(L.Luks2Error, match="last keyslot"):
+        c.remove_keyslot(1)
+    with pytest.raises(L.Luks2Error, match="no keyslot 7"):
+        c.remove_keyslot(7)
+    new = c.change_passphrase(b"second", b"third", FAST)
+    c = L.Luks2.open(store)
+    assert c.keyslots() == [new] and c.unlock(b"third") == key
+    with pytest.raises(L.WrongPassphrase):
+        c.unlock(b"second")
