@@ -68,8 +68,8 @@ def test_a_stack_config_round_trips(registered: None) -> None:
 
 
 def test_an_unknown_layer_type_names_the_known_ones(registered: None) -> None:
-    with pytest.raises(UnknownType, match=r"unknown layer type 'crypt'; known: .*test-tagged"):
-        build_stack(RamDevice(8), [{"type": "test-tagged", "tag": "x"}, {"type": "crypt"}])
+    with pytest.raises(UnknownType, match=r"unknown layer type 'cache'; known: .*test-tagged"):
+        build_stack(RamDevice(8), [{"type": "test-tagged", "tag": "x"}, {"type": "cache"}])
     with pytest.raises(UnknownType, match=r"unknown layer type None"):
         build_stack(RamDevice(8), [{}])
 

@@ -39,7 +39,7 @@ from openvsan.node.store import StoredState, VolumeIdentity, import_desired
 from openvsan.node.values import format_size
 from openvsan.protocol.auth_throttle import AuthThrottle
 from openvsan.volume import Volume
-from openvsan.volume.registry import build_stack
+from openvsan.volume.registry import open_stack
 
 log = logging.getLogger("openvsan.node")
 # struct tcp_info (linux/tcp.h): tcpi_bytes_acked, tcpi_bytes_received (u64) at byte 120, then tcpi_segs_out,
@@ -80,10 +80,16 @@ def open_device(spec: DeviceSpec, *, trust_foreign: bool = False, memfd: int | N
     raise NodeError(f"device {spec.name}: unknown type {spec.type!r}")
 
 
-def open_volume(spec: VolumeSpec, device: BlockDevice, identity: VolumeIdentity) -> Volume:
-    """The volume's handle over its stack: the layers its spec names (QoS, later thin, cache, crypt) over its
-    device or pool (volume/registry.py)."""
-    return Volume(build_stack(device, spec.layers), name=spec.name, uuid=identity.uuid, serial=identity.serial)
+async def open_volume(spec: VolumeSpec, device: BlockDevice, identity: VolumeIdentity) -> Volume:
+    """The volume's handle over its stack: the layers its spec names (crypt, QoS) over its device or pool
+    (volume/registry.py; an encrypted volume's container is unlocked here)."""
+    from openvsan.volume.crypt import CryptError
+
+    try:
+        stack = await open_stack(device, spec.layers, name=spec.name)
+    except CryptError as e:
+        raise NodeError(str(e)) from None
+    return Volume(stack, name=spec.name, uuid=identity.uuid, serial=identity.serial)
 
 
 @dataclass
@@ -206,7 +212,7 @@ class Node:
                 for vspec in cfg.volumes:
                     base = await self.volume_base(vspec)
                     identity = shared.get(vspec.name) or self.state.identities[vspec.name]
-                    self.volumes[vspec.name] = open_volume(vspec, base, identity)
+                    self.volumes[vspec.name] = await open_volume(vspec, base, identity)
             except GroupSetupError as e:
                 raise NodeError(str(e)) from None
             if self.replication is not None:

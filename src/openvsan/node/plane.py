@@ -18,7 +18,7 @@ from openvsan.node.reconcile import Change
 from openvsan.node.specs import DeviceSpec, NbdExportSpec, NodeConfig, SubsystemSpec, TargetSpec, VolumeSpec
 from openvsan.node.store import VolumeIdentity
 from openvsan.volume import Volume
-from openvsan.volume.registry import build_stack
+from openvsan.volume.registry import open_stack
 from openvsan.volume.volume import SWAP_DRAIN_TIMEOUT
 
 if TYPE_CHECKING:
@@ -187,7 +187,7 @@ class DataPlane:
         if spec.carved:
             await self.node.groups.open(self.config, self.node.base_of)
         base = await self.node.volume_base(spec)
-        self.node.volumes[spec.name] = open_volume(spec, base, self.identity(spec.name))
+        self.node.volumes[spec.name] = await open_volume(spec, base, self.identity(spec.name))
 
     async def _remove_volume(self, c: Change) -> None:
         self._set_aside[("volume", c.key)] = self.node.volumes.pop(c.key)
@@ -196,6 +196,11 @@ class DataPlane:
         old: VolumeSpec = c.old
         new: VolumeSpec = c.new
         vol = self.node.volumes[c.key]
+        if old.encryption != new.encryption:
+            from openvsan.node.control import Conflict
+
+            raise Conflict(f"volume {c.key}: its encryption cannot change while it holds data (a new container "
+                           "would make what is stored unreadable); create a new volume and copy the data")
         qos = next((d for d in vol.layers if getattr(d, "type_name", None) == "qos"), None)
         if old.qos and new.qos and qos is not None and [x["type"] for x in old.layers] == [
                 x["type"] for x in new.layers]:
@@ -211,8 +216,8 @@ class DataPlane:
                 qos.set_limits(QosLimits())   # its waiting commands go now, so the drain below is quick
             # the stack changes under the frontends: in-flight I/O drains, new I/O waits, nobody sees an error
             try:
-                self._old_stacks.append(await vol.swap(build_stack(vol.device, new.layers),
-                                                       timeout=self.swap_timeout))
+                stack = await open_stack(vol.device, new.layers, name=c.key, reuse=vol.layers)   # crypt: kept
+                self._old_stacks.append(await vol.swap(stack, timeout=self.swap_timeout))
             except BaseException:
                 if kept is not None:
                     qos.set_limits(kept)      # the swap changed nothing, so neither do the limits

@@ -75,6 +75,15 @@ def _volume(v: VolumeSpec) -> dict[str, Any]:
         out["thin"] = v.thin
     if v.snapshot:
         out["snapshot"] = True
+    if v.encryption is not None:    # the key file's path and the settings; never a key
+        e = v.encryption
+        enc: dict[str, Any] = {"key_file": str(e.key_file)}
+        defaults = type(e)(key_file=e.key_file)
+        for f in ("format", "cipher", "key_size", "sector_size", "kdf", "kdf_time", "kdf_memory_kib",
+                  "kdf_iterations", "allow_discards"):
+            if getattr(e, f) != getattr(defaults, f):
+                enc[f] = getattr(e, f)
+        out["encryption"] = enc
     return out
 
 

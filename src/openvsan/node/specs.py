@@ -466,6 +466,53 @@ def _qos(v: object) -> object:
 
 
 @dataclass(frozen=True, config=SPEC)
+class EncryptionSpec:
+    """A volume's `encryption = { key_file = ... }`: its data in a LUKS2 container on its device (volume/crypt.py),
+    which `cryptsetup open` reads too. The key file's bytes are the passphrase (as cryptsetup --key-file); only
+    its path is kept in the desired state."""
+
+    key_file: Annotated[Path, Hint('add key_file = "/etc/openvsan/VOLUME.key" (its bytes unlock the volume)')]
+    format: Annotated[Str, one_of(("luks2",), "a format")] = "luks2"
+    cipher: Annotated[Str, one_of(("aes-xts-plain64",), "a cipher")] = "aes-xts-plain64"
+    # at format only (a container that exists keeps its own):
+    key_size: Int = 512               # bits: 256 (AES-128-XTS) or 512 (AES-256-XTS)
+    sector_size: Int | None = None    # 512 or 4096; None: the device's block size
+    kdf: Annotated[Str, one_of(("argon2id", "argon2i", "pbkdf2"), "a KDF")] = "argon2id"
+    kdf_time: Annotated[Int, _in_range(1, 100, "use 1 to 100 passes")] = 4
+    kdf_memory_kib: Annotated[Int, _in_range(8, 4 << 20, "use 8 KiB to 4 GiB, in KiB")] = 262144
+    kdf_iterations: Annotated[Int, _in_range(1000, 100_000_000, "use 1000 or more")] = 600_000
+    allow_discards: Bool = False     # pass unmaps down (shows which blocks are in use, as dm-crypt warns)
+
+    @field_validator("key_file", mode="before")
+    @classmethod
+    def _file(cls, v: object, info: ValidationInfo) -> object:
+        return _path(v, info)
+
+    @field_validator("key_size")
+    @classmethod
+    def _bits(cls, v: int) -> int:
+        if v not in (256, 512):
+            raise SpecError(f"{v} bits: use 256 (AES-128 in XTS) or 512 (AES-256 in XTS)")
+        return v
+
+    @field_validator("sector_size")
+    @classmethod
+    def _sector(cls, v: int | None) -> int | None:
+        if v not in (None, 512, 4096):
+            raise SpecError(f"sector size {v}: use 512 or 4096 (the volume's block size)")
+        return v
+
+    def layer(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"type": "crypt", "format": self.format, "cipher": self.cipher,
+                               "key_file": str(self.key_file), "key_size": self.key_size, "kdf": self.kdf,
+                               "kdf_time": self.kdf_time, "kdf_memory_kib": self.kdf_memory_kib,
+                               "kdf_iterations": self.kdf_iterations, "allow_discards": self.allow_discards}
+        if self.sector_size is not None:
+            out["sector_size"] = self.sector_size
+        return out
+
+
+@dataclass(frozen=True, config=SPEC)
 class VolumeSpec:
     name: Annotated[Name, Hint('give the volume a name, e.g. name = "disk0"')]
     # None: the volume lives on `pool`
@@ -484,6 +531,8 @@ class VolumeSpec:
     size: Size | None = None
     thin: Bool = True
     snapshot: Bool = False          # a snapshot of the device's or pool's group, served read-only by its name
+    # encrypted at rest in a LUKS2 container on its device or pool (volume/crypt.py); None: not encrypted
+    encryption: Annotated[EncryptionSpec | None, Table('a table, e.g. encryption = { key_file = "v.key" }')] = None
 
     @model_validator(mode="after")
     def _carved(self) -> VolumeSpec:
@@ -495,6 +544,9 @@ class VolumeSpec:
         if self.snapshot and self.replicated:
             raise SpecError("a snapshot is served from one node's volume group; serve it with replicas = 1",
                             "replicas")
+        if self.encryption is not None and (self.replicated or self.snapshot):
+            raise SpecError("an encrypted volume is not yet replicated or served as a snapshot; remove encryption "
+                            "or use replicas = 1", "encryption")
         return self
 
     @property
@@ -529,7 +581,8 @@ class VolumeSpec:
     @property
     def layers(self) -> list[dict[str, Any]]:
         """The layer configs of its stack, bottom first (volume/registry.py builds them over the device)."""
-        return [{"type": "qos", **self.qos}] if self.qos else []
+        crypt = [self.encryption.layer()] if self.encryption is not None else []
+        return crypt + ([{"type": "qos", **self.qos}] if self.qos else [])
 
 
 @dataclass(frozen=True, config=SPEC)

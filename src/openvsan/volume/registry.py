@@ -3,7 +3,7 @@ device at the bottom, a list of layer configs builds the stack over it, and to_c
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 from openvsan.block.device import BlockDevice
@@ -12,13 +12,17 @@ from openvsan.block.layer import Layer, stack_of
 DeviceFactory = Callable[[dict[str, Any]], BlockDevice]
 LayerFactory = Callable[[dict[str, Any], BlockDevice], Layer]
 
+LayerOpener = Callable[..., Awaitable[Layer]]
+
 DEVICE_TYPES: dict[str, DeviceFactory] = {}
 LAYER_TYPES: dict[str, LayerFactory] = {}
+# layers that need I/O or a secret to open (crypt: its header read and unlocked): opened by open_stack
+LAYER_OPENERS: dict[str, LayerOpener] = {}
 
 L = TypeVar("L", bound=type[Layer])
 
 # modules whose layers ship with openvsan (each decorates its classes with register_layer)
-BUILTIN_LAYERS: list[str] = ["openvsan.volume.qos"]
+BUILTIN_LAYERS: list[str] = ["openvsan.volume.qos", "openvsan.volume.crypt"]
 
 
 class UnknownType(ValueError):
@@ -71,6 +75,30 @@ def build_stack(base: BlockDevice, layers: Sequence[dict[str, Any]]) -> BlockDev
     top = base
     for cfg in layers:
         factory = LAYER_TYPES.get(str(cfg.get("type")))
+        if factory is None:
+            raise UnknownType(f"unknown layer type {cfg.get('type')!r}; known: {', '.join(sorted(LAYER_TYPES))}")
+        top = factory(cfg, top)
+    return top
+
+
+def register_opener(type_name: str, opener: LayerOpener) -> None:
+    """`await opener(cfg, below, name=volume)` opens layers of `type_name` (open_stack)."""
+    LAYER_OPENERS[type_name] = opener
+
+
+async def open_stack(base: BlockDevice, layers: Sequence[dict[str, Any]], *, name: str = "",
+                     reuse: Sequence[BlockDevice] = ()) -> BlockDevice:
+    """build_stack for a volume being opened: a layer with an opener (I/O, a key) is opened by it, or, when
+    `reuse` holds one of the same config (a stack rebuilt over an unlocked layer), that one is kept."""
+    _builtin()
+    top = base
+    for cfg in layers:
+        kind = str(cfg.get("type"))
+        kept = next((d for d in reuse if isinstance(d, Layer) and d.to_config() == dict(cfg)), None)
+        if kind in LAYER_OPENERS:
+            top = kept if kept is not None else await LAYER_OPENERS[kind](cfg, top, name=name)
+            continue
+        factory = LAYER_TYPES.get(kind)
         if factory is None:
             raise UnknownType(f"unknown layer type {cfg.get('type')!r}; known: {', '.join(sorted(LAYER_TYPES))}")
         top = factory(cfg, top)

@@ -1,0 +1,134 @@
+"""The encryption layer (volume/crypt.py) over devices in memory: a blank device is formatted as LUKS2 and
+unlocked again from the key file; what is below is ciphertext in the data segment (the XTS of what was
+written, tweaked by its place); the fast path gives the same bytes as the normal path both ways; 4 KiB
+sectors over 512-byte blocks; a wrong key file or a device holding other data is refused with one line and
+nothing written; unmap does nothing unless allowed; write_zeroes reads back zeros."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from openvsan.block.ram import RamDevice
+from openvsan.volume import luks2 as L
+from openvsan.volume.crypt import CryptError, CryptLayer, open_crypt
+from openvsan.volume.registry import open_stack
+
+MiB = 1 << 20
+
+
+def settings(key_file: Path, **kw: Any) -> dict[str, Any]:
+    return {"type": "crypt", "key_file": str(key_file), "kdf": "pbkdf2", "kdf_iterations": 1000, **kw}
+
+
+@pytest.fixture
+def key_file(tmp_path: Path) -> Path:
+    p = tmp_path / "v.key"
+    p.write_bytes(b"a passphrase in a file\n")
+    return p
+
+
+def run(coro: Any) -> Any:
+    return asyncio.run(coro)
+
+
+def test_a_blank_device_is_formatted_then_unlocked_and_holds_ciphertext(key_file: Path) -> None:
+    dev = RamDevice((32 * MiB) // 512)
+    layer = run(open_crypt(settings(key_file), dev, name="v1"))
+    assert isinstance(layer, CryptLayer) and layer.block_size == 512
+    assert layer.num_blocks == (32 * MiB - L.DATA_OFFSET) // 512
+    data = bytes(range(256)) * 64                       # 16 KiB at block 10
+    run(layer.write(10, data))
+    assert bytes(run(layer.read(10, 32))) == data
+    raw = bytes(run(dev.read(L.DATA_OFFSET // 512 + 10, 32)))
+    c = L.Luks2.open(_snapshot(dev))
+    key = c.unlock(key_file.read_bytes())
+    assert raw == L.xts(key, data, 10, 512, encrypt=True) and raw != data
+    again = run(open_crypt(settings(key_file), dev, name="v1"))      # the container is found, not made again
+    assert again.uuid == layer.uuid and bytes(run(again.read(10, 32))) == data
+    cfg = again.to_config()                # the desired state gets the settings, never the key
+    assert cfg == settings(key_file) and key.hex() not in repr(cfg) and key not in repr(cfg).encode()
+
+
+def test_the_fast_path_gives_the_normal_paths_bytes(key_file: Path) -> None:
+    dev = RamDevice((32 * MiB) // 512)
+    layer = run(open_crypt(settings(key_file), dev))
+    data = (bytes(range(251)) * 33)[:8192]           # 8 KiB, no pattern on sector bounds
+    assert layer.write_now(100, data)                 # the fast path writes what the normal path would
+    run(layer.write(200, data))
+    key = L.Luks2.open(_snapshot(dev)).unlock(key_file.read_bytes())
+    below = L.DATA_OFFSET // 512
+    assert bytes(run(dev.read(below + 100, 16))) == L.xts(key, data, 100, 512, encrypt=True)
+    assert bytes(run(dev.read(below + 200, 16))) == L.xts(key, data, 200, 512, encrypt=True)
+    assert layer.read_now(100, 16) == bytes(run(layer.read(100, 16))) == data   # and reads what it reads
+    assert layer.read_now(200, 16) == bytes(run(layer.read(200, 16))) == data
+    assert layer.read_now(0, 129) is None and not layer.write_now(0, bytes(129 * 512))   # past FAST_MAX
+
+
+def test_4k_sectors_over_512_byte_blocks(key_file: Path) -> None:
+    dev = RamDevice((32 * MiB) // 512)
+    layer = run(open_crypt(settings(key_file, sector_size=4096), dev))
+    assert layer.block_size == 4096 and layer.num_blocks == (32 * MiB - L.DATA_OFFSET) // 4096
+    data = bytes(range(256)) * 32
+    run(layer.write(3, data))
+    assert bytes(run(layer.read(3, 2))) == data
+    key = L.Luks2.open(_snapshot(dev)).unlock(key_file.read_bytes())
+    raw = bytes(run(dev.read(L.DATA_OFFSET // 512 + 24, 16)))
+    assert raw == L.xts(key, data, 24, 4096, encrypt=True)          # IV in 512-byte units: 3 * 8
+
+
+def test_refusals_are_one_line_and_write_nothing(key_file: Path, tmp_path: Path) -> None:
+    dev = RamDevice((32 * MiB) // 512)
+    run(open_crypt(settings(key_file), dev))
+    before = bytes(run(dev.read(0, (32 * MiB) // 512)))
+    wrong = tmp_path / "wrong.key"
+    wrong.write_bytes(b"not it")
+    with pytest.raises(CryptError, match="^volume v1: no keyslot opens with this passphrase$"):
+        run(open_crypt(settings(wrong), dev, name="v1"))
+    with pytest.raises(CryptError, match="key file .*missing.key: No such file"):
+        run(open_crypt(settings(tmp_path / "missing.key"), dev))
+    assert bytes(run(dev.read(0, (32 * MiB) // 512))) == before
+    used = RamDevice((32 * MiB) // 512)
+    run(used.write(5, b"an ext4 superblock, say".ljust(512, b"\0")))
+    with pytest.raises(CryptError, match="holds data but no LUKS2 header: refusing to format"):
+        run(open_crypt(settings(key_file), used))
+    with pytest.raises(CryptError, match="too small for a LUKS2 container"):
+        run(open_crypt(settings(key_file), RamDevice(8 * MiB // 512)))
+
+
+def test_unmap_only_when_allowed_and_write_zeroes_reads_zeros(key_file: Path) -> None:
+    dev = RamDevice((32 * MiB) // 512)
+    layer = run(open_crypt(settings(key_file), dev))
+    run(layer.write(0, b"\xaa" * 4096))
+    run(layer.unmap(0, 8))
+    assert bytes(run(layer.read(0, 8))) == b"\xaa" * 4096
+    assert not layer.capabilities.unmap_reads_zero
+    run(layer.write_zeroes(0, 8))
+    assert bytes(run(layer.read(0, 8))) == bytes(4096)
+    assert bytes(run(dev.read(L.DATA_OFFSET // 512, 8))) != bytes(4096)        # encrypted zeros below
+    allowed = run(open_crypt(settings(key_file, allow_discards=True), dev))
+    run(allowed.unmap(0, 8))
+    assert bytes(run(dev.read(L.DATA_OFFSET // 512, 8))) == bytes(4096)
+
+
+def test_a_stack_rebuilt_over_an_unlocked_layer_keeps_it(key_file: Path) -> None:
+    dev = RamDevice((32 * MiB) // 512)
+    layers = [settings(key_file)]
+    top = run(open_stack(dev, layers, name="v"))
+    again = run(open_stack(dev, [*layers, {"type": "qos", "read_iops_limit": 100}], name="v", reuse=[top]))
+    assert again.below is top       # type: ignore[attr-defined]
+
+
+def _snapshot(dev: RamDevice) -> Any:
+    region = bytes(run(dev.read(0, L.DATA_OFFSET // 512)))
+
+    class Snap:
+        def read(self, offset: int, length: int) -> bytes:
+            return region[offset:offset + length]
+
+        def write(self, offset: int, data: bytes) -> None:
+            raise AssertionError("read only")
+    return Snap()
