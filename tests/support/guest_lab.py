@@ -51,15 +51,18 @@ GUEST = (REPO.parent / "shared" / "peers" / "linux-guest" / "run-guest-test.sh")
 CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
 MULTIPATH_VMDIR = CACHE / "openvsan-guest-multipath"
 # what the guest needs for dm-multipath (../shared/peers/README.md "A Linux kernel initiator"): the tools, the
-# checker and prioritizer plugins multipathd loads by name (tur, alua, const), and the kernel's dm-multipath
+# checker and prioritizer plugins multipathd loads by name (tur, alua, const), and the kernel's dm-multipath;
+# and for dm-crypt (tests/interop/test_guest_crypt.py): cryptsetup, dm-crypt, XTS, and the kernel crypto API's
+# user interface (cryptsetup encrypts keyslots through AF_ALG)
 MULTIPATH_GUEST = {
-    "GUEST_PACKAGES": "multipath-tools",
+    "GUEST_PACKAGES": "multipath-tools,cryptsetup-bin",
     "GUEST_BINARIES": " ".join([
-        "/usr/sbin/multipath", "/usr/sbin/multipathd", "/usr/sbin/dmsetup",
+        "/usr/sbin/multipath", "/usr/sbin/multipathd", "/usr/sbin/dmsetup", "/usr/sbin/cryptsetup",
         *(f"/usr/lib/multipath/lib{p}.so"
           for p in ("checktur", "checkdirectio", "prioalua", "prioconst", "priosysfs", "prioana", "foreign-nvme")),
     ]),
-    "GUEST_MODULES": "dm_mod dm_multipath dm_round_robin dm_service_time scsi_dh_alua",
+    "GUEST_MODULES": "dm_mod dm_multipath dm_round_robin dm_service_time scsi_dh_alua dm_crypt xts ecb af_alg "
+                     "algif_skcipher",
 }
 
 GUEST_NET = ipaddress.IPv4Network("198.18.0.0/24")  # run-guest-test.sh NET=tap

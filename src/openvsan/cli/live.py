@@ -93,6 +93,9 @@ def volume_create(
                                        "space allocated on first write (thin) or all at once (thick).")] = True,
     snapshot: Annotated[bool, typer.Option("--snapshot", help="With --device/--pool: serve the snapshot NAME of "
                                            "its volume group, read-only.")] = False,
+    key_file: Annotated[Path | None, typer.Option("--key-file", help="Encrypt it (LUKS2, aes-xts-plain64): this "
+                                                  "file's bytes unlock it; `cryptsetup open` takes the same file.")]
+    = None,
     dry_run: DryRun = False, as_json: JsonOpt = False, data_dir: DataDir = None, config: ConfigOpt = None,
 ) -> None:
     """Create a volume on a running node; it can be exported at once (`vsan export add`). With --device or --pool
@@ -104,7 +107,29 @@ def volume_create(
                             "path": str(path.absolute()) if path else None}
     if size is not None:
         args["size"] = _size(size)
+    if key_file is not None:
+        args["key_file"] = str(key_file.absolute())
     _changes(_call(data_dir, config, "volume.create", **args), as_json, dry_run)
+
+
+KeyFileOpt = Annotated[Path, typer.Option("--key-file", help="A file on the node whose bytes are the passphrase.")]
+
+
+@volume_app.command("add-key")
+def volume_add_key(name: VolumeArg, key_file: KeyFileOpt, as_json: JsonOpt = False, data_dir: DataDir = None,
+                   config: ConfigOpt = None) -> None:
+    """Let another key file open an encrypted volume (a new LUKS2 keyslot; the data is not re-encrypted)."""
+    r = _call(data_dir, config, "volume.add_key", name=name, key_file=str(key_file.absolute()))
+    _print_json(r) if as_json else typer.echo(r["message"])
+
+
+@volume_app.command("remove-key")
+def volume_remove_key(name: VolumeArg, key_file: KeyFileOpt, as_json: JsonOpt = False, data_dir: DataDir = None,
+                      config: ConfigOpt = None) -> None:
+    """Stop a key file from opening an encrypted volume (its keyslot is wiped). To rotate: add-key the new file,
+    point encryption.key_file at it (vsan config apply), remove-key the old one."""
+    r = _call(data_dir, config, "volume.remove_key", name=name, key_file=str(key_file.absolute()))
+    _print_json(r) if as_json else typer.echo(r["message"])
 
 
 @volume_app.command("resize")

@@ -124,6 +124,8 @@ async def volume_create(node: Node, args: R.VolumeCreate) -> Any:
             device["path"] = str(Path(path).absolute())
         doc.setdefault("devices", []).append(device)
         volume["device"] = name
+    if args.key_file is not None:
+        volume["encryption"] = {"key_file": str(Path(args.key_file).absolute())}
     doc.setdefault("volumes", []).append(volume)
     return {"changes": await _apply(node, doc, dry_run=args.dry_run),
             "volume": await _describe(node, name) if not args.dry_run else None}
@@ -254,6 +256,50 @@ async def volume_move_primary(node: Node, args: R.VolumeShow) -> Any:
 async def volume_force_in_sync(node: Node, args: R.VolumeShow) -> Any:
     """Last resort when no replica is in sync: this node's replica is declared in sync as it is."""
     return await _replication_call(node, args.name, lambda r: r.force(args.name))
+
+
+def _crypt_layer(node: Node, name: str) -> Any:
+    from openvsan.volume.crypt import CryptLayer
+
+    _known_volume(node, name)
+    vol = node.volumes.get(name)
+    layer = next((d for d in vol.layers if isinstance(d, CryptLayer)), None) if vol is not None else None
+    if layer is None:
+        raise RequestError(f"volume {name} is not encrypted (its config has no encryption table)")
+    return layer
+
+
+@command("volume.add_key", R.VolumeKey)
+async def volume_add_key(node: Node, args: R.VolumeKey) -> Any:
+    """Another passphrase (a key file's bytes) for an encrypted volume: a new LUKS2 keyslot, written while the
+    volume serves; the data is not re-encrypted. The node holds the volume key, so no old passphrase is asked."""
+    from openvsan.volume.crypt import CryptError, read_key_file
+
+    layer = _crypt_layer(node, args.name)
+    try:
+        slot = await layer.add_passphrase(read_key_file(args.key_file))
+    except (CryptError, ValueError) as e:
+        raise RequestError(f"volume {args.name}: {e}") from None
+    return {"volume": args.name, "keyslot": slot, "keyslots": await layer.keyslots(),
+            "message": f"volume {args.name}: key file {args.key_file} opens it now (keyslot {slot})"}
+
+
+@command("volume.remove_key", R.VolumeKey)
+async def volume_remove_key(node: Node, args: R.VolumeKey) -> Any:
+    """Forget the passphrase a key file holds (its keyslot is overwritten). Refused for the key file the node
+    unlocks the volume with at start, and for the last keyslot."""
+    from openvsan.volume.crypt import CryptError, read_key_file
+
+    layer = _crypt_layer(node, args.name)
+    if Path(args.key_file).absolute() == Path(layer.settings["key_file"]).absolute():
+        raise Conflict(f"volume {args.name}: {args.key_file} is the key file this node unlocks it with at start; "
+                       "point encryption.key_file at another key file first (vsan config apply)")
+    try:
+        slot = await layer.remove_passphrase(read_key_file(args.key_file))
+    except (CryptError, ValueError) as e:
+        raise RequestError(f"volume {args.name}: {e}") from None
+    return {"volume": args.name, "keyslot": slot, "keyslots": await layer.keyslots(),
+            "message": f"volume {args.name}: key file {args.key_file} no longer opens it (keyslot {slot} wiped)"}
 
 
 # ---- exports

@@ -425,10 +425,10 @@ class Node:
             return await snapshot_command(self, str(args["command"]), dict(args["args"]))
         if cmd == "worker.live":
             from openvsan.node import live
-            from openvsan.node.workers import REPLICATION_COMMANDS
+            from openvsan.node.workers import OWNER_COMMANDS
 
             name = str(args["command"])
-            if name not in REPLICATION_COMMANDS:
+            if name not in OWNER_COMMANDS:
                 raise RequestError(f"{name} is the supervisor's to answer")
             return await live.COMMANDS[name](self, dict(args["args"]))
         if cmd == "worker.load":
@@ -912,7 +912,12 @@ class Node:
                         log.exception("undoing %s failed", c)
                 await plane.commit()
                 what = f"{failed}: " if failed is not None else "storing the new state: "
-                raise NodeError(f"{what.lstrip('+-~ ')}{why(e)}; nothing was changed") from e
+                line = f"{what.lstrip('+-~ ')}{why(e)}; nothing was changed"
+                if isinstance(e, ValueError):   # refused (a key file that opens nothing, a pool that says no)
+                    from openvsan.node.control import RequestError
+
+                    raise RequestError(line) from e
+                raise NodeError(line) from e
             plane.desired = None
             self.state = StoredState(desired, identities, runtime, revision)
             await plane.commit()

@@ -196,14 +196,18 @@ class DataPlane:
         old: VolumeSpec = c.old
         new: VolumeSpec = c.new
         vol = self.node.volumes[c.key]
-        if old.encryption != new.encryption:
+        if (old.encryption is None) != (new.encryption is None) or (
+                old.encryption is not None and new.encryption is not None
+                and (old.encryption.format, old.encryption.cipher) != (new.encryption.format, new.encryption.cipher)):
             from openvsan.node.control import Conflict
 
-            raise Conflict(f"volume {c.key}: its encryption cannot change while it holds data (a new container "
-                           "would make what is stored unreadable); create a new volume and copy the data")
+            raise Conflict(f"volume {c.key}: whether and how it is encrypted cannot change while it holds data (a new "
+                           "container would make what is stored unreadable); create a new volume and copy the data")
+        # another key file (or setting) for the same container: the stack is opened again below, the container
+        # unlocked with it (a key file that does not open it fails the change, and nothing changes)
         qos = next((d for d in vol.layers if getattr(d, "type_name", None) == "qos"), None)
-        if old.qos and new.qos and qos is not None and [x["type"] for x in old.layers] == [
-                x["type"] for x in new.layers]:
+        if old.qos and new.qos and qos is not None and old.encryption == new.encryption and [
+                x["type"] for x in old.layers] == [x["type"] for x in new.layers]:
             from openvsan.volume.qos import QosLimits
 
             qos.set_limits(QosLimits.from_dict(new.qos))   # in place: waiting commands judged anew, no drain

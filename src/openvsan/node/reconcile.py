@@ -65,6 +65,9 @@ def _differences(old: Any, new: Any) -> list[str]:
         a, b = getattr(old, f.name), getattr(new, f.name)
         if a != b:
             secret = f.name in ("chap", "mutual_chap", "hosts")
+            if not secret and dataclasses.is_dataclass(a) and type(a) is type(b):   # e.g. encryption.key_file
+                out += [f"{f.name}.{d}" for d in _differences(a, b)]
+                continue
             out.append(f.name if secret else f"{f.name} {_show(a)} -> {_show(b)}")
     return out or ["no change"]
 

@@ -40,6 +40,7 @@ class VolumeCreate:
     dry_run: Bool = False
     thin: Bool = True              # with device or pool and size: carved from it (volume/thin), thin or thick
     snapshot: Bool = False         # with device or pool: serve that group's snapshot named `name`, read-only
+    key_file: Str | None = None    # encrypted (volume/crypt.py): a LUKS2 container unlocked by this file's bytes
 
 
 @dataclass(frozen=True, config=REQUEST)
@@ -59,6 +60,14 @@ class VolumeDelete:
 @dataclass(frozen=True, config=REQUEST)
 class VolumeShow:
     name: VolumeName
+
+
+@dataclass(frozen=True, config=REQUEST)
+class VolumeKey:
+    """A passphrase of an encrypted volume's LUKS2 container: the bytes of `key_file` (on the node)."""
+
+    name: VolumeName
+    key_file: Annotated[Str, Hint("give the key file, e.g. /etc/openvsan/v1-new.key")]
 
 
 Protocol = Annotated[Str, Hint("add protocol: iscsi, nvme or nbd"), one_of(PROTOCOLS, "a protocol")]

@@ -152,6 +152,9 @@ def joins(desired: NodeConfig, now: NodeConfig, where: Placement) -> list[tuple[
 
 # live commands (node/live.py) about a replicated volume, answered by the worker that serves it
 REPLICATION_COMMANDS = ("volume.status", "volume.move_primary", "volume.force_in_sync", "cluster.status")
+# what the worker that serves the volume answers (worker.live): its replication, and its LUKS2 keyslots (only the
+# owner holds the volume key)
+OWNER_COMMANDS = (*REPLICATION_COMMANDS, "volume.add_key", "volume.remove_key")
 
 
 @dataclass
@@ -729,7 +732,7 @@ class Supervisor:
             if self.state.config.cluster is None:
                 raise RequestError("this node is not in a cluster (its config has no [cluster] table)")
             return await worker_call(self.data_dir, 0, "worker.live", command=cmd, args=args)
-        if cmd in REPLICATION_COMMANDS:
+        if cmd in OWNER_COMMANDS:
             # a replicated volume's role, switchover, forced sync: the worker that serves it (worker 0) answers
             w = self.placement.volumes.get(str(args.get("name")))
             if w is None:
@@ -797,7 +800,11 @@ class Supervisor:
                         await send(before, before_where, w)
                     except Exception:
                         log.exception("worker %d: putting back its part failed", w)
-                raise NodeError(f"{e}; nothing was changed") from e
+                line = str(e) if str(e).endswith("nothing was changed") else f"{e}; nothing was changed"
+                if isinstance(e, ValueError) or getattr(e, "kind", None) in ("not-found", "conflict", "stale",
+                                                                             "refused"):
+                    raise RequestError(line) from e     # a worker's refusal stays one (the API's 4xx)
+                raise NodeError(line) from e
             identities = {k: v for k, v in {**self.state.identities, **new_ids}.items() if k not in forget}
             self.state = StoredState(desired, identities, self.state.pool_devices, revision)
             self.placement = where

@@ -61,6 +61,8 @@ class CryptLayer(Layer):
             raise CryptError(f"the LUKS2 segment (sector {segment.sector_size}, offset {segment.offset}) does not "
                              f"fit the device's {bbs}-byte blocks")
         self._aes = algorithms.AES(key)
+        self._key = key            # for new keyslots (add_passphrase); never written anywhere
+        self._header_lock = asyncio.Lock()
         self.segment, self.settings, self.uuid = segment, settings, uuid
         self._bs = segment.sector_size
         self._per = segment.sector_size // bbs           # device blocks per sector
@@ -142,6 +144,35 @@ class CryptLayer(Layer):
     async def resize(self, num_blocks: int) -> None:
         await self.below.resize(self._base + num_blocks * self._per)  # type: ignore[attr-defined]
 
+    # ---- passphrases, changed while the volume serves (the header region only: the data is not touched)
+
+    async def _container(self) -> tuple[_Region, L.Luks2]:
+        region = _Region(await _read_region(self.below, self.segment.offset))
+        return region, L.Luks2.open(region)
+
+    async def _write_back(self, region: _Region) -> None:
+        await _write_dirty(self.below, region)
+
+    async def keyslots(self) -> list[int]:
+        return (await self._container())[1].keyslots()
+
+    async def add_passphrase(self, passphrase: bytes) -> int:
+        async with self._header_lock:
+            region, c = await self._container()
+            slot = await asyncio.to_thread(c.add_keyslot, self._key, passphrase, kdf_of(self.settings))
+            await self._write_back(region)
+        log.info("%s: LUKS2 keyslot %d added", self.name, slot)
+        return slot
+
+    async def remove_passphrase(self, passphrase: bytes) -> int:
+        async with self._header_lock:
+            region, c = await self._container()
+            slot = await asyncio.to_thread(c.slot_of, passphrase)
+            c.remove_keyslot(slot)
+            await self._write_back(region)
+        log.info("%s: LUKS2 keyslot %d removed", self.name, slot)
+        return slot
+
     # ---- its place in the desired state: the settings, never the key
 
     def layer_config(self) -> dict[str, Any]:
@@ -183,6 +214,16 @@ async def _read_region(below: BlockDevice, nbytes: int) -> bytearray:
         out += bytes(await below.read(lba, n))
         lba += n
     return out
+
+
+async def _write_dirty(below: BlockDevice, region: _Region) -> None:
+    """What LUKS2 changed in the region (header copies, keyslot areas: whole blocks), then a flush."""
+    bs = below.block_size
+    for offset, length in region.dirty:
+        first, last = offset // bs, -(-(offset + length) // bs)
+        await below.write(first, bytes(region.data[first * bs:last * bs]))
+    region.dirty.clear()
+    await below.flush()
 
 
 def kdf_of(settings: dict[str, Any]) -> L.Kdf:
@@ -234,11 +275,7 @@ async def open_crypt(cfg: dict[str, Any], below: BlockDevice, *, name: str = "")
         except L.Luks2Error as e:
             raise CryptError(f"{who}{e}") from None
         segment = c.segment
-        bs = below.block_size
-        for offset, length in region.dirty:      # header copies and keyslot areas: whole blocks
-            first, last = offset // bs, -(-(offset + length) // bs)
-            await below.write(first, bytes(region.data[first * bs:last * bs]))
-        await below.flush()
+        await _write_dirty(below, region)
         log.info("%sformatted a LUKS2 container %s on %s (aes-xts-plain64, %d-bit key, %d-byte sectors)", who,
                  c.header.uuid, getattr(below, "name", "its device"), key_bits, sector)
     else:

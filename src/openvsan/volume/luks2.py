@@ -327,6 +327,13 @@ class Luks2:
         raise WrongPassphrase("no keyslot opens with this passphrase" if self.keyslots()
                               else "the header has no keyslot")
 
+    def slot_of(self, passphrase: bytes) -> int:
+        """The keyslot `passphrase` opens (WrongPassphrase if none)."""
+        for slot in self.keyslots():
+            if self._try(slot, passphrase) is not None:
+                return slot
+        raise WrongPassphrase("no keyslot opens with this passphrase")
+
     def add_keyslot(self, volume_key: bytes, passphrase: bytes, kdf: Kdf | None = None) -> int:
         if not self._digest_ok(volume_key):
             raise Luks2Error("that is not this container's volume key")
@@ -347,7 +354,7 @@ class Luks2:
 
     def change_passphrase(self, old: bytes, new: bytes, kdf: Kdf | None = None) -> int:
         key = self.unlock(old)
-        slot = next(s for s in self.keyslots() if self._try(s, old) is not None)
+        slot = self.slot_of(old)
         added = self.add_keyslot(key, new, kdf)
         self.remove_keyslot(slot)
         return added
