@@ -132,3 +132,34 @@ def _snapshot(dev: RamDevice) -> Any:
         def write(self, offset: int, data: bytes) -> None:
             raise AssertionError("read only")
     return Snap()
+
+
+def test_a_key_command_is_a_key_service_hook(key_file: Path) -> None:
+    dev = RamDevice((32 * MiB) // 512)
+    made = run(open_crypt(settings(key_file), dev))
+    hooked = {k: v for k, v in settings(key_file).items() if k != "key_file"}
+    again = run(open_crypt({**hooked, "key_command": ["cat", str(key_file)]}, dev, name="v1"))
+    assert again.uuid == made.uuid
+    with pytest.raises(CryptError, match=r"^volume v1: key command sh failed \(exit 3\): the vault is sealed$"):
+        run(open_crypt({**hooked, "key_command": ["sh", "-c", "echo the vault is sealed >&2; exit 3"]}, dev,
+                       name="v1"))
+    with pytest.raises(CryptError, match="printed no key"):
+        run(open_crypt({**hooked, "key_command": ["true"]}, dev))
+
+
+def test_the_spec_takes_a_key_file_or_a_key_command(tmp_path: Path) -> None:
+    from openvsan.node.config import ConfigError, parse_config
+
+    def cfg(encryption: dict[str, Any]) -> Any:
+        return parse_config({"node": {"name": "n", "data_dir": str(tmp_path)},
+                             "devices": [{"name": "d0", "type": "ram", "size": "64MiB"}],
+                             "volumes": [{"name": "v", "device": "d0", "encryption": encryption}]}, base_dir=tmp_path)
+
+    assert cfg({"key_file": "k"}).volumes[0].layers[0]["key_file"] == str(tmp_path / "k")
+    assert cfg({"key_command": ["get-key", "v"]}).volumes[0].layers[0]["key_command"] == ["get-key", "v"]
+    for bad, line in (({}, "one of the two"), ({"key_file": "k", "key_command": ["x"]}, "one of the two"),
+                      ({"key_file": "k", "key_size": 384}, "use 256"), ({"key_file": "k", "sector_size": 1000},
+                                                                       "use 512 or 4096"),
+                      ({"key_file": "k", "cipher": "serpent-xts-plain64"}, "cipher")):
+        with pytest.raises(ConfigError, match=line):
+            cfg(bad)

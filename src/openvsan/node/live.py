@@ -291,7 +291,7 @@ async def volume_remove_key(node: Node, args: R.VolumeKey) -> Any:
     from openvsan.volume.crypt import CryptError, read_key_file
 
     layer = _crypt_layer(node, args.name)
-    if Path(args.key_file).absolute() == Path(layer.settings["key_file"]).absolute():
+    if layer.settings.get("key_file") and Path(args.key_file).absolute() == Path(layer.settings["key_file"]).absolute():
         raise Conflict(f"volume {args.name}: {args.key_file} is the key file this node unlocks it with at start; "
                        "point encryption.key_file at another key file first (vsan config apply)")
     try:

@@ -471,7 +471,9 @@ class EncryptionSpec:
     which `cryptsetup open` reads too. The key file's bytes are the passphrase (as cryptsetup --key-file); only
     its path is kept in the desired state."""
 
-    key_file: Annotated[Path, Hint('add key_file = "/etc/openvsan/VOLUME.key" (its bytes unlock the volume)')]
+    key_file: Path | None = None     # its bytes unlock the volume (as cryptsetup --key-file), or:
+    # a key service hook: this command (argv) prints the passphrase on stdout (as-is, newline included)
+    key_command: tuple[Str, ...] | None = None
     format: Annotated[Str, one_of(("luks2",), "a format")] = "luks2"
     cipher: Annotated[Str, one_of(("aes-xts-plain64",), "a cipher")] = "aes-xts-plain64"
     # at format only (a container that exists keeps its own):
@@ -486,7 +488,18 @@ class EncryptionSpec:
     @field_validator("key_file", mode="before")
     @classmethod
     def _file(cls, v: object, info: ValidationInfo) -> object:
-        return _path(v, info)
+        return None if v is None else _path(v, info)
+
+    @model_validator(mode="after")
+    def _one_key(self) -> EncryptionSpec:
+        if (self.key_file is None) == (self.key_command is None):
+            raise SpecError('give key_file = "/etc/openvsan/VOLUME.key" (its bytes unlock the volume) or key_command '
+                            '= ["/usr/local/bin/get-key", "VOLUME"] (it prints the passphrase), one of the two',
+                            "key_file")
+        if self.key_command is not None and not self.key_command:
+            raise SpecError('key_command: give the command and its arguments, e.g. ["/usr/local/bin/get-key", "v1"]',
+                            "key_command")
+        return self
 
     @field_validator("key_size")
     @classmethod
@@ -503,8 +516,10 @@ class EncryptionSpec:
         return v
 
     def layer(self) -> dict[str, Any]:
+        key = {"key_file": str(self.key_file)} if self.key_file is not None else {"key_command": list(self.key_command
+                                                                                               or ())}
         out: dict[str, Any] = {"type": "crypt", "format": self.format, "cipher": self.cipher,
-                               "key_file": str(self.key_file), "key_size": self.key_size, "kdf": self.kdf,
+                               **key, "key_size": self.key_size, "kdf": self.kdf,
                                "kdf_time": self.kdf_time, "kdf_memory_kib": self.kdf_memory_kib,
                                "kdf_iterations": self.kdf_iterations, "allow_discards": self.allow_discards}
         if self.sector_size is not None:

@@ -234,6 +234,34 @@ def kdf_of(settings: dict[str, Any]) -> L.Kdf:
                  memory=int(settings.get("kdf_memory_kib", L.Kdf.memory)), cpus=int(settings.get("kdf_cpus", 2)))
 
 
+KEY_COMMAND_TIMEOUT = 60.0
+
+
+def run_key_command(argv: list[str]) -> bytes:
+    """A key service hook: the passphrase is what `argv` prints on stdout (as-is); it must exit 0 in time."""
+    import subprocess
+
+    try:
+        r = subprocess.run(argv, capture_output=True, timeout=KEY_COMMAND_TIMEOUT, check=False, stdin=subprocess.DEVNULL)
+    except OSError as e:
+        raise CryptError(f"key command {argv[0]}: {e.strerror}") from None
+    except subprocess.TimeoutExpired:
+        raise CryptError(f"key command {argv[0]} gave no key within {KEY_COMMAND_TIMEOUT:g} s") from None
+    if r.returncode != 0:
+        said = " ".join(r.stderr.decode(errors="replace").split())[-200:]
+        raise CryptError(f"key command {argv[0]} failed (exit {r.returncode}){': ' + said if said else ''}")
+    if not r.stdout:
+        raise CryptError(f"key command {argv[0]} printed no key")
+    return r.stdout
+
+
+async def passphrase_of(settings: dict[str, Any]) -> bytes:
+    """The passphrase the settings name: the key file's bytes, or the key command's output (in a thread)."""
+    if settings.get("key_command"):
+        return await asyncio.to_thread(run_key_command, [str(a) for a in settings["key_command"]])
+    return read_key_file(settings["key_file"])
+
+
 def read_key_file(path: str | Path) -> bytes:
     try:
         key = Path(path).read_bytes()
@@ -252,7 +280,10 @@ async def open_crypt(cfg: dict[str, Any], below: BlockDevice, *, name: str = "")
         raise CryptError(f"encryption {settings.get('format')}/{settings.get('cipher')}: luks2 with aes-xts-plain64 "
                          "is supported")
     who = f"volume {name}: " if name else ""
-    passphrase = read_key_file(settings["key_file"])
+    try:
+        passphrase = await passphrase_of(settings)
+    except CryptError as e:
+        raise CryptError(f"{who}{e}") from None
     if below.num_blocks * below.block_size <= L.DATA_OFFSET:
         raise CryptError(f"{who}the device ({below.num_blocks * below.block_size} bytes) is too small for a LUKS2 "
                          f"container: it needs more than {L.DATA_OFFSET >> 20} MiB")
