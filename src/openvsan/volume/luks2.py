@@ -149,7 +149,7 @@ def af_merge(material: bytes, key_size: int, stripes: int, hash_name: str) -> by
     return _xor(d, material[(stripes - 1) * key_size:stripes * key_size])
 
 
-def xts(key: bytes, data: bytes, iv: int, sector_size: int, *, encrypt: bool) -> bytes:
+def xts(key: bytes, data: bytes | bytearray | memoryview, iv: int, sector_size: int, *, encrypt: bool) -> bytes:
     """aes-xts-plain64 over `data` (whole sectors of `sector_size`): the first sector's tweak is `iv`, each
     next one's `sector_size // 512` more (IVs count 512-byte sectors)."""
     if len(data) % sector_size:
@@ -163,6 +163,92 @@ def xts(key: bytes, data: bytes, iv: int, sector_size: int, *, encrypt: bool) ->
         op = c.encryptor() if encrypt else c.decryptor()
         out[at:at + sector_size] = op.update(view[at:at + sector_size])
     return bytes(out)
+
+
+class Xts:
+    """aes-xts-plain64 with one key, for many calls: the same bytes as xts(), faster.
+
+    XTS encrypts each 16-byte block j of a data unit as E_K1(P xor T_j) xor T_j, where T_0 = E_K2(tweak) and
+    T_j = T_0 * alpha^j in GF(2^128). So a whole buffer of sectors is: the T_0 of every sector in one ECB call
+    under K2, every T_j from them with numpy (a left shift of the 128-bit value by j with the bits shifted out
+    folded back by x^7+x^2+x+1, j < 64 at a time), then one ECB call under K1 over the whole buffer between two
+    XORs: a few passes over memory, and AES-NI at several GB/s, instead of a cipher object per sector (about
+    12 us each in `cryptography`). A command of one or two sectors goes sector by sector: there the numpy
+    set-up costs more than the cipher objects."""
+
+    BULK_FROM = 3      # sectors: below this, a cipher object per sector
+
+    def __init__(self, key: bytes) -> None:
+        half = len(key) // 2
+        self.key = key
+        k1, k2 = algorithms.AES(key[:half]), algorithms.AES(key[half:])
+        self._enc1 = Cipher(k1, modes.ECB()).encryptor()
+        self._dec1 = Cipher(k1, modes.ECB()).decryptor()
+        self._enc2 = Cipher(k2, modes.ECB()).encryptor()
+
+    def crypt(self, data: bytes | bytearray | memoryview, iv: int, sector_size: int, *, encrypt: bool) -> bytes:
+        n = len(data) // sector_size
+        if n < self.BULK_FROM:
+            return xts(self.key, data, iv, sector_size, encrypt=encrypt)
+        if len(data) % sector_size:
+            raise Luks2Error(f"{len(data)} bytes is not a whole number of {sector_size}-byte sectors")
+        import numpy as np
+
+        tweaks = self._tweaks(iv, n, sector_size // IV_SECTOR, sector_size // 16)
+        x = np.frombuffer(data, dtype=np.uint64) ^ tweaks
+        y = np.frombuffer((self._enc1 if encrypt else self._dec1).update(x.tobytes()), dtype=np.uint64)
+        out: bytes = (y ^ tweaks).tobytes()
+        return out
+
+    def _tweaks(self, iv: int, n: int, step: int, blocks: int) -> Any:
+        """T_j of every block of `n` sectors (the first sector's tweak `iv`, each next one `step` more), as
+        uint64 pairs (low, high), little-endian as XTS reads them. Filled by doubling: blocks [k, 2k) are
+        blocks [0, k) times alpha^k, so log2(blocks) passes."""
+        import numpy as np
+
+        ivs = np.zeros((n, 2), dtype=np.uint64)
+        ivs[:, 0] = (np.arange(n, dtype=np.uint64) * np.uint64(step)) + np.uint64(iv & 0xFFFFFFFFFFFFFFFF)
+        t0 = np.frombuffer(self._enc2.update(ivs.tobytes()), dtype=np.uint64).reshape(n, 2)
+        lo = np.empty((n, blocks), dtype=np.uint64)
+        hi = np.empty((n, blocks), dtype=np.uint64)
+        lo[:, 0], hi[:, 0] = t0[:, 0], t0[:, 1]
+        filled = 1
+        while filled < blocks:
+            k = min(filled, blocks - filled)
+            _times_alpha_power(lo[:, :k], hi[:, :k], filled, lo[:, filled:filled + k], hi[:, filled:filled + k])
+            filled += k
+        out = np.empty((n, blocks, 2), dtype=np.uint64)
+        out[:, :, 0], out[:, :, 1] = lo, hi
+        return out.reshape(-1)
+
+
+def _fold(ov: Any) -> tuple[Any, Any]:
+    """The 64 bits `ov` shifted out of the top of a 128-bit value, times x^7+x^2+x+1: its (low, high) words."""
+    import numpy as np
+
+    one, two, seven = np.uint64(1), np.uint64(2), np.uint64(7)
+    return (ov ^ (ov << one) ^ (ov << two) ^ (ov << seven),
+            (ov >> np.uint64(63)) ^ (ov >> np.uint64(62)) ^ (ov >> np.uint64(57)))
+
+
+def _times_alpha_power(lo: Any, hi: Any, power: int, out_lo: Any, out_hi: Any) -> None:
+    """(lo, hi) * alpha^power in GF(2^128) (XTS's polynomial), power a power of two up to 128, into out_*."""
+    import numpy as np
+
+    if power == 128:
+        tmp_lo, tmp_hi = np.empty_like(lo), np.empty_like(hi)
+        _times_alpha_power(lo, hi, 64, tmp_lo, tmp_hi)
+        _times_alpha_power(tmp_lo, tmp_hi, 64, out_lo, out_hi)
+        return
+    if power == 64:                 # the low word moves up; the high one folds back
+        r_lo, r_hi = _fold(hi)
+        out_lo[...] = r_lo
+        out_hi[...] = lo ^ r_hi
+        return
+    s, back = np.uint64(power), np.uint64(64 - power)
+    r_lo, r_hi = _fold(hi >> back)
+    out_lo[...] = (lo << s) ^ r_lo
+    out_hi[...] = (hi << s) ^ (lo >> back) ^ r_hi
 
 
 # ---- the header
