@@ -118,6 +118,21 @@ def test_compare_thin_smoke(tmp_path: Path) -> None:
     assert doc["reclaim"]["returned"] >= 0.95, doc["reclaim"]
 
 
+def test_compare_crypt_smoke(tmp_path: Path) -> None:
+    """Issue 16's benchmark: an encrypted RAM volume beside a plain one over NBD, fio and vsan bench (about
+    30 s), and the cipher's speed on this CPU from openssl."""
+    require("fio", "taskset")
+    doc = run_script("compare_crypt.py", tmp_path / "crypt.json", timeout=240)
+    assert [c["case"] for c in doc["cases"]] == ["4k-randwrite-qd32", "1m-seqread-qd8", "4k-randread-qd32",
+                                                 "1m-seqwrite-qd8", "vsan bench 4k-randwrite qd32",
+                                                 "vsan bench 1m-seqread qd8"]
+    for case in doc["cases"]:
+        for v in ("enc", "plain"):
+            assert case["volumes"][v][case["metric"]] > 0, (case["case"], v)
+        assert case["ratio"] > 0
+    assert doc["openssl_aes_256_xts_mbps"]["4096"] > 0
+
+
 def test_compare_qos_smoke(tmp_path: Path) -> None:
     """Issue 11's A/B: one node, a plain RAM volume and one with a QoS layer never reached (about 15 s)."""
     require("iscsi-perf", "iscsi-readcapacity16", "taskset", "fio")
