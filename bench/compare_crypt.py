@@ -69,7 +69,7 @@ device = "plain"
 [[volumes]]
 name = "enc"
 device = "enc"
-encryption = {{ key_file = "{key}", kdf = "pbkdf2", kdf_iterations = 100000 }}
+encryption = {{ key_file = "{key}", kdf = "pbkdf2", kdf_iterations = 100000, sector_size = {sector} }}
 
 [nbd]
 portals = ["127.0.0.1:{port}"]
@@ -135,6 +135,8 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3); the median is reported")
     ap.add_argument("--seconds", type=float, default=8, help="seconds per run (default 8)")
     ap.add_argument("--mib", type=int, default=1024, help="size of each volume (default 1024)")
+    ap.add_argument("--sector-size", type=int, default=4096, choices=(512, 4096),
+                    help="the encrypted volume's sector (and block) size (default 4096, cryptsetup's for LUKS2)")
     ap.add_argument("--out", type=Path, help="write the JSON result here")
     ap.add_argument("--smoke", action="store_true", help="CI: 1 round, 1 s runs, 64 MiB volumes")
     args = ap.parse_args()
@@ -149,7 +151,8 @@ def measure(args: argparse.Namespace) -> int:
     port = free_port()
     key = work / "enc.key"
     key.write_bytes(os.urandom(64))
-    (work / "vsan.toml").write_text(VSAN_CONFIG.format(mib=args.mib, enc_mib=args.mib + 16, key=key, port=port))
+    (work / "vsan.toml").write_text(VSAN_CONFIG.format(mib=args.mib, enc_mib=args.mib + 16, key=key, port=port,
+                                                       sector=args.sector_size))
     serve = Target("openvsan", [*target_pin, str(VSAN), "serve", "--config", str(work / "vsan.toml"),
                                 "--data-dir", str(work / "data"), "--log-level", "warning"], work)
     uris = {v: f"nbd://127.0.0.1:{port}/{v}" for v in VOLUMES}
@@ -199,8 +202,9 @@ def report(args: argparse.Namespace, results: dict[tuple[str, str], dict[str, li
                      f"{mark:.1f}" if mark else "-",
                      f"{per['enc']['target_cpu_pct']:.0f} % / {per['plain']['target_cpu_pct']:.0f} %"])
         out.append({"case": case, "metric": metric, "volumes": per, "ratio": ratio, "mark": mark or None})
-    print(f"\nmedians of {args.rounds} round(s), {args.seconds:g} s each, {args.mib} MiB RAM volumes, vsan serve "
-          f"on core 0 and clients on core 1: {pinned}; ratio: encrypted / plain")
+    print(f"\nmedians of {args.rounds} round(s), {args.seconds:g} s each, {args.mib} MiB RAM volumes (encrypted: "
+          f"{args.sector_size}-byte sectors), vsan serve on core 0 and clients on core 1: {pinned}; ratio: encrypted "
+          "/ plain")
     print_table(["", "encrypted", "plain", "ratio", "mark", "server CPU (enc / plain)"], rows)
     if cipher:
         print("openssl speed -evp aes-256-xts on this CPU: " +
@@ -211,7 +215,8 @@ def report(args: argparse.Namespace, results: dict[tuple[str, str], dict[str, li
         "schema": "openvsan-bench-compare-crypt/1",
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "host": host_info(pinned),
-        "options": {"rounds": args.rounds, "seconds": args.seconds, "mib": args.mib, "smoke": args.smoke},
+        "options": {"rounds": args.rounds, "seconds": args.seconds, "mib": args.mib, "smoke": args.smoke,
+                    "sector_size": args.sector_size},
         "command": argv,
         "cases": out,
         "openssl_aes_256_xts_mbps": cipher,
