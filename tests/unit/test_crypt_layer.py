@@ -21,7 +21,8 @@ MiB = 1 << 20
 
 
 def settings(key_file: Path, **kw: Any) -> dict[str, Any]:
-    return {"type": "crypt", "key_file": str(key_file), "kdf": "pbkdf2", "kdf_iterations": 1000, **kw}
+    return {"type": "crypt", "key_file": str(key_file), "kdf": "pbkdf2", "kdf_iterations": 1000, "sector_size": 512,
+            **kw}
 
 
 @pytest.fixture
@@ -68,9 +69,10 @@ def test_the_fast_path_gives_the_normal_paths_bytes(key_file: Path) -> None:
     assert layer.read_now(0, 129) is None and not layer.write_now(0, bytes(129 * 512))   # past FAST_MAX
 
 
-def test_4k_sectors_over_512_byte_blocks(key_file: Path) -> None:
+def test_4k_sectors_by_default_over_512_byte_blocks(key_file: Path) -> None:
     dev = RamDevice((32 * MiB) // 512)
-    layer = run(open_crypt(settings(key_file, sector_size=4096), dev))
+    default = {k: v for k, v in settings(key_file).items() if k != "sector_size"}   # 4096 unless asked
+    layer = run(open_crypt(default, dev))
     assert layer.block_size == 4096 and layer.num_blocks == (32 * MiB - L.DATA_OFFSET) // 4096
     data = bytes(range(256)) * 32
     run(layer.write(3, data))

@@ -478,7 +478,7 @@ class EncryptionSpec:
     cipher: Annotated[Str, one_of(("aes-xts-plain64",), "a cipher")] = "aes-xts-plain64"
     # at format only (a container that exists keeps its own):
     key_size: Int = 512               # bits: 256 (AES-128-XTS) or 512 (AES-256-XTS)
-    sector_size: Int | None = None    # 512 or 4096; None: the device's block size
+    sector_size: Int | None = None    # 512 or 4096 (the volume's block size); None: 4096, as cryptsetup
     kdf: Annotated[Str, one_of(("argon2id", "argon2i", "pbkdf2"), "a KDF")] = "argon2id"
     kdf_time: Annotated[Int, _in_range(1, 100, "use 1 to 100 passes")] = 4
     kdf_memory_kib: Annotated[Int, _in_range(8, 4 << 20, "use 8 KiB to 4 GiB, in KiB")] = 262144
