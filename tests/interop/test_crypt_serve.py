@@ -8,6 +8,7 @@ kernel lacks: that check runs in the guest.)"""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 from collections.abc import Callable
@@ -115,6 +116,12 @@ def test_an_encrypted_volume_served_restarted_and_opened_by_cryptsetup(vsan: Cal
     shown = subprocess.run([str(VSAN), "volume", "show", "sec", "--json", "--data-dir", str(server.data_dir)],
                            capture_output=True, text=True, timeout=60, check=True).stdout
     assert "CryptLayer" in shown and str(key) in shown and key.read_bytes().hex() not in shown
+    crypt = json.loads(shown)["crypt_stats"]
+    assert (crypt["format"], crypt["cipher"], crypt["key_bits"], crypt["sector_size"]) == (
+        "luks2", "aes-xts-plain64", 512, 4096) and crypt["unlocked_with"] == f"key file {key}"
+    human = subprocess.run([str(VSAN), "volume", "show", "imp", "--data-dir", str(server.data_dir)],
+                           capture_output=True, text=True, timeout=60, check=True).stdout
+    assert "encryption: LUKS2" in human and "4096-byte sectors" in human, human
     server.stop()
 
     # the backing file is a LUKS2 container cryptsetup opens with the key file, and its data is what was written

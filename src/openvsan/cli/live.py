@@ -191,6 +191,12 @@ def volume_show(name: VolumeArg, as_json: JsonOpt = False, data_dir: DataDir = N
               soft_wrap=True)
     caps = v.get("capabilities") or {}
     out.print(f"{'capabilities':>12}: " + ", ".join(k for k, x in caps.items() if x is True), soft_wrap=True)
+    crypt = v.get("crypt_stats")
+    if crypt:
+        out.print(f"{'encryption':>12}: LUKS2 {crypt['uuid']}, {crypt['cipher']} {crypt['key_bits']}-bit, "
+                  f"{crypt['sector_size']}-byte sectors, data at {_fmt_size(crypt['data_offset'])}, unlocked with "
+                  f"{crypt['unlocked_with']}" + (", discards passed down" if crypt["discards"] else ""),
+                  soft_wrap=True)
     carved = v.get("carved")
     if carved:
         out.print(f"{'carved':>12}: {'thin' if carved['thin'] else 'thick'}, {_fmt_size(carved['mapped'])} mapped "

@@ -135,6 +135,14 @@ class CryptLayer(Layer):
     async def resize(self, num_blocks: int) -> None:
         await self.below.resize(self._base + num_blocks * self._per)  # type: ignore[attr-defined]
 
+    def stats(self) -> dict[str, Any]:
+        """What `vsan volume show` says of it (as crypt_stats): the container, never the key."""
+        return {"format": "luks2", "cipher": self.segment.cipher, "key_bits": len(self._key) * 8,
+                "sector_size": self.segment.sector_size, "data_offset": self.segment.offset, "uuid": self.uuid,
+                "unlocked_with": (f"key command {self.settings['key_command'][0]}" if self.settings.get("key_command")
+                                  else f"key file {self.settings.get('key_file')}"),
+                "discards": bool(self.settings.get("allow_discards"))}
+
     # ---- passphrases, changed while the volume serves (the header region only: the data is not touched)
 
     async def _container(self) -> tuple[_Region, L.Luks2]:
