@@ -269,37 +269,37 @@ def _crypt_layer(node: Node, name: str) -> Any:
     return layer
 
 
-@command("volume.add_key", R.VolumeKey)
-async def volume_add_key(node: Node, args: R.VolumeKey) -> Any:
-    """Another passphrase (a key file's bytes) for an encrypted volume: a new LUKS2 keyslot, written while the
-    volume serves; the data is not re-encrypted. The node holds the volume key, so no old passphrase is asked."""
+async def _keyslot_change(node: Node, args: R.VolumeKey, add: bool) -> Any:
+    """A keyslot added (add) or wiped for the passphrase `args.key_file` holds; its answer, or the refusal."""
     from openvsan.volume.crypt import CryptError, read_key_file
 
     layer = _crypt_layer(node, args.name)
     try:
-        slot = await layer.add_passphrase(read_key_file(args.key_file))
+        passphrase = read_key_file(args.key_file)
+        slot = await (layer.add_passphrase(passphrase) if add else layer.remove_passphrase(passphrase))
     except (CryptError, ValueError) as e:
         raise RequestError(f"volume {args.name}: {e}") from None
+    done = f"opens it now (keyslot {slot})" if add else f"no longer opens it (keyslot {slot} wiped)"
     return {"volume": args.name, "keyslot": slot, "keyslots": await layer.keyslots(),
-            "message": f"volume {args.name}: key file {args.key_file} opens it now (keyslot {slot})"}
+            "message": f"volume {args.name}: key file {args.key_file} {done}"}
+
+
+@command("volume.add_key", R.VolumeKey)
+async def volume_add_key(node: Node, args: R.VolumeKey) -> Any:
+    """Another passphrase (a key file's bytes) for an encrypted volume: a new LUKS2 keyslot, written while the
+    volume serves; the data is not re-encrypted. The node holds the volume key, so no old passphrase is asked."""
+    return await _keyslot_change(node, args, add=True)
 
 
 @command("volume.remove_key", R.VolumeKey)
 async def volume_remove_key(node: Node, args: R.VolumeKey) -> Any:
     """Forget the passphrase a key file holds (its keyslot is overwritten). Refused for the key file the node
     unlocks the volume with at start, and for the last keyslot."""
-    from openvsan.volume.crypt import CryptError, read_key_file
-
     layer = _crypt_layer(node, args.name)
     if layer.settings.get("key_file") and Path(args.key_file).absolute() == Path(layer.settings["key_file"]).absolute():
         raise Conflict(f"volume {args.name}: {args.key_file} is the key file this node unlocks it with at start; "
                        "point encryption.key_file at another key file first (vsan config apply)")
-    try:
-        slot = await layer.remove_passphrase(read_key_file(args.key_file))
-    except (CryptError, ValueError) as e:
-        raise RequestError(f"volume {args.name}: {e}") from None
-    return {"volume": args.name, "keyslot": slot, "keyslots": await layer.keyslots(),
-            "message": f"volume {args.name}: key file {args.key_file} no longer opens it (keyslot {slot} wiped)"}
+    return await _keyslot_change(node, args, add=False)
 
 
 # ---- exports
