@@ -1032,7 +1032,20 @@ async def serve(node: Node, *, stop: asyncio.Event | None = None,
             node.server = node.nvme_server = node.nbd_server = None
             await node.close_devices()  # closes the pools too
     finally:
-        for sig in installed:
+        remove_signal_handlers(loop, installed)
+
+
+def remove_signal_handlers(loop: asyncio.AbstractEventLoop, sigs: list[signal.Signals]) -> None:
+    """The loop's signal handlers taken away at the end of `vsan serve`. A signal that arrived moments before
+    may still be pending at Python's level: Python runs it at the next signal.signal(), and if that finds its
+    handler already gone, it prints "Signal 15 ignored due to race condition" (an unraisable error, on
+    stderr). So the pending ones run first, with every handler still in place, by setting one handler to
+    itself."""
+    if sigs:
+        with contextlib.suppress(OSError, RuntimeError, ValueError, TypeError):
+            signal.signal(sigs[0], signal.getsignal(sigs[0]))
+    for sig in sigs:
+        with contextlib.suppress(OSError, RuntimeError, ValueError):
             loop.remove_signal_handler(sig)
 
 

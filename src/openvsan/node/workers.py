@@ -1023,7 +1023,12 @@ def serve_workers(state: StoredState, data_dir: Path, workers: int, cpus: list[i
 
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, on_signal, sig)
-        await sup.run(stop)
+        try:
+            await sup.run(stop)
+        finally:
+            from openvsan.node.node import remove_signal_handlers
+
+            remove_signal_handlers(loop, [signal.SIGTERM, signal.SIGINT])   # while the loop runs (see there)
         log.info("stopped")
 
     uvloop.run(main())
