@@ -7,31 +7,18 @@ on the other. Data through dm-crypt needs a kernel with device-mapper (the guest
 from __future__ import annotations
 
 import os
-import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
+from cryptsetup_tool import cryptsetup, dumped_volume_key
 
 from openvsan.volume import luks2 as L
 
 FAST = L.Kdf("pbkdf2", iterations=1000)
 
 
-def cryptsetup(*args: str, key: bytes | None = None) -> subprocess.CompletedProcess[bytes]:
-    if shutil.which("cryptsetup") is None:
-        pytest.fail("cryptsetup is not installed (Debian cryptsetup-bin; .ci/run installs it)")
-    return subprocess.run(["cryptsetup", *args, *(["--key-file", "-"] if key is not None else [])], input=key,
-                          capture_output=True, timeout=120, check=False)
-
-
 def volume_key(image: Path, passphrase: bytes) -> bytes:
-    r = cryptsetup("luksDump", "--dump-volume-key", "--batch-mode", str(image), key=passphrase)
-    assert r.returncode == 0, r.stderr
-    lines = r.stdout.decode().splitlines()
-    at = next(i for i, line in enumerate(lines) if line.startswith("MK dump:"))
-    hexed = lines[at].partition(":")[2] + "".join(line for line in lines[at + 1:] if line.startswith("\t"))
-    return bytes.fromhex("".join(hexed.split()))
+    return dumped_volume_key(image, key=passphrase)
 
 
 def opened(image: Path) -> tuple[int, L.Luks2]:

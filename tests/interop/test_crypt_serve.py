@@ -15,6 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from cryptsetup_tool import cryptsetup, dumped_volume_key
 from vsan_harness import TEST_INITIATOR, VSAN, VsanServer, require_tools, run
 
 from openvsan.volume import luks2 as L
@@ -71,20 +72,6 @@ listen = "127.0.0.1:{api_port}"
 """
 
 
-def cryptsetup(*args: str, key_file: Path) -> subprocess.CompletedProcess[bytes]:
-    return subprocess.run(["cryptsetup", *args, "--key-file", str(key_file)], capture_output=True, timeout=120,
-                          check=False)
-
-
-def dumped_key(image: Path, key_file: Path) -> bytes:
-    r = cryptsetup("luksDump", "--dump-volume-key", "--batch-mode", str(image), key_file=key_file)
-    assert r.returncode == 0, r.stderr
-    lines = r.stdout.decode().splitlines()
-    at = next(i for i, line in enumerate(lines) if line.startswith("MK dump:"))
-    return bytes.fromhex("".join((lines[at].partition(":")[2] + "".join(
-        line for line in lines[at + 1:] if line.startswith("\t"))).split()))
-
-
 def test_an_encrypted_volume_served_restarted_and_opened_by_cryptsetup(vsan: Callable[..., VsanServer],
                                                                      tmp_path: Path) -> None:
     require_tools("nbdcopy", "nbdinfo", "cryptsetup")
@@ -134,7 +121,7 @@ def test_an_encrypted_volume_served_restarted_and_opened_by_cryptsetup(vsan: Cal
     finally:
         os.close(fd)
     assert raw != data[:len(raw)]
-    assert L.xts(dumped_key(img, key), raw, 0, segment.sector_size, encrypt=False) == data
+    assert L.xts(dumped_volume_key(img, key_file=key), raw, 0, segment.sector_size, encrypt=False) == data
 
     # a restart unlocks both again
     server.start()

@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse
 from pydantic import TypeAdapter
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from openvsan.api.peers import HEADER, Forwarded, Peers
+from openvsan.api.peers import ANSWER_HEADERS, HEADER, Forwarded, Peers
 from openvsan.api.tokens import TokenBook, TokenEntry
 from openvsan.node import requests as R
 from openvsan.node.control import KIND_STATUS, READ_COMMANDS, Conflict, NotFound, RequestError, Stale
@@ -586,8 +586,7 @@ def make_app(handler: Handler, tokens: TokenBook, *, metrics: Callable[[], Await
                 if k in ("authorization", "cookie", "content-type", "if-match", "hx-request", "x-requested-with")}
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://node") as c:
             r = await c.request(request.method, target, content=body, headers=sent)
-        kept = {k: v for k, v in r.headers.items() if k in ("content-type", "etag", "location", "retry-after",
-                                                            "www-authenticate")}
+        kept = {k: v for k, v in r.headers.items() if k in ANSWER_HEADERS}
         return Response(r.content, status_code=r.status_code, headers=kept)
 
     # ---- metrics

@@ -34,6 +34,15 @@ FORWARD_TIMEOUT = 60.0           # a member's answer (a volume made on a pool, a
 _KEY_LABEL = b"openvsan api forwarding v1"
 
 
+# what a member's answer keeps of its headers when it is passed on (here, and app.py's own-node shortcut)
+ANSWER_HEADERS = ("content-type", "etag", "location", "retry-after", "www-authenticate")
+
+
+def api_url(scheme: str, host: str, port: int) -> str:
+    """http(s)://host:port, an IPv6 host in brackets."""
+    return f"{scheme}://{f'[{host}]' if ':' in host else host}:{port}"
+
+
 def published_api(cfg: NodeConfig) -> str | None:
     """The management address this node publishes to the cluster (its API's URL), or None (no [api] table and
     no [cluster] management: the default 127.0.0.1:8080 may not even be this node's)."""
@@ -46,7 +55,7 @@ def published_api(cfg: NodeConfig) -> str | None:
     if host in ("0.0.0.0", "::", "") and cfg.cluster is not None:
         host = cfg.cluster.replication.host
     scheme = "https" if cfg.api.tls is not None else "http"
-    return f"{scheme}://{f'[{host}]' if ':' in host else host}:{port}"
+    return api_url(scheme, host, port)
 
 
 def forwarding_key(cluster_secret: bytes) -> bytes:
@@ -182,8 +191,7 @@ class Peers:
         except httpx.HTTPError as e:
             state = "" if member["up"] else " (the cluster has it down)"
             raise ConnectionError(f"node {node}: its API at {url} does not answer{state}: {e}") from None
-        kept = {k: v for k, v in r.headers.items()
-                if k in ("content-type", "etag", "location", "retry-after", "www-authenticate")}
+        kept = {k: v for k, v in r.headers.items() if k in ANSWER_HEADERS}
         if "location" in kept and kept["location"].startswith("/api/v1/"):
             kept["location"] = f"/api/v1/nodes/{node}/" + kept["location"][len("/api/v1/"):]
         return r.status_code, r.content, kept

@@ -23,6 +23,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from openvsan.api.peers import api_url
 from openvsan.api.tokens import TokenBook
 from openvsan.node.specs import ApiSpec, NodeConfig
 
@@ -90,7 +91,7 @@ class ApiServer:
         self.ready = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         host, port = sock.getsockname()[:2]   # now: uvicorn closes the socket when it stops
-        self.address = f"{self.scheme}://{f'[{host}]' if ':' in host else host}:{port}"
+        self.address = api_url(self.scheme, host, port)
         self.local_file = data_dir / LOCAL_API
         self._tell_local_cli(host, port)
 
@@ -101,8 +102,7 @@ class ApiServer:
         its pid, which the CLI checks."""
         if host in ("0.0.0.0", "::"):
             host = "127.0.0.1" if host == "0.0.0.0" else "::1"
-        url = f"{self.scheme}://{f'[{host}]' if ':' in host else host}:{port}"
-        doc = {"url": url, "token": self.tokens.local_token(), "pid": os.getpid(),
+        doc = {"url": api_url(self.scheme, host, port), "token": self.tokens.local_token(), "pid": os.getpid(),
                "cert": str(self.spec.tls.cert) if self.spec.tls is not None else None}
         tmp = self.local_file.with_name(LOCAL_API + ".tmp")
         try:

@@ -276,11 +276,11 @@ async def _keyslot_change(node: Node, args: R.VolumeKey, add: bool) -> Any:
     layer = _crypt_layer(node, args.name)
     try:
         passphrase = read_key_file(args.key_file)
-        slot = await (layer.add_passphrase(passphrase) if add else layer.remove_passphrase(passphrase))
+        slot, keyslots = await (layer.add_passphrase(passphrase) if add else layer.remove_passphrase(passphrase))
     except (CryptError, ValueError) as e:
         raise RequestError(f"volume {args.name}: {e}") from None
     done = f"opens it now (keyslot {slot})" if add else f"no longer opens it (keyslot {slot} wiped)"
-    return {"volume": args.name, "keyslot": slot, "keyslots": await layer.keyslots(),
+    return {"volume": args.name, "keyslot": slot, "keyslots": keyslots,
             "message": f"volume {args.name}: key file {args.key_file} {done}"}
 
 

@@ -87,8 +87,7 @@ class CryptLayer(Layer):
     @property
     def capabilities(self) -> Capabilities:
         caps = self.below.capabilities
-        return caps.but(unmap_reads_zero=False, write_zeroes=False, extents=False, thin=False, write_window=False,
-                        sync_read=caps.sync_read, sync_write=caps.sync_write)
+        return caps.but(unmap_reads_zero=False, write_zeroes=False, extents=False, thin=False, write_window=False)
 
     # ---- the cipher
 
@@ -149,28 +148,24 @@ class CryptLayer(Layer):
         region = _Region(await _read_region(self.below, self.segment.offset))
         return region, L.Luks2.open(region)
 
-    async def _write_back(self, region: _Region) -> None:
-        await _write_dirty(self.below, region)
-
-    async def keyslots(self) -> list[int]:
-        return (await self._container())[1].keyslots()
-
-    async def add_passphrase(self, passphrase: bytes) -> int:
+    async def add_passphrase(self, passphrase: bytes) -> tuple[int, list[int]]:
+        """The keyslot added, and every keyslot there is now (the header region read once)."""
         async with self._header_lock:
             region, c = await self._container()
             slot = await asyncio.to_thread(c.add_keyslot, self._key, passphrase, kdf_of(self.settings))
-            await self._write_back(region)
+            await _write_dirty(self.below, region)
         log.info("%s: LUKS2 keyslot %d added", self.name, slot)
-        return slot
+        return slot, c.keyslots()
 
-    async def remove_passphrase(self, passphrase: bytes) -> int:
+    async def remove_passphrase(self, passphrase: bytes) -> tuple[int, list[int]]:
+        """The keyslot wiped, and the keyslots left."""
         async with self._header_lock:
             region, c = await self._container()
             slot = await asyncio.to_thread(c.slot_of, passphrase)
             c.remove_keyslot(slot)
-            await self._write_back(region)
+            await _write_dirty(self.below, region)
         log.info("%s: LUKS2 keyslot %d removed", self.name, slot)
-        return slot
+        return slot, c.keyslots()
 
     # ---- its place in the desired state: the settings, never the key
 

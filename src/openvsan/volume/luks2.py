@@ -400,19 +400,20 @@ class Luks2:
 
     def unlock(self, passphrase: bytes) -> bytes:
         """The volume key, if a keyslot opens with `passphrase` (WrongPassphrase otherwise)."""
-        for slot in self.keyslots():
-            key = self._try(slot, passphrase)
-            if key is not None:
-                return key
-        raise WrongPassphrase("no keyslot opens with this passphrase" if self.keyslots()
-                              else "the header has no keyslot")
+        return self._opened(passphrase)[1]
 
     def slot_of(self, passphrase: bytes) -> int:
         """The keyslot `passphrase` opens (WrongPassphrase if none)."""
+        return self._opened(passphrase)[0]
+
+    def _opened(self, passphrase: bytes) -> tuple[int, bytes]:
+        """The keyslot `passphrase` opens and the volume key (one KDF run per slot tried)."""
         for slot in self.keyslots():
-            if self._try(slot, passphrase) is not None:
-                return slot
-        raise WrongPassphrase("no keyslot opens with this passphrase")
+            key = self._try(slot, passphrase)
+            if key is not None:
+                return slot, key
+        raise WrongPassphrase("no keyslot opens with this passphrase" if self.keyslots()
+                              else "the header has no keyslot")
 
     def add_keyslot(self, volume_key: bytes, passphrase: bytes, kdf: Kdf | None = None) -> int:
         if not self._digest_ok(volume_key):
@@ -433,8 +434,7 @@ class Luks2:
         self.store.write(int(area["offset"]), secrets.token_bytes(int(area["size"])))
 
     def change_passphrase(self, old: bytes, new: bytes, kdf: Kdf | None = None) -> int:
-        key = self.unlock(old)
-        slot = self.slot_of(old)
+        slot, key = self._opened(old)      # the KDF once, not once to unlock and again to find the slot
         added = self.add_keyslot(key, new, kdf)
         self.remove_keyslot(slot)
         return added
