@@ -305,33 +305,52 @@ def test_model_catches_lost_and_torn_writes() -> None:
 
 class SnapshotChurn(threading.Thread):
     """Takes and deletes snapshots of disk0 through `vsan snapshot` while the crash rounds run (each call may
-    fail: the target is down between a kill and its restart); counts what it did."""
+    fail: the target is down between a kill and its restart); counts what it did.
+
+    A call the kill cut off may still have been carried out: a create whose answer never came is deleted once
+    the target answers again (else it would hold what the volume overwrites from then on, and a few of them
+    fill the pool), and a delete whose answer never came is done once a listing no longer shows the name."""
 
     def __init__(self, server: VsanServer) -> None:
         super().__init__(daemon=True)
         self.server = server
         self.stopping = threading.Event()
         self.taken = self.deleted = 0
-        self.kept: list[str] = []   # acknowledged creates not (yet) deleted, oldest first
+        self.kept: list[str] = []       # acknowledged creates not (yet) deleted, oldest first
+        self.unsure: list[str] = []     # creates whose answer never came: they may exist
 
-    def cli(self, *args: str) -> bool:
+    def cli(self, *args: str) -> subprocess.CompletedProcess[bytes] | None:
         try:
             p = subprocess.run([str(VSAN), "snapshot", *args, "--data-dir", str(self.server.data_dir)],
                                capture_output=True, timeout=30, check=False)
         except subprocess.TimeoutExpired:
-            return False
-        return p.returncode == 0
+            return None
+        return p if p.returncode == 0 else None
+
+    def listed(self) -> set[str] | None:
+        p = self.cli("list", "disk0", "--json")
+        return None if p is None else {s["name"] for s in json.loads(p.stdout)}
+
+    def gone(self, name: str) -> bool:
+        """Deletes name; True once it no longer exists (deleted now, or by a call whose answer was cut off)."""
+        if self.cli("delete", "disk0", name) is not None:
+            return True
+        names = self.listed()
+        return names is not None and name not in names
 
     def run(self) -> None:
         n = 0
         while not self.stopping.wait(0.1):
             n += 1
-            if self.cli("create", "disk0", f"s{n}"):
+            if self.cli("create", "disk0", f"s{n}") is not None:
                 self.taken += 1
                 self.kept.append(f"s{n}")
+            else:
+                self.unsure.append(f"s{n}")
+            self.unsure = [name for name in self.unsure if not self.gone(name)]
             # at most two kept: each holds what the volume overwrote since. Only acknowledged creates are
             # deleted, so the newest two acknowledged snapshots always remain.
-            while len(self.kept) > 2 and self.cli("delete", "disk0", self.kept[0]):
+            while len(self.kept) > 2 and self.gone(self.kept[0]):
                 self.deleted += 1
                 del self.kept[0]
 
