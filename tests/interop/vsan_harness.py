@@ -160,6 +160,7 @@ class VsanServer:
     # more volumes carved from dev0: (name, size, thin), LUN 1, 2... and NBD exports of their names
     carved: list[tuple[str, str, bool]] = field(default_factory=list)
     cluster: str | None = None  # dev0's cluster size when carved
+    compression: str | None = None  # disk0 compressed (volume/compress.py): "lz4", "zstd"...; needs carve
     workers: int | None = None  # [node] workers (default: one per core)
     proc: subprocess.Popen[bytes] | None = None
     starts: int = 0
@@ -190,6 +191,8 @@ class VsanServer:
         lines += ["", "[[volumes]]", 'name = "disk0"', 'device = "dev0"']
         if self.carve is not None:
             lines += [f'size = "{self.carve}"', f"thin = {'false' if self.thick else 'true'}"]
+        if self.compression is not None:
+            lines.append(f'compression = "{self.compression}"')
         for name, size, thin in self.carved:
             lines += ["", "[[volumes]]", f'name = "{name}"', 'device = "dev0"', f'size = "{size}"',
                       f"thin = {'true' if thin else 'false'}"]

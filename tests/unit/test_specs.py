@@ -155,3 +155,29 @@ def test_any_wrong_value_gets_one_line(edits: list[tuple[tuple[Any, ...], Any, b
         line = str(e)
         assert "\n" not in line and KEY_PATH.match(line) and "validation error" not in line, line
         assert "pydantic" not in line and "Input should" not in line, line
+
+
+@pytest.mark.parametrize("kw, why", [
+    ({"compression": "lz4"}, "compression is for a thin volume carved"),
+    ({"compression": "lz4", "size": "1GiB", "thin": False}, "compression is for a thin volume carved"),
+    ({"compression": "lz4", "size": 1000 * 1024}, "multiple of its 64 KiB chunks, e.g. 1.0 MiB"),
+    ({"compression": "brotli", "size": "1GiB"}, 'use "lz4", "zstd" or "zstd:LEVEL"'),
+    ({"compression": "zstd:40", "size": "1GiB"}, "a zstd level is 1 to 19"),
+    ({"compression": "lz4", "size": "1GiB", "encryption": {"key_file": "/k"}}, "add allow_discards = true"),
+    ({"compression": "lz4", "size": "1GiB", "replicas": 2, "nodes": ("a", "b")}, "not yet replicated"),
+])
+def test_compressed_volumes_are_checked(kw: dict[str, Any], why: str) -> None:
+    with pytest.raises(ValidationError, match=re.escape(why)):
+        VolumeSpec("v", "d", **kw)
+
+
+def test_a_compressed_volume_sits_above_its_encryption_and_takes_two_slots_per_chunk() -> None:
+    from openvsan.volume.compress import backing_size
+    from openvsan.volume.luks2 import DATA_OFFSET
+
+    v = VolumeSpec("v", "d", size="1GiB", compression="zstd:5",
+                   encryption={"key_file": "/k", "allow_discards": True})
+    assert [x["type"] for x in v.layers] == ["crypt", "compress"]
+    assert v.layers[1] == {"type": "compress", "algorithm": "zstd:5"}
+    assert v.carved_size == backing_size(1 << 30) + DATA_OFFSET
+    assert VolumeSpec("w", "d", size="1GiB").carved_size == 1 << 30

@@ -53,6 +53,10 @@ def volume_families(m: dict[str, Any]) -> list[Metric]:
                for d in ("read", "write", "other")}
     throttled = CounterMetricFamily("openvsan_volume_qos_throttled", "Commands QoS made wait", labels=V)
     waited = CounterMetricFamily("openvsan_volume_qos_wait_seconds", "Seconds commands waited for QoS", labels=V)
+    plain = GaugeMetricFamily("openvsan_volume_compressed_plain_bytes",
+                              "Bytes the chunks of a compressed volume that hold data have in plain", labels=V)
+    stored = GaugeMetricFamily("openvsan_volume_compressed_stored_bytes",
+                               "Bytes those chunks take in the thin volume below (4 KiB units)", labels=V)
     idents = m.get("identities", {})
     for name, v in sorted(m.get("volumes", {}).items()):
         ident = idents.get(name, {})
@@ -70,7 +74,11 @@ def volume_families(m: dict[str, Any]) -> list[Metric]:
         if q:
             throttled.add_metric([name], q.get("throttled", 0))
             waited.add_metric([name], q.get("wait_seconds", 0.0))
-    return [size, info, *ops.values(), *nbytes.values(), other, *latency.values(), throttled, waited]
+        z = v.get("compress_stats")
+        if z:
+            plain.add_metric([name], z["plain_bytes"])
+            stored.add_metric([name], z["stored_bytes"])
+    return [size, info, *ops.values(), *nbytes.values(), other, *latency.values(), throttled, waited, plain, stored]
 
 
 def replication_families(m: dict[str, Any]) -> list[Metric]:

@@ -96,6 +96,9 @@ def volume_create(
     key_file: Annotated[Path | None, typer.Option("--key-file", help="Encrypt it (LUKS2, aes-xts-plain64): this "
                                                   "file's bytes unlock it; `cryptsetup open` takes the same file.")]
     = None,
+    compression: Annotated[str | None, typer.Option("--compression", help="With --device/--pool and --size: "
+                                                    "compress it (lz4, zstd or zstd:LEVEL) in 64 KiB chunks; the "
+                                                    "device's or pool's clusters should be 4 KiB.")] = None,
     dry_run: DryRun = False, as_json: JsonOpt = False, data_dir: DataDir = None, config: ConfigOpt = None,
 ) -> None:
     """Create a volume on a running node; it can be exported at once (`vsan export add`). With --device or --pool
@@ -109,6 +112,8 @@ def volume_create(
         args["size"] = _size(size)
     if key_file is not None:
         args["key_file"] = str(key_file.absolute())
+    if compression is not None:
+        args["compression"] = compression
     _changes(_call(data_dir, config, "volume.create", **args), as_json, dry_run)
 
 
@@ -197,6 +202,12 @@ def volume_show(name: VolumeArg, as_json: JsonOpt = False, data_dir: DataDir = N
                   f"{crypt['sector_size']}-byte sectors, data at {_fmt_size(crypt['data_offset'])}, unlocked with "
                   f"{crypt['unlocked_with']}" + (", discards passed down" if crypt["discards"] else ""),
                   soft_wrap=True)
+    squeeze = v.get("compress_stats")
+    if squeeze:
+        out.print(f"{'compression':>12}: {squeeze['algorithm']}, {squeeze['chunk_size'] >> 10} KiB chunks, "
+                  f"ratio {squeeze['ratio']:.2f}x ({_fmt_size(squeeze['plain_bytes'])} in "
+                  f"{_fmt_size(squeeze['stored_bytes'])}; {squeeze['raw_chunks']} of {squeeze['chunks']} chunks "
+                  "stored raw)", soft_wrap=True)
     carved = v.get("carved")
     if carved:
         out.print(f"{'carved':>12}: {'thin' if carved['thin'] else 'thick'}, {_fmt_size(carved['mapped'])} mapped "

@@ -134,8 +134,8 @@ class ServedGroups(Mapping[str, ServedGroup]):
                 if v.snapshot:
                     raise GroupSetupError(f"volume {v.name}: no snapshot {v.name!r} in the volume group of "
                                           f"{sg.where}; `vsan snapshot list` shows what there is")
-                assert v.size is not None
-                lv = await g.create(v.name, v.size, thin=v.thin)
+                assert v.carved_size is not None
+                lv = await g.create(v.name, v.carved_size, thin=v.thin)
                 log.info("%s: volume %s created (%s, %s)", sg.where, v.name, format_size(v.size),
                          "thin" if v.thin else "thick")
             else:
@@ -147,10 +147,10 @@ class ServedGroups(Mapping[str, ServedGroup]):
                 if not v.snapshot and info["kind"] == "snapshot":
                     raise GroupSetupError(f"volume {v.name}: {v.name!r} in {sg.where} is a snapshot; serve it with "
                                           "snapshot = true (read-only), or clone it")
-                if v.size is not None and v.size > info["size"]:
-                    await g.resize(v.name, v.size)
+                if v.carved_size is not None and v.carved_size > info["size"]:
+                    await g.resize(v.name, v.carved_size)
                     log.info("%s: volume %s grown to %s", sg.where, v.name, format_size(v.size))
-                elif v.size is not None and v.size < info["size"]:
+                elif v.carved_size is not None and v.carved_size < info["size"]:
                     log.warning("%s: volume %s is %s in its group, more than the config's %s; it keeps its size "
                                 "(`vsan volume resize` shrinks it)", sg.where, v.name, format_size(info["size"]),
                                 format_size(v.size))

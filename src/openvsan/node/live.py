@@ -126,6 +126,10 @@ async def volume_create(node: Node, args: R.VolumeCreate) -> Any:
         volume["device"] = name
     if args.key_file is not None:
         volume["encryption"] = {"key_file": str(Path(args.key_file).absolute())}
+        if args.compression is not None:
+            volume["encryption"]["allow_discards"] = True   # the compressed chunks' old versions go back
+    if args.compression is not None:
+        volume["compression"] = args.compression
     doc.setdefault("volumes", []).append(volume)
     return {"changes": await _apply(node, doc, dry_run=args.dry_run),
             "volume": await _describe(node, name) if not args.dry_run else None}

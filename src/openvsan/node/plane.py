@@ -117,8 +117,8 @@ class DataPlane:
             entry: dict[str, Any] = {"size": vol.size, "stack": [type(d).__name__ for d in vol.layers],
                                      "io": vol.meter.report()}
             for layer in vol.layers:
-                if getattr(layer, "type_name", None) == "qos":
-                    entry["qos_stats"] = layer.stats()  # type: ignore[attr-defined]
+                if getattr(layer, "type_name", None) in ("qos", "compress"):
+                    entry[f"{layer.type_name}_stats"] = layer.stats()  # type: ignore[attr-defined]
             replication = getattr(self.node, "replication", None)
             status = replication.status(name) if replication is not None else None
             if status is not None:      # a replicated volume: its role, replicas, resync (controller.status)
@@ -203,6 +203,14 @@ class DataPlane:
 
             raise Conflict(f"volume {c.key}: whether and how it is encrypted cannot change while it holds data (a new "
                            "container would make what is stored unreadable); create a new volume and copy the data")
+        if (old.compression is None) != (new.compression is None):
+            from openvsan.node.control import Conflict
+
+            raise Conflict(f"volume {c.key}: whether it is compressed cannot change while it holds data (its chunks "
+                           "are stored in a layout of their own); create a new volume and copy the data")
+        if old.compression != new.compression:   # another algorithm: new versions use it, the old ones still read
+            squeeze = next(d for d in vol.layers if getattr(d, "type_name", None) == "compress")
+            squeeze.set_algorithm(new.compression)  # type: ignore[attr-defined]
         # another key file (or setting) for the same container: the stack is opened again below, the container
         # unlocked with it (a key file that does not open it fails the change, and nothing changes)
         qos = next((d for d in vol.layers if getattr(d, "type_name", None) == "qos"), None)

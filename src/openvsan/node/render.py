@@ -85,6 +85,8 @@ def _volume(v: VolumeSpec) -> dict[str, Any]:
             if getattr(e, f) != getattr(defaults, f):
                 enc[f] = getattr(e, f)
         out["encryption"] = enc
+    if v.compression is not None:
+        out["compression"] = v.compression
     return out
 
 

@@ -41,6 +41,7 @@ class VolumeCreate:
     thin: Bool = True              # with device or pool and size: carved from it (volume/thin), thin or thick
     snapshot: Bool = False         # with device or pool: serve that group's snapshot named `name`, read-only
     key_file: Str | None = None    # encrypted (volume/crypt.py): a LUKS2 container unlocked by this file's bytes
+    compression: Str | None = None  # compressed (volume/compress.py): "lz4", "zstd" or "zstd:LEVEL"
 
 
 @dataclass(frozen=True, config=REQUEST)

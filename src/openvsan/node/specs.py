@@ -39,6 +39,7 @@ from openvsan.node.values import (
     check_nbd_export_name,
     check_nqn,
     check_object_name,
+    format_size,
     parse_portal,
     parse_size,
 )
@@ -465,6 +466,18 @@ def _qos(v: object) -> object:
     return dict(limits.to_dict()) if not limits.unlimited else {}
 
 
+def _compression(v: str | None) -> str | None:
+    if v is None:
+        return None
+    from openvsan.volume.compress import parse_compression
+
+    try:
+        parse_compression(v)
+    except ValueError as e:
+        raise SpecError(str(e).removeprefix(f"compression {v!r}: ")) from None
+    return v
+
+
 @dataclass(frozen=True, config=SPEC)
 class EncryptionSpec:
     """A volume's `encryption = { key_file = ... }`: its data in a LUKS2 container on its device (volume/crypt.py),
@@ -548,6 +561,40 @@ class VolumeSpec:
     snapshot: Bool = False          # a snapshot of the device's or pool's group, served read-only by its name
     # encrypted at rest in a LUKS2 container on its device or pool (volume/crypt.py); None: not encrypted
     encryption: Annotated[EncryptionSpec | None, Table('a table, e.g. encryption = { key_file = "v.key" }')] = None
+    # compressed in 64 KiB chunks (volume/compress.py): "lz4", "zstd" or "zstd:LEVEL"; a thin volume carved from
+    # a device or pool whose group has small clusters (cluster_size = "4KiB") keeps only what the chunks need
+    compression: Annotated[Str | None, AfterValidator(_compression)] = None
+
+    @model_validator(mode="after")
+    def _compressed(self) -> VolumeSpec:
+        if self.compression is None:
+            return self
+        from openvsan.volume.compress import DEFAULT_CHUNK as CHUNK
+
+        if self.size is None or self.snapshot or not self.thin:
+            raise SpecError('compression is for a thin volume carved from its device or pool: give it a size, e.g. '
+                            'size = "10GiB"', "compression")
+        if self.replicated:
+            raise SpecError("a compressed volume is not yet replicated; remove compression or use replicas = 1",
+                            "compression")
+        if self.size % CHUNK:
+            raise SpecError(f"a compressed volume's size is a multiple of its {CHUNK >> 10} KiB chunks, e.g. "
+                            f"{format_size(-(-self.size // CHUNK) * CHUNK)}", "size")
+        if self.encryption is not None and not self.encryption.allow_discards:
+            raise SpecError("compression under encryption gives space back through unmaps: add allow_discards = true "
+                            "to its encryption table", "encryption")
+        return self
+
+    @property
+    def carved_size(self) -> int | None:
+        """The size of its volume in the group: a compressed volume's thin volume holds two slots per chunk
+        (volume/compress.py; only what is written takes clusters), and an encrypted one's LUKS2 header too."""
+        if self.size is None or self.compression is None:
+            return self.size
+        from openvsan.volume.compress import backing_size
+        from openvsan.volume.luks2 import DATA_OFFSET
+
+        return backing_size(self.size) + (DATA_OFFSET if self.encryption is not None else 0)
 
     @model_validator(mode="after")
     def _carved(self) -> VolumeSpec:
@@ -597,7 +644,9 @@ class VolumeSpec:
     def layers(self) -> list[dict[str, Any]]:
         """The layer configs of its stack, bottom first (volume/registry.py builds them over the device)."""
         crypt = [self.encryption.layer()] if self.encryption is not None else []
-        return crypt + ([{"type": "qos", **self.qos}] if self.qos else [])
+        # above the encryption: what it compresses is the plain data (ciphertext does not compress)
+        squeeze = [{"type": "compress", "algorithm": self.compression}] if self.compression is not None else []
+        return crypt + squeeze + ([{"type": "qos", **self.qos}] if self.qos else [])
 
 
 @dataclass(frozen=True, config=SPEC)

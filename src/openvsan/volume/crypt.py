@@ -34,7 +34,7 @@ from typing import Any
 
 from openvsan.block.capabilities import Capabilities
 from openvsan.block.device import BlockDevice, Buffer
-from openvsan.block.layer import Layer
+from openvsan.block.layer import Layer, stack_of
 from openvsan.volume import luks2 as L
 from openvsan.volume.registry import register_layer, register_opener
 
@@ -274,6 +274,10 @@ async def open_crypt(cfg: dict[str, Any], below: BlockDevice, *, name: str = "")
         raise CryptError(f"encryption {settings.get('format')}/{settings.get('cipher')}: luks2 with aes-xts-plain64 "
                          "is supported")
     who = f"volume {name}: " if name else ""
+    if any(getattr(d, "type_name", None) == "compress" for d in stack_of(below)):
+        raise CryptError(f"{who}encryption over compression is the wrong order: ciphertext does not compress, and "
+                         "data compressed below the cipher leaks its size; put the compress layer above crypt "
+                         "(a volume's compression and encryption settings do)")
     try:
         passphrase = await passphrase_of(settings)
     except CryptError as e:

@@ -22,7 +22,7 @@ LAYER_OPENERS: dict[str, LayerOpener] = {}
 L = TypeVar("L", bound=type[Layer])
 
 # modules whose layers ship with openvsan (each decorates its classes with register_layer)
-BUILTIN_LAYERS: list[str] = ["openvsan.volume.qos", "openvsan.volume.crypt"]
+BUILTIN_LAYERS: list[str] = ["openvsan.volume.qos", "openvsan.volume.crypt", "openvsan.volume.compress"]
 
 
 class UnknownType(ValueError):

@@ -281,6 +281,10 @@ class Volume:
         async with self._quiesced(timeout):
             before = self.num_blocks
             await change()
+            for layer in reversed(self.layers[:-1]):   # layers that keep state of the data (compress) read it anew
+                reload = getattr(layer, "reload", None)
+                if reload is not None:
+                    await reload()
             self.num_blocks = self.stack.num_blocks
         self._changed("contents")
         if self.num_blocks != before:

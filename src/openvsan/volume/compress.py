@@ -1,0 +1,577 @@
+"""The compression layer: a volume's data compressed with lz4 (default) or zstd, in fixed chunks (64 KiB by
+default), stored in a thin volume (volume/thin) whose clusters are small enough (4 KiB) that a chunk takes
+only the clusters its compressed bytes need.
+
+    [[volumes]]
+    name = "logs"
+    device = "d0"              # a device or pool whose volume group has 4 KiB clusters (cluster_size)
+    size = "100GiB"
+    compression = "lz4"        # or "zstd", "zstd:9"
+
+**Layout.** The thin volume below is addressed in slots of chunk + 4 KiB bytes, two per chunk: chunk i owns
+slots 2i and 2i+1 (the thin volume's virtual size is about twice the volume's: it costs nothing until
+written). A slot holds one version of its chunk: a 64-byte header (magic, version, algorithm, chunk size,
+chunk index, generation, payload length, CRC32C of the payload, CRC32C of the header) and the payload (the
+chunk compressed, or raw when compression would not save a 4 KiB unit, or nothing for a chunk of zeros),
+rounded up to 4 KiB; what lies past it in the slot is unmapped, so the thin volume holds no clusters there.
+
+**Crash safety, without a map of its own.** The slots are the metadata: on open, every mapped slot is read
+and the chunk's newest valid version (header and payload checksums right, its own index and chunk size) is
+the one served. A write of a chunk never touches the slot holding its newest *durable* version: it goes to
+the other slot (a newer version not yet durable there is overwritten in place). Once a flush (or the FUA
+write itself) has made the new version durable, the old slot is unmapped; a chunk written as zeros is
+unmapped altogether one flush later (its zero header stays until the old slot's unmap is durable, so a crash
+can never bring the old data back). The thin volume's own rule (data, then flush, then mapping commit)
+makes a version durable whole or not at all, and the payload checksum catches a version torn by a crash in
+its middle; the older one is then served. Like the thin volume below, the layer has a volatile write cache:
+what a flush or FUA write completed before a crash reads back; newer unflushed writes may or may not.
+
+**Order in the stack.** Compression goes above encryption (ciphertext does not compress): a crypt layer over
+a compress layer is refused (volume/crypt.py), and so is a compress layer over a crypt layer that drops
+unmaps (the space would never return).
+
+The ratio reported (`vsan volume show`, stats()) is the bytes the chunks hold in plain over the bytes their
+versions take in the thin volume (4 KiB units), for the chunks that hold data."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import struct
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import crc32c
+import numpy as np
+
+from openvsan.block.capabilities import Capabilities
+from openvsan.block.device import BlockDevice, Buffer
+from openvsan.block.errors import MediumError
+from openvsan.block.layer import Layer, stack_of
+from openvsan.volume.registry import register_layer, register_opener
+
+log = logging.getLogger("openvsan.volume.compress")
+
+DEFAULT_CHUNK = 64 << 10
+CHUNKS = (16 << 10, 32 << 10, 64 << 10, 128 << 10)
+UNIT = 4096                   # a version takes whole units of the slot; the slot is one unit more than a chunk
+CACHE_CHUNKS = 64             # plain chunks kept in memory (a partial write reads none back; reads hit it)
+SCAN_CHUNKS = 16              # chunks read per request while opening
+
+MAGIC = b"VSZC"
+VERSION = 1
+RAW, LZ4, ZSTD, ZERO = 0, 1, 2, 3
+ALGOS = {"lz4": LZ4, "zstd": ZSTD}
+ALGO_NAMES = {RAW: "raw", LZ4: "lz4", ZSTD: "zstd", ZERO: "zero"}
+ZSTD_LEVELS = (1, 19)
+HEADER = struct.Struct("<4sBBHIQQII")     # magic, version, algo, 0, chunk size, index, generation, length, crc
+HEADER_BYTES = 64                         # the header, its own CRC32C after it, zeros to 64
+
+
+class CompressError(ValueError):
+    """The compressed volume cannot be set up as asked; str() is one line for the user."""
+
+
+def parse_compression(value: str) -> tuple[str, int]:
+    """'lz4', 'zstd' or 'zstd:N' -> (algorithm, level); ValueError with one line otherwise."""
+    name, _, level = value.partition(":")
+    if name not in ALGOS:
+        raise ValueError(f"compression {value!r}: use \"lz4\", \"zstd\" or \"zstd:LEVEL\"")
+    if name == "lz4":
+        if level:
+            raise ValueError(f"compression {value!r}: lz4 takes no level")
+        return name, 0
+    if not level:
+        return name, 3
+    if not level.isdigit() or not ZSTD_LEVELS[0] <= int(level) <= ZSTD_LEVELS[1]:
+        raise ValueError(f"compression {value!r}: a zstd level is {ZSTD_LEVELS[0]} to {ZSTD_LEVELS[1]}")
+    return name, int(level)
+
+
+def slot_bytes(chunk: int) -> int:
+    return chunk + UNIT
+
+
+def backing_size(size: int, chunk: int = DEFAULT_CHUNK) -> int:
+    """The thin volume's size under a compressed volume of `size` bytes: two slots per chunk."""
+    return -(-size // chunk) * 2 * slot_bytes(chunk)
+
+
+def _units(n: int) -> int:
+    return -(-n // UNIT) * UNIT
+
+
+class _Codec:
+    """The chunk's bytes to a version's (algo, payload) and back; lz4 and zstd are their C libraries."""
+
+    def __init__(self, algo: str, level: int, chunk: int) -> None:
+        self.algo, self.level, self.chunk = ALGOS[algo], level, chunk
+        self._zc: Any = None
+        self._zd: Any = None
+
+    def encode(self, plain: bytes) -> tuple[int, bytes]:
+        if not any(plain) and plain == bytes(len(plain)):
+            return ZERO, b""
+        if self.algo == LZ4:
+            import lz4.block  # type: ignore[import-untyped,unused-ignore]
+
+            packed = lz4.block.compress(plain, store_size=False)
+        else:
+            if self._zc is None:
+                import zstandard
+
+                self._zc = zstandard.ZstdCompressor(level=self.level)
+            packed = self._zc.compress(plain)
+        if _units(HEADER_BYTES + len(packed)) >= _units(HEADER_BYTES + self.chunk):
+            return RAW, plain       # it would take as many units as the chunk raw: kept raw, read back free
+        return self.algo, packed
+
+    def decode(self, algo: int, payload: bytes) -> bytes:
+        if algo == RAW:
+            return payload
+        if algo == ZERO:
+            return bytes(self.chunk)
+        if algo == LZ4:
+            import lz4.block  # type: ignore[import-untyped,unused-ignore]
+
+            out = bytes(lz4.block.decompress(payload, uncompressed_size=self.chunk))
+        else:
+            if self._zd is None:
+                import zstandard
+
+                self._zd = zstandard.ZstdDecompressor()
+            out = bytes(self._zd.decompress(payload, max_output_size=self.chunk))
+        if len(out) != self.chunk:
+            raise ValueError(f"a chunk decompressed to {len(out)} bytes, not {self.chunk}")
+        return out
+
+
+def pack_header(algo: int, chunk: int, index: int, gen: int, payload: bytes) -> bytes:
+    h = HEADER.pack(MAGIC, VERSION, algo, 0, chunk, index, gen, len(payload), crc32c.crc32c(payload))
+    return (h + struct.pack("<I", crc32c.crc32c(h))).ljust(HEADER_BYTES, b"\0")
+
+
+def read_header(raw: Buffer, chunk: int, index: int) -> tuple[int, int, int, int] | None:
+    """(algo, generation, payload length, payload crc) of a slot's first bytes, or None where they are not
+    a valid header of this chunk (zeros, noise, a torn write, another chunk size)."""
+    b = bytes(raw[:HEADER_BYTES])
+    if len(b) < HEADER_BYTES or b[:4] != MAGIC:
+        return None
+    _, version, algo, _, csize, idx, gen, length, pcrc = HEADER.unpack_from(b)
+    (hcrc,) = struct.unpack_from("<I", b, HEADER.size)
+    if (crc32c.crc32c(b[:HEADER.size]) != hcrc or version != VERSION or algo not in ALGO_NAMES or csize != chunk
+            or idx != index or length > chunk or (algo == ZERO and length) or (algo == RAW and length != chunk)):
+        return None
+    return algo, gen, length, pcrc
+
+
+@register_layer
+class CompressLayer(Layer):
+    type_name = "compress"
+
+    def __init__(self, below: BlockDevice, settings: dict[str, Any]) -> None:
+        super().__init__(below, name=f"compress:{getattr(below, 'name', '?')}")
+        self.settings = settings
+        algo, level = parse_compression(str(settings.get("algorithm", "lz4")))
+        self.chunk = int(settings.get("chunk_size", DEFAULT_CHUNK))
+        if self.chunk not in CHUNKS:
+            raise CompressError(f"chunk size {self.chunk}: use one of {', '.join(str(c >> 10) + ' KiB' for c in CHUNKS)}")
+        bbs = below.block_size
+        if UNIT % bbs:
+            raise CompressError(f"the device's {bbs}-byte blocks do not divide {UNIT}")
+        self.codec = _Codec(algo, level, self.chunk)
+        self.slot = slot_bytes(self.chunk)
+        self._bbs = bbs
+        self._per = self.chunk // bbs                  # layer blocks per chunk (the layer's block is the device's)
+        self._fresh()
+
+    def _fresh(self) -> None:
+        """State for a device not read yet: no chunk holds anything."""
+        n = self.chunks
+        self.cur = np.full(n, -1, dtype=np.int8)       # the slot of the newest version (-1: none, reads zeros)
+        self.dur = np.full(n, -1, dtype=np.int8)       # the slot of the newest durable version (-1: none)
+        self.gen = np.zeros(n, dtype=np.uint64)        # the newest version's generation
+        self.algo = np.full(n, ZERO, dtype=np.uint8)   # the newest version's algorithm
+        self.held = np.zeros((n, 2), dtype=np.uint32)  # bytes each slot may hold mapped (whole units)
+        self._written: dict[int, int] = {}             # chunk -> write sequence of its newest version, not durable
+        self._zeroed: dict[int, int] = {}              # chunk -> sequence at which its old slot's unmap was issued
+        self._seq = 0
+        self._locks: dict[int, list[Any]] = {}   # chunk -> [lock, users]
+        self._cache: OrderedDict[int, bytes] = OrderedDict()
+        self.bytes_in = self.bytes_out = 0             # plain and stored bytes written since open (for stats)
+
+    # ---- what it states
+
+    @property
+    def chunks(self) -> int:
+        return (self.below.num_blocks * self._bbs) // (2 * self.slot)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.chunks * self._per
+
+    @property
+    def capabilities(self) -> Capabilities:
+        caps = self.below.capabilities
+        return caps.but(sync_read=False, sync_write=False, write_window=False, unmap_reads_zero=True,
+                        write_zeroes=True, extents=True, thin=True, volatile_cache=True,
+                        atomic_write=0)
+
+    def allocated_blocks(self) -> int:
+        """Blocks of chunks that hold data (NVMe NUSE, SCSI provisioning): the plain size, not the stored."""
+        return int(np.count_nonzero((self.cur >= 0) & (self.algo != ZERO))) * self._per
+
+    def stats(self) -> dict[str, Any]:
+        """What `vsan volume show` says of it (as compress_stats)."""
+        live = (self.cur >= 0) & (self.algo != ZERO)
+        chunks = int(np.count_nonzero(live))
+        stored = int(self.held[live, :].sum()) if chunks else 0
+        plain = chunks * self.chunk
+        return {"algorithm": self.settings.get("algorithm", "lz4"), "chunk_size": self.chunk,
+                "chunks": chunks, "plain_bytes": plain, "stored_bytes": stored,
+                "ratio": round(plain / stored, 2) if stored else 1.0,
+                "raw_chunks": int(np.count_nonzero(live & (self.algo == RAW)))}
+
+    # ---- opening: every mapped slot read, each chunk's newest valid version chosen
+
+    async def load(self) -> None:
+        """Reads what the device holds (slots a thin volume reports unmapped are skipped); stale slots are
+        unmapped, then (one flush later) zero versions. What the device holds is flushed first: a version read
+        here is taken as durable (the stack may be opened again over a volume that is serving)."""
+        await self.below.flush()
+        n = self.chunks
+        todo = self._mapped_chunks(await self._extents()) if self.below.capabilities.extents else range(n)
+        stale: list[tuple[int, int]] = []
+        batch: list[int] = []
+
+        async def scan(batch: list[int]) -> None:
+            # runs of consecutive chunks read in one request each
+            start = 0
+            while start < len(batch):
+                end = start + 1
+                while end < len(batch) and batch[end] == batch[end - 1] + 1:
+                    end += 1
+                first, count = batch[start], end - start
+                raw = await self.below.read(first * 2 * self.slot // self._bbs, count * 2 * self.slot // self._bbs)
+                for k in range(count):
+                    self._choose(first + k, memoryview(raw)[k * 2 * self.slot:(k + 1) * 2 * self.slot], stale)
+                start = end
+
+        for c in todo:
+            batch.append(c)
+            if len(batch) >= SCAN_CHUNKS:
+                await scan(batch)
+                batch = []
+        if batch:
+            await scan(batch)
+        self.dur[:] = self.cur
+        zeros = [c for c in range(n) if self.cur[c] >= 0 and self.algo[c] == ZERO] if n else []
+        for c, s in stale:
+            await self._unmap_slot(c, s, 0)
+        if stale and zeros:
+            await self.below.flush()
+        for c in zeros:
+            await self._unmap_slot(c, int(self.cur[c]), 0)
+            self.cur[c] = self.dur[c] = -1
+        if zeros:
+            await self.below.flush()
+        log.info("%s: %d chunks hold data (%s), %d stale versions dropped", self.name,
+                 int(np.count_nonzero(self.cur >= 0)), self.settings.get("algorithm", "lz4"), len(stale))
+
+    async def reload(self) -> None:
+        """The data below changed as a whole (a rollback to a snapshot): read it anew (I/O is drained)."""
+        self._fresh()
+        await self.load()
+
+    async def _extents(self) -> list[tuple[int, int, int]]:
+        out: list[tuple[int, int, int]] = []
+        lba, end = 0, self.below.num_blocks
+        while lba < end:
+            runs = await self.below.lba_status(lba, end - lba)  # type: ignore[attr-defined]
+            if not runs:
+                break
+            out += runs
+            lba = runs[-1][0] + runs[-1][1]
+        return out
+
+    def _mapped_chunks(self, runs: list[tuple[int, int, int]]) -> list[int]:
+        span = 2 * self.slot // self._bbs
+        seen: set[int] = set()
+        for lba, blocks, state in runs:
+            if state == 0:   # mapped
+                seen.update(range(lba // span, min(self.chunks, -(-(lba + blocks) // span))))
+        return sorted(seen)
+
+    def _choose(self, c: int, pair: memoryview, stale: list[tuple[int, int]]) -> None:
+        best: tuple[int, int, int] | None = None     # (gen, slot, algo)
+        valid = []
+        for s in (0, 1):
+            raw = pair[s * self.slot:(s + 1) * self.slot]
+            h = read_header(raw, self.chunk, c)
+            if h is None:
+                if any(raw):
+                    stale.append((c, s))   # noise or a torn version: its clusters go back
+                continue
+            algo, gen, length, pcrc = h
+            if crc32c.crc32c(raw[HEADER_BYTES:HEADER_BYTES + length]) != pcrc:
+                stale.append((c, s))
+                continue
+            self.held[c, s] = _units(HEADER_BYTES + length)
+            valid.append(s)
+            if best is None or gen > best[0]:
+                best = (gen, s, algo)
+        if best is None:
+            return
+        gen, s, algo = best
+        self.cur[c], self.gen[c], self.algo[c] = s, gen, algo
+        for o in valid:
+            if o != s:
+                stale.append((c, o))
+
+    # ---- I/O
+
+    @contextlib.asynccontextmanager
+    async def _chunk(self, c: int) -> AsyncIterator[None]:
+        entry = self._locks.get(c)
+        if entry is None:
+            entry = self._locks[c] = [asyncio.Lock(), 0]
+        entry[1] += 1
+        try:
+            async with entry[0]:
+                yield
+        finally:
+            entry[1] -= 1
+            if not entry[1]:
+                del self._locks[c]
+
+    def _pieces(self, lba: int, blocks: int) -> list[tuple[int, int, int]]:
+        """(chunk, first block in it, blocks) over [lba, lba+blocks)."""
+        out = []
+        while blocks:
+            c, off = divmod(lba, self._per)
+            n = min(blocks, self._per - off)
+            out.append((c, off, n))
+            lba, blocks = lba + n, blocks - n
+        return out
+
+    async def _plain(self, c: int) -> bytes:
+        """The chunk's newest version in plain (its lock held)."""
+        hit = self._cache.get(c)
+        if hit is not None:
+            self._cache.move_to_end(c)
+            return hit
+        s = int(self.cur[c])
+        if s < 0 or self.algo[c] == ZERO:
+            return bytes(self.chunk)
+        held = int(self.held[c, s])
+        raw = await self.below.read((c * 2 + s) * self.slot // self._bbs, held // self._bbs)
+        h = read_header(raw, self.chunk, c)
+        if h is None or h[1] != int(self.gen[c]):
+            raise MediumError(f"{self.name}: chunk {c}: its version in slot {s} does not read back", c * self._per)
+        algo, _, length, pcrc = h
+        payload = bytes(memoryview(raw)[HEADER_BYTES:HEADER_BYTES + length])
+        if crc32c.crc32c(payload) != pcrc:
+            raise MediumError(f"{self.name}: chunk {c}: checksum mismatch in slot {s}", c * self._per)
+        try:
+            plain = self.codec.decode(algo, payload)
+        except Exception as e:   # noqa: BLE001 - a payload whose checksum holds but does not decode
+            raise MediumError(f"{self.name}: chunk {c}: {e}", c * self._per) from None
+        self._keep(c, plain)
+        return plain
+
+    def _keep(self, c: int, plain: bytes) -> None:
+        self._cache[c] = plain
+        self._cache.move_to_end(c)
+        while len(self._cache) > CACHE_CHUNKS:
+            self._cache.popitem(last=False)
+
+    async def read(self, lba: int, blocks: int) -> Buffer:
+        bs = self._bbs
+        if blocks <= self._per and lba // self._per == (lba + blocks - 1) // self._per:
+            c, off = divmod(lba, self._per)
+            async with self._chunk(c):
+                plain = await self._plain(c)
+            return plain[off * bs:(off + blocks) * bs]
+        out = bytearray(blocks * bs)
+        at = 0
+        for c, off, n in self._pieces(lba, blocks):
+            async with self._chunk(c):
+                plain = await self._plain(c)
+            out[at:at + n * bs] = plain[off * bs:(off + n) * bs]
+            at += n * bs
+        return out
+
+    async def write(self, lba: int, data: Buffer, *, fua: bool = False) -> None:
+        bs = self._bbs
+        view = memoryview(data)
+        at = 0
+        for c, off, n in self._pieces(lba, len(view) // bs):
+            piece = view[at:at + n * bs]
+            at += n * bs
+            await self._rewrite(c, off, n, functools.partial(_patched, at=off * bs, piece=piece, n=n * bs), fua)
+
+    async def write_zeroes(self, lba: int, blocks: int) -> None:
+        bs = self._bbs
+        for c, off, n in self._pieces(lba, blocks):
+            await self._rewrite(c, off, n, functools.partial(_patched, at=off * bs, piece=None, n=n * bs), False)
+
+    async def unmap(self, lba: int, blocks: int) -> None:
+        await self.write_zeroes(lba, blocks)
+
+    async def _rewrite(self, c: int, off: int, n: int, change: Callable[[bytes | None], bytes], fua: bool) -> None:
+        """The chunk's new version (change(old plain), old None for a whole chunk) written to the slot that does
+        not hold its newest durable version."""
+        whole = off == 0 and n == self._per
+        async with self._chunk(c):
+            if whole:
+                plain = change(None)
+            else:
+                plain = change(await self._plain(c))
+            if self.cur[c] < 0 and not any(plain) and plain == bytes(self.chunk):
+                return     # zeros over zeros: nothing to store
+            algo, payload = self.codec.encode(plain)
+            d = int(self.dur[c])
+            t = 1 - d if d >= 0 else max(0, int(self.cur[c]))
+            gen = int(self.gen[c]) + 1
+            body = pack_header(algo, self.chunk, c, gen, payload) + payload
+            size = _units(len(body))
+            at = (c * 2 + t) * self.slot
+            self._cache.pop(c, None)
+            await self.below.write(at // self._bbs, body.ljust(size, b"\0"), fua=fua)
+            if int(self.held[c, t]) > size:     # what an older, longer version left past it
+                await self.below.unmap((at + size) // self._bbs, (int(self.held[c, t]) - size) // self._bbs)
+            self.held[c, t] = size
+            self.cur[c], self.gen[c], self.algo[c] = t, gen, algo
+            self._keep(c, plain)
+            self._seq += 1
+            self._written[c] = self._seq
+            self._zeroed.pop(c, None)
+            self.bytes_in += self.chunk
+            self.bytes_out += size
+            if fua:
+                await self._durable(c)
+
+    async def _durable(self, c: int) -> None:
+        """The chunk's newest version is durable (its lock held): the other slot's version goes."""
+        s = int(self.cur[c])
+        self._written.pop(c, None)
+        self.dur[c] = s
+        o = 1 - s
+        if self.held[c, o]:
+            await self._unmap_slot(c, o, 0)
+        if self.algo[c] == ZERO:
+            self._seq += 1
+            self._zeroed[c] = self._seq   # its own slot goes once this unmap is durable (a later flush)
+
+    async def _unmap_slot(self, c: int, s: int, keep: int) -> None:
+        at = (c * 2 + s) * self.slot + keep
+        await self.below.unmap(at // self._bbs, (self.slot - keep) // self._bbs)
+        self.held[c, s] = 0
+
+    async def flush(self) -> None:
+        cut = self._seq
+        await self.below.flush()
+        # zero versions whose old slot's unmap was issued before this flush: they go too (durable at the next)
+        for c in [c for c, seq in self._zeroed.items() if seq <= cut]:
+            async with self._chunk(c):
+                if self._zeroed.get(c, cut + 1) <= cut and c not in self._written:
+                    s = int(self.cur[c])
+                    del self._zeroed[c]
+                    await self._unmap_slot(c, s, 0)
+                    self.cur[c] = self.dur[c] = -1
+                    self.gen[c] += 1        # a later version must outrank any copy of this one left behind
+        for c in [c for c, seq in self._written.items() if seq <= cut]:
+            async with self._chunk(c):
+                if self._written.get(c, cut + 1) <= cut:
+                    await self._durable(c)
+
+    async def lba_status(self, lba: int, blocks: int) -> list[tuple[int, int, int]]:
+        """(lba, blocks, 0 mapped | 1 deallocated) runs, a chunk at a time (zeros are deallocated)."""
+        end = min(lba + blocks, self.num_blocks)
+        out: list[tuple[int, int, int]] = []
+        while lba < end:
+            c = lba // self._per
+            state = 0 if self.cur[c] >= 0 and self.algo[c] != ZERO else 1
+            stop = min(end, (c + 1) * self._per)
+            if out and out[-1][2] == state:
+                a, n, _ = out[-1]
+                out[-1] = (a, n + stop - lba, state)
+            else:
+                out.append((lba, stop - lba, state))
+            lba = stop
+        return out
+
+    async def resize(self, num_blocks: int) -> None:
+        chunks = -(-num_blocks // self._per)
+        if chunks < self.chunks and bool((self.cur[chunks:] >= 0).any()):
+            from openvsan.block.errors import BlockError
+
+            raise BlockError(f"{self.name}: chunks past the new end hold data")
+        await self.below.resize(chunks * 2 * self.slot // self._bbs)  # type: ignore[attr-defined]
+        self._grow(self.chunks)
+
+    def _grow(self, n: int) -> None:
+        old = len(self.cur)
+        if n == old:
+            return
+        def fit(a: np.ndarray, fill: int) -> np.ndarray:
+            out = np.full((n,) + a.shape[1:], fill, dtype=a.dtype)
+            k = min(n, old)
+            out[:k] = a[:k]
+            return out
+        self.cur, self.dur = fit(self.cur, -1), fit(self.dur, -1)
+        self.gen, self.algo, self.held = fit(self.gen, 0), fit(self.algo, ZERO), fit(self.held, 0)
+
+    def set_algorithm(self, value: str) -> None:
+        """Another algorithm for the versions written from now on (each version names its own)."""
+        algo, level = parse_compression(value)
+        self.codec = _Codec(algo, level, self.chunk)
+        self.settings = {**self.settings, "algorithm": value}
+
+    # ---- its place in the desired state
+
+    def layer_config(self) -> dict[str, Any]:
+        return dict(self.settings)
+
+    @classmethod
+    def from_config(cls, cfg: dict[str, Any], below: BlockDevice) -> Layer:
+        raise CompressError("a compressed volume is opened by reading its chunks (volume/compress.py "
+                            "open_compress), not from its settings alone")
+
+
+def _patched(old: bytes | None, at: int, piece: memoryview | None, n: int) -> bytes:
+    """old (None: the chunk is replaced whole) with n bytes at `at` replaced by piece (None: zeros)."""
+    if old is None:
+        return bytes(piece) if piece is not None else bytes(n)
+    out = bytearray(old)
+    out[at:at + n] = piece if piece is not None else bytes(n)
+    return bytes(out)
+
+
+def check_below(below: BlockDevice) -> None:
+    """CompressError unless the stack below can give space back: a thin volume, reached with unmaps."""
+    for d in stack_of(below):
+        if getattr(d, "type_name", None) == "crypt" and not getattr(d, "settings", {}).get("allow_discards"):
+            raise CompressError("compression over encryption needs encryption.allow_discards = true (else the "
+                                "space of every old version stays allocated)")
+    if not any(d.capabilities.thin for d in stack_of(below)):
+        raise CompressError("compression needs a volume carved from a device or pool (give it a size): the thin "
+                            "volume below is what gives the saved space back")
+
+
+async def open_compress(cfg: dict[str, Any], below: BlockDevice, *, name: str = "") -> CompressLayer:
+    settings = {k: v for k, v in cfg.items() if k != "type"}
+    who = f"volume {name}: " if name else ""
+    try:
+        check_below(below)
+        layer = CompressLayer(below, settings)
+    except (CompressError, ValueError) as e:
+        raise CompressError(f"{who}{e}") from None
+    await layer.load()
+    return layer
+
+
+register_opener("compress", open_compress)
