@@ -133,6 +133,22 @@ def test_compare_crypt_smoke(tmp_path: Path) -> None:
     assert doc["openssl_aes_256_xts_mbps"]["4096"] > 0
 
 
+def test_compare_compress_smoke(tmp_path: Path) -> None:
+    """Issue 16's compression benchmark: lz4 and zstd volumes beside a plain thin one of the same RAM device,
+    fio's nbd engine on half-compressible data (about 40 s); the space each fill took."""
+    require("fio", "taskset")
+    doc = run_script("compare_compress.py", tmp_path / "compress.json", timeout=300)
+    assert [c["case"] for c in doc["cases"]] == ["4k-randwrite-qd32", "4k-randread-qd32", "64k-randwrite-qd8",
+                                                 "1m-seqread-qd8", "1m-seqwrite-qd8"]
+    for case in doc["cases"]:
+        for v in ("lz4", "zstd", "plain"):
+            assert case["volumes"][v][case["metric"]] > 0, (case["case"], v)
+    for v in ("lz4", "zstd"):
+        sq = doc["space"][v]["compress_stats"]
+        assert 1.5 < sq["ratio"] < 2.0, sq       # 50 % random bytes
+        assert doc["space"][v]["group_bytes_used"] < doc["space"]["plain"]["group_bytes_used"] * 0.7
+
+
 def test_compare_qos_smoke(tmp_path: Path) -> None:
     """Issue 11's A/B: one node, a plain RAM volume and one with a QoS layer never reached (about 15 s)."""
     require("iscsi-perf", "iscsi-readcapacity16", "taskset", "fio")

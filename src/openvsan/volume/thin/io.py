@@ -76,16 +76,32 @@ class GroupIO(GroupStore):
                 self._unguard(p)
         out = bytearray(blocks * bs)
         at = 0
+        run: list[int] = []      # clusters of one device read: physically consecutive, in order
+        run_at = run_off = run_n = 0
         for vc, off, n in self._segments(lba, blocks):
-            p = v.map[vc]
-            if p:
-                self._guard(p)
-                try:
-                    out[at:at + n * bs] = await self.dev.read(dlba + p * cb + off, n)
-                finally:
-                    self._unguard(p)
+            p = int(v.map[vc])
+            if run and p == run[-1] + 1 and not run_off + run_n - (len(run) - 1) * cb - cb:
+                run.append(p)       # this cluster goes on where the last one ended: one read for both
+                run_n += n
+            else:
+                if run:
+                    await self._read_run(run, run_off, run_n, out, run_at)
+                run, run_at, run_off, run_n = ([p] if p else []), at, off, n
             at += n * bs
+        if run:
+            await self._read_run(run, run_off, run_n, out, run_at)
         return out
+
+    async def _read_run(self, run: list[int], off: int, n: int, out: bytearray, at: int) -> None:
+        """n blocks from `off` in physical clusters run[0], run[0]+1, ... into out[at:]."""
+        bs, cb = self.block_size, self.cluster_blocks
+        for p in run:
+            self._guard(p)
+        try:
+            out[at:at + n * bs] = await self.dev.read(self.lba0 + run[0] * cb + off, n)
+        finally:
+            for p in run:
+                self._unguard(p)
 
     async def write(self, v: _Vol, lba: int, data: Buffer, fua: bool) -> None:
         if not v.writable:
@@ -96,18 +112,30 @@ class GroupIO(GroupStore):
             view = memoryview(data).cast("B") if not isinstance(data, memoryview) else data
             cb, dlba, ref, pin = self.cluster_blocks, self.lba0, self.ref, self._pin
             at = 0
-            for vc, off, n in self._segments(lba, len(view) // bs):
-                chunk = view[at:at + n * bs]
-                at += n * bs
+            segments = list(self._segments(lba, len(view) // bs))
+            i = 0
+            while i < len(segments):
+                vc, off, n = segments[i]
                 p = v.map[vc]
                 if p and ref[p] == 1 and not pin[p] and vc not in v.provisioning:   # in place
                     self._guard(p)
                     try:
-                        await self.dev.write(dlba + p * cb + off, chunk)
+                        await self.dev.write(dlba + p * cb + off, view[at:at + n * bs])
                     finally:
                         self._unguard(p)
-                else:
-                    await self._write_cluster(v, vc, off, n, chunk)
+                    at, i = at + n * bs, i + 1
+                    continue
+                # whole clusters that nothing maps yet, one after another: provisioned together
+                j = i
+                while j < len(segments) and segments[j][2] == cb and not v.map[segments[j][0]] and \
+                        segments[j][0] not in v.provisioning:
+                    j += 1
+                if j - i >= 2:
+                    await self._provision_run(v, vc, j - i, view[at:at + (j - i) * cb * bs])
+                    at, i = at + (j - i) * cb * bs, j
+                    continue
+                await self._write_cluster(v, vc, off, n, view[at:at + n * bs])
+                at, i = at + n * bs, i + 1
             if fua:
                 await self.commit()
         finally:
@@ -186,6 +214,45 @@ class GroupIO(GroupStore):
             self._reserved -= 2
             del v.provisioning[vc]
             done.set()
+
+    async def _provision_run(self, v: _Vol, vc0: int, k: int, data: memoryview) -> None:
+        """_provision for k whole clusters from vc0 that nothing maps: new clusters get the data (one device
+        write per physically consecutive run of them), then the mapping (one record per run)."""
+        bs, cb, dlba = self.block_size, self.cluster_blocks, self.lba0
+        self._admit(2 * k)
+        news: list[int] = []
+        self._reserved += 2 * k
+        made: list[int] = []
+        try:
+            for _ in range(k):
+                news.append(self._alloc())
+            for i in range(k):
+                v.provisioning[vc0 + i] = asyncio.Event()
+                made.append(vc0 + i)
+            runs = []
+            i = 0
+            while i < k:
+                j = i + 1
+                while j < k and news[j] == news[j - 1] + 1:
+                    j += 1
+                runs.append((i, j))
+                i = j
+            for i, j in runs:
+                await self.dev.write(dlba + news[i] * cb, data[i * cb * bs:j * cb * bs])
+            for i, j in runs:
+                self._busy.difference_update(news[i:j])
+                seq = self._do((Op.MAP, v.rec.id, vc0 + i, news[i], j - i))
+                for p in news[i:j]:
+                    self._fresh[p] = seq
+        except BaseException:
+            for p in news:
+                if self.ref[p] == 0:
+                    self._busy.discard(p)
+            raise
+        finally:
+            self._reserved -= 2 * k
+            for vc in made:
+                v.provisioning.pop(vc).set()
 
     async def unmap(self, v: _Vol, lba: int, blocks: int) -> None:
         """Deallocate (thin: whole clusters leave the mapping, the volume's last one too when the range runs
