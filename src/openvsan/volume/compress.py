@@ -440,9 +440,11 @@ class CompressLayer(Layer):
             size = _units(len(body))
             at = (c * 2 + t) * self.slot
             self._cache.pop(c, None)
+            before = int(self.held[c, t])
+            self.held[c, t] = max(before, size)     # a write that fails may have taken clusters: unmapped later
             await self.below.write(at // self._bbs, body.ljust(size, b"\0"), fua=fua)
-            if int(self.held[c, t]) > size:     # what an older, longer version left past it
-                await self.below.unmap((at + size) // self._bbs, (int(self.held[c, t]) - size) // self._bbs)
+            if before > size:     # what an older, longer version left past it
+                await self.below.unmap((at + size) // self._bbs, (before - size) // self._bbs)
             self.held[c, t] = size
             self.cur[c], self.gen[c], self.algo[c] = t, gen, algo
             self._keep(c, plain)
