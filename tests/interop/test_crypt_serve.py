@@ -194,3 +194,120 @@ def test_keys_are_added_rotated_and_removed_while_the_volume_serves(vsan: Callab
     assert back[:len(data)] == data
     stored = next(v for v in api.get("/api/v1/config").json()["volumes"] if v["name"] == "enc")
     assert stored["encryption"] == {"key_file": str(k2)}       # what the next start unlocks with
+
+
+PROMPT_CONFIG = """
+[node]
+name = "lock-node"
+
+[api]
+listen = "127.0.0.1:{api_port}"
+
+[[devices]]
+name = "d0"
+type = "file"
+path = "{img}"
+size = "64MiB"
+
+[[devices]]
+name = "d1"
+type = "file"
+path = "{img1}"
+size = "64MiB"
+cluster = "4KiB"
+
+[[volumes]]
+name = "typed"
+device = "d0"
+encryption = {{ prompt = true, kdf = "pbkdf2", kdf_iterations = 1000 }}
+
+[[volumes]]
+name = "filed"
+device = "d1"
+size = "32MiB"
+compression = "lz4"
+encryption = {{ key_file = "{key}", kdf = "pbkdf2", kdf_iterations = 1000, allow_discards = true }}
+
+[iscsi]
+portals = ["127.0.0.1:{port}"]
+
+[[iscsi.targets]]
+iqn = "{iqn}"
+luns = [{{ lun = 0, volume = "typed" }}, {{ lun = 1, volume = "filed" }}]
+
+[nbd]
+portals = ["127.0.0.1:{nbd_port}"]
+
+[[nbd.exports]]
+name = "typed"
+volume = "typed"
+
+[[nbd.exports]]
+name = "filed"
+volume = "filed"
+"""
+
+
+def test_volumes_lock_and_unlock_while_exported(vsan: Callable[..., VsanServer], tmp_path: Path) -> None:
+    """prompt = true: the volume is served locked from the start (its size known, every read answered NOT
+    READY / MANUAL INTERVENTION REQUIRED over iSCSI, an error over NBD) until `vsan volume unlock` gives its
+    passphrase (the first one formats the blank device); `vsan volume lock` locks it again while exported (a
+    compressed volume over encryption too, its writes flushed first); a wrong passphrase is refused and
+    changes nothing; after a restart it is locked again, and cryptsetup opens it with the typed passphrase."""
+    require_tools("nbdcopy", "nbdinfo", "qemu-io", "cryptsetup")
+    key = tmp_path / "filed.key"
+    key.write_bytes(os.urandom(32))
+    server = vsan(start=False)
+    server.config.write_text(PROMPT_CONFIG.format(img=tmp_path / "d0.img", img1=tmp_path / "d1.img", key=key,
+                                                  port=server.port, iqn=server.iqn, nbd_port=server.nbd_port,
+                                                  api_port=server.api_port))
+    server.start()
+
+    def cli(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([str(VSAN), "volume", *args, "--data-dir", str(server.data_dir)], input=stdin,
+                              capture_output=True, text=True, timeout=120, check=False)
+
+    def reads(export: str) -> bytes | None:
+        p = subprocess.run(["nbdcopy", server.nbd_url(export), "-"], capture_output=True, timeout=120, check=False)
+        return p.stdout if p.returncode == 0 else None
+
+    def iscsi_read(lun: int) -> str:
+        p = subprocess.run(["qemu-io", "-f", "raw", "-c", "read 0 4096", server.url(lun)], capture_output=True,
+                           text=True, timeout=60, check=False)
+        return p.stdout + p.stderr
+
+    assert int(run(["nbdinfo", "--size", server.nbd_url("typed")]).stdout) == 48 * MiB
+    assert reads("typed") is None
+    said = iscsi_read(0)
+    assert "failed" in said and "NOT READY" in said.upper(), said
+    assert "LOCKED" in cli("show", "typed").stdout
+    done = cli("unlock", "typed", "--passphrase-stdin", stdin="correct horse\n")
+    assert done.returncode == 0 and "unlocked" in done.stdout, done.stderr
+    data = os.urandom(2 * MiB)
+    run(["nbdcopy", "-", server.nbd_url("typed")], input=data)
+    run(["nbdcopy", "-", server.nbd_url("filed")], input=data)
+    for name in ("typed", "filed"):
+        done = cli("lock", name)
+        assert done.returncode == 0 and f"volume {name} locked" in done.stdout, done.stderr
+        assert reads(name) is None
+    assert "failed" in iscsi_read(1)
+    wrong = cli("unlock", "typed", "--passphrase-stdin", stdin="battery staple\n")
+    assert wrong.returncode != 0 and "no keyslot opens with this passphrase" in wrong.stderr, wrong.stderr
+    assert reads("typed") is None                      # still locked
+    assert cli("unlock", "typed", "--passphrase-stdin", stdin="correct horse\n").returncode == 0
+    assert cli("unlock", "filed", "--configured").returncode == 0
+    for name in ("typed", "filed"):
+        back = reads(name)
+        assert back is not None and back[:len(data)] == data, name
+    assert cli("unlock", "typed", "--configured").returncode != 0      # not locked
+    server.stop()
+
+    server.start()                                     # locked again; the key-file volume opens by itself
+    assert reads("typed") is None and reads("filed") is not None
+    assert cli("unlock", "typed", "--passphrase-stdin", stdin="correct horse\n").returncode == 0
+    back = reads("typed")
+    assert back is not None and back[:len(data)] == data
+    server.stop()
+    typed = tmp_path / "typed.key"
+    typed.write_bytes(b"correct horse")
+    assert cryptsetup("open", "--test-passphrase", str(tmp_path / "d0.img"), key_file=typed).returncode == 0

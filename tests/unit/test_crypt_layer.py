@@ -159,9 +159,53 @@ def test_the_spec_takes_a_key_file_or_a_key_command(tmp_path: Path) -> None:
 
     assert cfg({"key_file": "k"}).volumes[0].layers[0]["key_file"] == str(tmp_path / "k")
     assert cfg({"key_command": ["get-key", "v"]}).volumes[0].layers[0]["key_command"] == ["get-key", "v"]
-    for bad, line in (({}, "one of the two"), ({"key_file": "k", "key_command": ["x"]}, "one of the two"),
+    assert cfg({"prompt": True}).volumes[0].layers[0]["prompt"] is True
+    for bad, line in (({}, "one of the three"), ({"key_file": "k", "key_command": ["x"]}, "one of the three"),
+                      ({"key_file": "k", "prompt": True}, "one of the three"),
                       ({"key_file": "k", "key_size": 384}, "use 256"), ({"key_file": "k", "sector_size": 1000},
                                                                        "use 512 or 4096"),
                       ({"key_file": "k", "cipher": "serpent-xts-plain64"}, "cipher")):
         with pytest.raises(ConfigError, match=line):
             cfg(bad)
+
+
+def test_a_prompt_volume_opens_locked_with_the_geometry_it_will_have_and_unlocks_with_its_passphrase() -> None:
+    """prompt = true: open_stack leaves a LockedLayer of the size the unlocked stack has (a blank device: as
+    formatting will make it; a container: from its header, no key needed), every command refused with Locked;
+    with the passphrase the container is formatted or unlocked; a wrong one is refused, nothing written."""
+    from openvsan.block.errors import Locked
+    from openvsan.volume.crypt import LockedLayer
+
+    cfg = {"type": "crypt", "prompt": True, "kdf": "pbkdf2", "kdf_iterations": 1000}
+
+    async def go() -> None:
+        dev = RamDevice((32 * MiB) // 512)
+        locked = await open_stack(dev, [cfg, {"type": "qos", "read_iops_limit": 1000}], name="v")
+        assert isinstance(locked, LockedLayer)
+        assert (locked.block_size, locked.num_blocks) == (4096, (32 * MiB - L.DATA_OFFSET) // 4096)
+        for call in (locked.read(0, 1), locked.write(0, bytes(4096)), locked.flush(), locked.unmap(0, 1)):
+            with pytest.raises(Locked, match="volume v is locked: `vsan volume unlock v`"):
+                await call
+        assert not any(bytes(await dev.read(0, 64)))             # nothing written while locked
+        top = await open_stack(dev, [cfg], name="v", passphrase=b"typed at a prompt")
+        assert isinstance(top, CryptLayer) and (top.block_size, top.num_blocks) == (locked.block_size,
+                                                                                   locked.num_blocks)
+        await top.write(3, b"x" * 4096)
+        assert top.stats()["unlocked_with"] == "a passphrase given at unlock"
+        again = await open_stack(dev, [cfg], name="v")           # formatted now: the header gives the size
+        assert isinstance(again, LockedLayer) and again.num_blocks == top.num_blocks
+        with pytest.raises(CryptError, match="no keyslot opens with this passphrase"):
+            await open_stack(dev, [cfg], name="v", passphrase=b"wrong")
+        opened = await open_stack(dev, [cfg], name="v", passphrase=b"typed at a prompt")
+        assert bytes(await opened.read(3, 1)) == b"x" * 4096
+    run(go())
+
+
+def test_the_block_errors_of_a_locked_volume_in_each_protocol() -> None:
+    from openvsan.block.errors import Locked
+    from openvsan.protocol.nvme.status import NS_NOT_READY, block_error_status
+    from openvsan.protocol.scsi.sense import NOT_READY, block_error_result, parse_sense
+
+    r = block_error_result(Locked("locked"), write=False)
+    assert parse_sense(r.sense) == (NOT_READY, 0x0403)
+    assert block_error_status(Locked("locked"), write=True) == NS_NOT_READY

@@ -31,5 +31,9 @@ class ReadOnly(BlockError):
     """The device does not accept writes."""
 
 
+class Locked(BlockError):
+    """An encrypted volume that is locked (its key not in memory): nothing is served until it is unlocked."""
+
+
 class Busy(BlockError):
     """The device cannot take the request now; the initiator may retry."""

@@ -8,6 +8,7 @@ request (nothing was changed), 1 when no node answers.
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Annotated, Any, NoReturn
 
@@ -120,6 +121,49 @@ def volume_create(
 KeyFileOpt = Annotated[Path, typer.Option("--key-file", help="A file on the node whose bytes are the passphrase.")]
 
 
+@volume_app.command("lock")
+def volume_lock(name: VolumeArg, as_json: JsonOpt = False, data_dir: DataDir = None, config: ConfigOpt = None) -> None:
+    """Lock an encrypted volume: writes under way finish and are flushed, its key leaves the node's memory, and
+    it answers every command "not ready" (initiators stay connected) until `vsan volume unlock`."""
+    r = _call(data_dir, config, "volume.lock", name=name)
+    _show_done(r, as_json)
+
+
+@volume_app.command("unlock")
+def volume_unlock(
+    name: VolumeArg,
+    key_file: Annotated[Path | None, typer.Option("--key-file", help="A file on the node whose bytes are the "
+                                                  "passphrase.")] = None,
+    passphrase_stdin: Annotated[bool, typer.Option("--passphrase-stdin", help="Read the passphrase from standard "
+                                                   "input (its first line, as cryptsetup does).")] = False,
+    configured: Annotated[bool, typer.Option("--configured", help="Use the key file or key command the volume's "
+                                             "config names (what a start uses).")] = False,
+    as_json: JsonOpt = False, data_dir: DataDir = None, config: ConfigOpt = None,
+) -> None:
+    """Unlock a locked encrypted volume. Without an option the passphrase is asked for at the terminal (not
+    echoed); it goes to the node over its API or control socket and is never stored."""
+    args: dict[str, Any] = {"name": name}
+    if key_file is not None:
+        args["key_file"] = str(key_file.absolute())
+    elif passphrase_stdin:
+        args["passphrase"] = sys.stdin.readline().removesuffix("\n")
+    elif not configured:
+        if not sys.stdin.isatty():
+            _bad("no terminal to ask the passphrase at: give --key-file, --passphrase-stdin or --configured")
+        import getpass
+
+        args["passphrase"] = getpass.getpass(f"Passphrase for volume {name}: ")
+    r = _call(data_dir, config, "volume.unlock", **args)
+    _show_done(r, as_json)
+
+
+def _show_done(r: dict[str, Any], as_json: bool) -> None:
+    if as_json:
+        _print_json(r)
+    else:
+        typer.echo(r["message"])
+
+
 @volume_app.command("add-key")
 def volume_add_key(name: VolumeArg, key_file: KeyFileOpt, as_json: JsonOpt = False, data_dir: DataDir = None,
                    config: ConfigOpt = None) -> None:
@@ -196,6 +240,9 @@ def volume_show(name: VolumeArg, as_json: JsonOpt = False, data_dir: DataDir = N
               soft_wrap=True)
     caps = v.get("capabilities") or {}
     out.print(f"{'capabilities':>12}: " + ", ".join(k for k, x in caps.items() if x is True), soft_wrap=True)
+    if (v.get("locked_stats") or {}).get("locked"):
+        out.print(f"{'encryption':>12}: LOCKED (every command answered not ready): `vsan volume unlock "
+                  f"{v.get('name', 'NAME')}`", soft_wrap=True)
     crypt = v.get("crypt_stats")
     if crypt:
         out.print(f"{'encryption':>12}: LUKS2 {crypt['uuid']}, {crypt['cipher']} {crypt['key_bits']}-bit, "

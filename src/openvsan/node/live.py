@@ -6,6 +6,7 @@ the difference while it serves (Node.apply). Nothing is stored unless all of it 
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Awaitable, Callable
 from contextvars import ContextVar
 from pathlib import Path
@@ -22,6 +23,8 @@ from openvsan.node.specs import NodeConfig
 
 if TYPE_CHECKING:
     from openvsan.node.node import Node
+
+log = logging.getLogger("openvsan.node.live")
 
 Command = Callable[["Node", dict[str, Any]], Awaitable[Any]]
 # the revision of the desired state a request was made against (the REST API's If-Match), or None: a change
@@ -304,6 +307,81 @@ async def volume_remove_key(node: Node, args: R.VolumeKey) -> Any:
         raise Conflict(f"volume {args.name}: {args.key_file} is the key file this node unlocks it with at start; "
                        "point encryption.key_file at another key file first (vsan config apply)")
     return await _keyslot_change(node, args, add=False)
+
+
+def _encrypted_spec(node: Node, name: str) -> Any:
+    _known_volume(node, name)
+    spec = next(v for v in node.state.config.volumes if v.name == name)
+    if spec.encryption is None:
+        raise RequestError(f"volume {name} is not encrypted (its config has no encryption table)")
+    if node.volumes.get(name) is None:
+        raise RequestError(f"volume {name} is not open on this node")
+    return spec
+
+
+def _locked_layer(node: Node, name: str) -> Any:
+    from openvsan.volume.crypt import LockedLayer
+
+    vol = node.volumes[name]
+    return next((d for d in vol.layers if isinstance(d, LockedLayer)), None)
+
+
+@command("volume.lock", R.VolumeShow)
+async def volume_lock(node: Node, args: R.VolumeShow) -> Any:
+    """Lock an encrypted volume while it is exported: I/O in flight finishes and is flushed, the key leaves
+    the node's memory, and every command from then on is answered "not ready" (sessions stay) until unlock."""
+    from openvsan.volume.crypt import CryptError, locked_stack
+
+    name = args.name
+    spec = _encrypted_spec(node, name)
+    vol = node.volumes[name]
+    if _locked_layer(node, name) is not None:
+        return {"volume": name, "locked": True, "message": f"volume {name} is already locked"}
+    try:
+        stack = await locked_stack(vol.device, spec.layers, name=name)
+    except CryptError as e:
+        raise RequestError(str(e)) from None
+    old = await vol.swap(stack, timeout=node.plane.swap_timeout)
+    try:
+        await old.flush()          # what the stack held in a volatile cache (a compress layer's versions)
+    finally:
+        for layer in _layers_over(old, vol.device):
+            await layer.close()
+    log.info("volume %s locked: its key is no longer in memory", name)
+    return {"volume": name, "locked": True, "message": f"volume {name} locked"}
+
+
+def _layers_over(top: Any, device: Any) -> list[Any]:
+    """The layers of a stack over `device` (the node's, not the layers' to close)."""
+    from openvsan.block.layer import Layer, stack_of
+
+    return [d for d in stack_of(top) if d is not device and isinstance(d, Layer)]
+
+
+@command("volume.unlock", R.VolumeUnlock)
+async def volume_unlock(node: Node, args: R.VolumeUnlock) -> Any:
+    """Unlock a locked encrypted volume with its passphrase (typed, a key file, or what its config names):
+    the container is opened, the stack above it built, and the volume serves again."""
+    from openvsan.volume.crypt import CryptError, read_key_file
+    from openvsan.volume.registry import open_stack
+
+    name = args.name
+    spec = _encrypted_spec(node, name)
+    vol = node.volumes[name]
+    if _locked_layer(node, name) is None:
+        raise Conflict(f"volume {name} is not locked")
+    try:
+        passphrase = (args.passphrase.encode() if args.passphrase is not None else
+                      read_key_file(args.key_file) if args.key_file is not None else None)
+        if passphrase is None and spec.encryption.prompt:
+            raise CryptError("it needs its passphrase: type it at the prompt of `vsan volume unlock`, or give "
+                             "--key-file")
+        stack = await open_stack(vol.device, spec.layers, name=name, passphrase=passphrase)
+    except CryptError as e:
+        raise RequestError(str(e) if str(e).startswith("volume ") else f"volume {name}: {e}") from None
+    await vol.swap(stack, timeout=node.plane.swap_timeout)
+    log.info("volume %s unlocked", name)
+    return {"volume": name, "locked": False, "message": f"volume {name} unlocked"}
 
 
 # ---- exports

@@ -78,8 +78,9 @@ def _volume(v: VolumeSpec) -> dict[str, Any]:
     if v.encryption is not None:    # the key file's path and the settings; never a key
         e = v.encryption
         enc: dict[str, Any] = ({"key_file": str(e.key_file)} if e.key_file is not None
-                               else {"key_command": list(e.key_command or ())})
-        defaults = type(e)(key_file=e.key_file, key_command=e.key_command)
+                               else {"key_command": list(e.key_command)} if e.key_command is not None
+                               else {"prompt": True})
+        defaults = type(e)(key_file=e.key_file, key_command=e.key_command, prompt=e.prompt)
         for f in ("format", "cipher", "key_size", "sector_size", "kdf", "kdf_time", "kdf_memory_kib",
                   "kdf_iterations", "allow_discards"):
             if getattr(e, f) != getattr(defaults, f):

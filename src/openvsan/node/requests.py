@@ -64,6 +64,16 @@ class VolumeShow:
 
 
 @dataclass(frozen=True, config=REQUEST)
+class VolumeUnlock:
+    """The passphrase of a locked encrypted volume: typed (`passphrase`, sent to the node, never stored or
+    logged), the bytes of `key_file` on the node, or neither: the key file or key command its config names."""
+
+    name: VolumeName
+    passphrase: Str | None = None
+    key_file: Str | None = None
+
+
+@dataclass(frozen=True, config=REQUEST)
 class VolumeKey:
     """A passphrase of an encrypted volume's LUKS2 container: the bytes of `key_file` (on the node)."""
 

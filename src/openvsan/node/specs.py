@@ -485,8 +485,11 @@ class EncryptionSpec:
     its path is kept in the desired state."""
 
     key_file: Path | None = None     # its bytes unlock the volume (as cryptsetup --key-file), or:
-    # a key service hook: this command (argv) prints the passphrase on stdout (as-is, newline included)
+    # a key service hook: this command (argv) prints the passphrase on stdout (as-is, newline included), or:
     key_command: tuple[Str, ...] | None = None
+    # the volume starts locked (served, every command answered "not ready") until `vsan volume unlock` gives
+    # its passphrase (typed at a prompt, or --key-file); nothing holds the key on disk
+    prompt: Bool = False
     format: Annotated[Str, one_of(("luks2",), "a format")] = "luks2"
     cipher: Annotated[Str, one_of(("aes-xts-plain64",), "a cipher")] = "aes-xts-plain64"
     # at format only (a container that exists keeps its own):
@@ -505,10 +508,10 @@ class EncryptionSpec:
 
     @model_validator(mode="after")
     def _one_key(self) -> EncryptionSpec:
-        if (self.key_file is None) == (self.key_command is None):
-            raise SpecError('give key_file = "/etc/openvsan/VOLUME.key" (its bytes unlock the volume) or key_command '
-                            '= ["/usr/local/bin/get-key", "VOLUME"] (it prints the passphrase), one of the two',
-                            "key_file")
+        if (self.key_file is not None) + (self.key_command is not None) + self.prompt != 1:
+            raise SpecError('give key_file = "/etc/openvsan/VOLUME.key" (its bytes unlock the volume), key_command '
+                            '= ["/usr/local/bin/get-key", "VOLUME"] (it prints the passphrase) or prompt = true '
+                            "(`vsan volume unlock` gives it), one of the three", "key_file")
         if self.key_command is not None and not self.key_command:
             raise SpecError('key_command: give the command and its arguments, e.g. ["/usr/local/bin/get-key", "v1"]',
                             "key_command")
@@ -529,8 +532,9 @@ class EncryptionSpec:
         return v
 
     def layer(self) -> dict[str, Any]:
-        key = {"key_file": str(self.key_file)} if self.key_file is not None else {"key_command": list(self.key_command
-                                                                                               or ())}
+        key: dict[str, Any] = ({"key_file": str(self.key_file)} if self.key_file is not None else
+                               {"key_command": list(self.key_command)} if self.key_command is not None else
+                               {"prompt": True})
         out: dict[str, Any] = {"type": "crypt", "format": self.format, "cipher": self.cipher,
                                **key, "key_size": self.key_size, "kdf": self.kdf,
                                "kdf_time": self.kdf_time, "kdf_memory_kib": self.kdf_memory_kib,

@@ -154,7 +154,7 @@ def joins(desired: NodeConfig, now: NodeConfig, where: Placement) -> list[tuple[
 REPLICATION_COMMANDS = ("volume.status", "volume.move_primary", "volume.force_in_sync", "cluster.status")
 # what the worker that serves the volume answers (worker.live): its replication, and its LUKS2 keyslots (only the
 # owner holds the volume key)
-OWNER_COMMANDS = (*REPLICATION_COMMANDS, "volume.add_key", "volume.remove_key")
+OWNER_COMMANDS = (*REPLICATION_COMMANDS, "volume.add_key", "volume.remove_key", "volume.lock", "volume.unlock")
 
 
 @dataclass

@@ -564,7 +564,7 @@ def check_below(below: BlockDevice) -> None:
                             "volume below is what gives the saved space back")
 
 
-async def open_compress(cfg: dict[str, Any], below: BlockDevice, *, name: str = "") -> CompressLayer:
+async def open_compress(cfg: dict[str, Any], below: BlockDevice, *, name: str = "", **_: Any) -> CompressLayer:
     settings = {k: v for k, v in cfg.items() if k != "type"}
     who = f"volume {name}: " if name else ""
     try:

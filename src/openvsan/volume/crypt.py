@@ -34,9 +34,10 @@ from typing import Any
 
 from openvsan.block.capabilities import Capabilities
 from openvsan.block.device import BlockDevice, Buffer
+from openvsan.block.errors import Locked
 from openvsan.block.layer import Layer, stack_of
 from openvsan.volume import luks2 as L
-from openvsan.volume.registry import register_layer, register_opener
+from openvsan.volume.registry import StackLocked, register_layer, register_opener
 
 log = logging.getLogger("openvsan.volume.crypt")
 
@@ -139,6 +140,7 @@ class CryptLayer(Layer):
         return {"format": "luks2", "cipher": self.segment.cipher, "key_bits": len(self._key) * 8,
                 "sector_size": self.segment.sector_size, "data_offset": self.segment.offset, "uuid": self.uuid,
                 "unlocked_with": (f"key command {self.settings['key_command'][0]}" if self.settings.get("key_command")
+                                  else "a passphrase given at unlock" if self.settings.get("prompt")
                                   else f"key file {self.settings.get('key_file')}"),
                 "discards": bool(self.settings.get("allow_discards"))}
 
@@ -251,6 +253,8 @@ def run_key_command(argv: list[str]) -> bytes:
 
 async def passphrase_of(settings: dict[str, Any]) -> bytes:
     """The passphrase the settings name: the key file's bytes, or the key command's output (in a thread)."""
+    if settings.get("prompt"):
+        raise CryptError("its passphrase is given at unlock (prompt = true): `vsan volume unlock`")
     if settings.get("key_command"):
         return await asyncio.to_thread(run_key_command, [str(a) for a in settings["key_command"]])
     return read_key_file(settings["key_file"])
@@ -266,10 +270,15 @@ def read_key_file(path: str | Path) -> bytes:
     return key
 
 
-async def open_crypt(cfg: dict[str, Any], below: BlockDevice, *, name: str = "") -> CryptLayer:
-    """The encryption layer over `below`: its LUKS2 container unlocked with the key file `cfg` names, or a
-    blank device formatted first. CryptError with one line when it cannot be (nothing is written then)."""
+async def open_crypt(cfg: dict[str, Any], below: BlockDevice, *, name: str = "",
+                     passphrase: bytes | None = None) -> CryptLayer:
+    """The encryption layer over `below`: its LUKS2 container unlocked with `passphrase`, or else the key file
+    (or key command) `cfg` names, or a blank device formatted first. CryptError with one line when it cannot
+    be (nothing is written then). A volume whose passphrase is asked for (prompt = true) and not given stays
+    locked (StackLocked: registry.open_stack puts a LockedLayer in its place)."""
     settings = {k: v for k, v in cfg.items() if k != "type"}
+    if passphrase is None and settings.get("prompt"):
+        raise StackLocked(lambda below, layers: locked_stack(below, layers, name=name))
     if settings.get("format", "luks2") != "luks2" or settings.get("cipher", "aes-xts-plain64") != "aes-xts-plain64":
         raise CryptError(f"encryption {settings.get('format')}/{settings.get('cipher')}: luks2 with aes-xts-plain64 "
                          "is supported")
@@ -279,7 +288,8 @@ async def open_crypt(cfg: dict[str, Any], below: BlockDevice, *, name: str = "")
                          "data compressed below the cipher leaks its size; put the compress layer above crypt "
                          "(a volume's compression and encryption settings do)")
     try:
-        passphrase = await passphrase_of(settings)
+        if passphrase is None:
+            passphrase = await passphrase_of(settings)
     except CryptError as e:
         raise CryptError(f"{who}{e}") from None
     if below.num_blocks * below.block_size <= L.DATA_OFFSET:
@@ -315,3 +325,94 @@ async def open_crypt(cfg: dict[str, Any], below: BlockDevice, *, name: str = "")
 
 
 register_opener("crypt", open_crypt)
+
+
+# ---- a locked volume: served with its size, answering every command "not ready" until it is unlocked
+
+
+@register_layer
+class LockedLayer(Layer):
+    """Stands for an encrypted volume's stack from its crypt layer up while the key is not in memory (`prompt
+    = true` before `vsan volume unlock`, or after `vsan volume lock`): the volume keeps its geometry (read
+    from the LUKS2 header, which needs no key), so initiators keep their sessions and see the same disk, and
+    every command gets Locked (SCSI NOT READY / MANUAL INTERVENTION REQUIRED, NVMe Namespace Not Ready)."""
+
+    type_name = "locked"
+
+    def __init__(self, below: BlockDevice, block_size: int, num_blocks: int, layers: list[dict[str, Any]],
+                 *, name: str = "") -> None:
+        super().__init__(below, name=f"locked:{name or getattr(below, 'name', '?')}")
+        self._bs, self._nb, self.layers, self.volume = block_size, num_blocks, layers, name
+
+    @property
+    def block_size(self) -> int:
+        return self._bs
+
+    @property
+    def num_blocks(self) -> int:
+        return self._nb
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return self.below.capabilities.but(sync_read=False, sync_write=False, write_window=False, extents=False,
+                                           thin=False, resizable=False, unmap_reads_zero=False, write_zeroes=False)
+
+    def _locked(self) -> Locked:
+        return Locked(f"volume {self.volume} is locked: `vsan volume unlock {self.volume}` gives its passphrase")
+
+    async def read(self, lba: int, blocks: int) -> Buffer:
+        raise self._locked()
+
+    async def write(self, lba: int, data: Buffer, *, fua: bool = False) -> None:
+        raise self._locked()
+
+    async def flush(self) -> None:
+        raise self._locked()
+
+    async def unmap(self, lba: int, blocks: int) -> None:
+        raise self._locked()
+
+    async def write_zeroes(self, lba: int, blocks: int) -> None:
+        raise self._locked()
+
+    async def lba_status(self, lba: int, blocks: int) -> Any:
+        raise self._locked()
+
+    async def resize(self, num_blocks: int) -> None:
+        raise self._locked()
+
+    def stats(self) -> dict[str, Any]:
+        return {"locked": True}
+
+    def layer_config(self) -> dict[str, Any]:
+        return {"layers": self.layers}
+
+    @classmethod
+    def from_config(cls, cfg: dict[str, Any], below: BlockDevice) -> Layer:
+        raise CryptError("a locked volume is made by open_stack (volume/crypt.py locked_stack)")
+
+
+async def locked_stack(below: BlockDevice, layers: list[dict[str, Any]], *, name: str = "") -> LockedLayer:
+    """A LockedLayer over `below` for `layers` (the crypt layer's config first): the block size and size the
+    unlocked stack will have, from the LUKS2 header (or, on a blank device, from what formatting will make)."""
+    region = _Region(await _read_region(below, min(L.DATA_OFFSET, below.num_blocks * below.block_size)))
+    settings = layers[0]
+    if bytes(region.data[:6]) == L.MAGIC:
+        try:
+            seg = L.Luks2.open(region).segment
+        except L.Luks2Error as e:
+            raise CryptError(f"volume {name}: {e}") from None
+        bs, offset, size = seg.sector_size, seg.offset, seg.size
+    elif not any(region.data):
+        bs, offset, size = int(settings.get("sector_size", DEFAULT_SECTOR)), L.DATA_OFFSET, None
+    else:
+        raise CryptError(f"volume {name}: its device holds data but no LUKS2 header: refusing to format over it")
+    nbytes = size if size is not None else below.num_blocks * below.block_size - offset
+    for cfg in layers[1:]:
+        if cfg.get("type") == "compress":
+            from openvsan.volume.compress import DEFAULT_CHUNK, slot_bytes
+
+            chunk = int(cfg.get("chunk_size", DEFAULT_CHUNK))
+            nbytes = nbytes // (2 * slot_bytes(chunk)) * chunk
+    log.info("volume %s is locked: `vsan volume unlock %s` gives its passphrase", name, name)
+    return LockedLayer(below, bs, nbytes // bs, layers, name=name)

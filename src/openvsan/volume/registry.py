@@ -25,6 +25,15 @@ L = TypeVar("L", bound=type[Layer])
 BUILTIN_LAYERS: list[str] = ["openvsan.volume.qos", "openvsan.volume.crypt", "openvsan.volume.compress"]
 
 
+class StackLocked(Exception):
+    """An opener that cannot open its layer now (an encrypted volume whose passphrase is to be given at unlock):
+    `locked(below, layers)` makes the layer that stands for it and every layer above it until then."""
+
+    def __init__(self, locked: Callable[[BlockDevice, list[dict[str, Any]]], Awaitable[Layer]]) -> None:
+        super().__init__("locked")
+        self.locked = locked
+
+
 class UnknownType(ValueError):
     """A config names a device or layer type nobody registered; str() says which and what there is."""
 
@@ -87,16 +96,24 @@ def register_opener(type_name: str, opener: LayerOpener) -> None:
 
 
 async def open_stack(base: BlockDevice, layers: Sequence[dict[str, Any]], *, name: str = "",
-                     reuse: Sequence[BlockDevice] = ()) -> BlockDevice:
+                     reuse: Sequence[BlockDevice] = (), passphrase: bytes | None = None) -> BlockDevice:
     """build_stack for a volume being opened: a layer with an opener (I/O, a key) is opened by it, or, when
-    `reuse` holds one of the same config (a stack rebuilt over an unlocked layer), that one is kept."""
+    `reuse` holds one of the same config (a stack rebuilt over an unlocked layer), that one is kept. An opener
+    that cannot open yet (StackLocked: a passphrase to be given at unlock) leaves the stack locked from there
+    on; `passphrase` is the one given (volume.unlock)."""
     _builtin()
     top = base
-    for cfg in layers:
+    for i, cfg in enumerate(layers):
         kind = str(cfg.get("type"))
         kept = next((d for d in reuse if isinstance(d, Layer) and d.to_config() == dict(cfg)), None)
         if kind in LAYER_OPENERS:
-            top = kept if kept is not None else await LAYER_OPENERS[kind](cfg, top, name=name)
+            if kept is not None:
+                top = kept
+                continue
+            try:
+                top = await LAYER_OPENERS[kind](cfg, top, name=name, passphrase=passphrase)
+            except StackLocked as e:
+                return await e.locked(top, [dict(c) for c in layers[i:]])
             continue
         factory = LAYER_TYPES.get(kind)
         if factory is None:

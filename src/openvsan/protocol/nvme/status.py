@@ -5,7 +5,16 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 
-from openvsan.block.errors import BlockError, Busy, DeviceFailed, MediumError, NoSpace, OutOfRange, ReadOnly
+from openvsan.block.errors import (
+    BlockError,
+    Busy,
+    DeviceFailed,
+    Locked,
+    MediumError,
+    NoSpace,
+    OutOfRange,
+    ReadOnly,
+)
 
 # Status Code Type (§4.6.1.2 Figure 98)
 SCT_GENERIC = 0
@@ -82,8 +91,8 @@ def block_error_status(exc: BaseException, *, write: bool) -> int:
         return NS_WRITE_PROTECTED
     if isinstance(exc, NoSpace):
         return CAPACITY_EXCEEDED
-    if isinstance(exc, Busy):
-        return NS_NOT_READY          # retryable: the host tries again later
+    if isinstance(exc, (Busy, Locked)):
+        return NS_NOT_READY          # retryable: the host tries again later (a locked volume: once unlocked)
     if isinstance(exc, DeviceFailed):
         return INTERNAL_ERROR
     if isinstance(exc, BlockError):

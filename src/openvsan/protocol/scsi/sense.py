@@ -5,7 +5,16 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 
-from openvsan.block.errors import BlockError, Busy, DeviceFailed, MediumError, NoSpace, OutOfRange, ReadOnly
+from openvsan.block.errors import (
+    BlockError,
+    Busy,
+    DeviceFailed,
+    Locked,
+    MediumError,
+    NoSpace,
+    OutOfRange,
+    ReadOnly,
+)
 
 # SAM-5 5.3.1 status codes
 GOOD = 0x00
@@ -33,6 +42,7 @@ MISCOMPARE = 0xE
 # SPC-4 4.5.6 ASC/ASCQ pairs used here, as (asc << 8) | ascq
 ASC_NO_ADDITIONAL = 0x0000
 ASC_NOT_READY_CAUSE_NOT_REPORTABLE = 0x0400
+ASC_NOT_READY_MANUAL_INTERVENTION = 0x0403   # LOGICAL UNIT NOT READY, MANUAL INTERVENTION REQUIRED
 ASC_LU_NOT_ACCESSIBLE_TRANSITION = 0x040A    # LOGICAL UNIT NOT ACCESSIBLE, ASYMMETRIC ACCESS STATE TRANSITION
 ASC_LU_NOT_ACCESSIBLE_STANDBY = 0x040B       # ... TARGET PORT IN STANDBY STATE
 ASC_LU_NOT_ACCESSIBLE_UNAVAILABLE = 0x040C   # ... TARGET PORT IN UNAVAILABLE STATE
@@ -163,6 +173,8 @@ def block_error_result(exc: BlockError, *, write: bool) -> ScsiResult:
     """The one place block-layer errors become SCSI status and sense (DESIGN.md: typed errors)."""
     if isinstance(exc, Busy):
         return ScsiResult(BUSY)
+    if isinstance(exc, Locked):     # an encrypted volume waiting for `vsan volume unlock`
+        return check_condition(NOT_READY, ASC_NOT_READY_MANUAL_INTERVENTION)
     if isinstance(exc, OutOfRange):
         return check_condition(ILLEGAL_REQUEST, ASC_LBA_OUT_OF_RANGE)
     if isinstance(exc, MediumError):
