@@ -1,7 +1,7 @@
 """Compressed volumes served by a real `vsan serve` (issue 16, volume/compress.py), carved from a file device
-whose volume group has 4 KiB clusters: one lz4 volume, and one zstd volume under LUKS2 encryption (compress
-above crypt, discards passed down). `vsan bench --verify` writes and reads back through iSCSI, NVMe/TCP and
-NBD on both; half-compressible data (fio's buffer_compress_percentage=50 pattern: 256 random bytes, 256
+whose volume group has 4 KiB clusters: one lz4 volume, one zstd volume under LUKS2 encryption (compress
+above crypt, discards passed down), and one encrypted only. `vsan bench --verify` writes and reads back
+through iSCSI, NVMe/TCP and NBD on each; half-compressible data (fio's buffer_compress_percentage=50 pattern: 256 random bytes, 256
 zeros) written with nbdcopy takes about half the space, `vsan volume show` and /metrics report the ratio,
 a whole-volume trim (QEMU's discard over NBD) gives the clusters back, and after a restart everything
 reads the same. The wrong order (compression below encryption) and a compressed volume whose encryption
@@ -51,19 +51,25 @@ size = "32MiB"
 compression = "zstd:3"
 encryption = {{ key_file = "{key}", kdf = "pbkdf2", kdf_iterations = 1000, allow_discards = true }}
 
+[[volumes]]
+name = "e"
+device = "d0"
+size = "32MiB"
+encryption = {{ key_file = "{key}", kdf = "pbkdf2", kdf_iterations = 1000 }}
+
 [iscsi]
 portals = ["127.0.0.1:{port}"]
 
 [[iscsi.targets]]
 iqn = "{iqn}"
-luns = [{{ lun = 0, volume = "z" }}, {{ lun = 1, volume = "zc" }}]
+luns = [{{ lun = 0, volume = "z" }}, {{ lun = 1, volume = "zc" }}, {{ lun = 2, volume = "e" }}]
 
 [nvme]
 portals = ["127.0.0.1:{nvme_port}"]
 
 [[nvme.subsystems]]
 nqn = "{nqn}"
-namespaces = [{{ nsid = 1, volume = "z" }}, {{ nsid = 2, volume = "zc" }}]
+namespaces = [{{ nsid = 1, volume = "z" }}, {{ nsid = 2, volume = "zc" }}, {{ nsid = 3, volume = "e" }}]
 
 [nbd]
 portals = ["127.0.0.1:{nbd_port}"]
@@ -75,6 +81,10 @@ volume = "z"
 [[nbd.exports]]
 name = "zc"
 volume = "zc"
+
+[[nbd.exports]]
+name = "e"
+volume = "e"
 """
 
 
@@ -100,8 +110,9 @@ def test_compressed_volumes_through_every_protocol(vsan: Callable[..., VsanServe
     assert int(run(["nbdinfo", "--size", server.nbd_url("z")]).stdout) == 64 * MiB
     assert int(run(["nbdinfo", "--size", server.nbd_url("zc")]).stdout) == 32 * MiB
 
-    # bench --verify through each protocol, on each volume (random 4 KiB writes: read-modify-write of chunks)
-    for lun, nsid, export in ((0, 1, "z"), (1, 2, "zc")):
+    # bench --verify through each protocol, on each volume (random 4 KiB writes: read-modify-write of chunks;
+    # "e" is encrypted only)
+    for lun, nsid, export in ((0, 1, "z"), (1, 2, "zc"), (2, 3, "e")):
         for url in (server.url(lun), f"nvme+tcp://127.0.0.1:{server.nvme_port}/{NQN}/{nsid}",
                     server.nbd_url(export)):
             p = subprocess.run([str(VSAN), "bench", url, "--rw", "randrw", "--bs", "4k", "--qd", "8",
@@ -127,7 +138,8 @@ def test_compressed_volumes_through_every_protocol(vsan: Callable[..., VsanServe
     assert 'openvsan_volume_compressed_stored_bytes{volume="z"}' in metrics, metrics[-2000:]
     assert 'openvsan_volume_compressed_plain_bytes{volume="zc"}' in metrics
     used = show(server, "z")["volume_group"]["used"]
-    assert used < (32 + 16) * MiB * 0.65 + 8 * MiB, used     # both volumes' data, compressed, and bench's 8 MiB
+    # both volumes' data, compressed, bench's 8 MiB on each, and the encrypted volume's header and 8 MiB
+    assert used < (32 + 16) * MiB * 0.65 + 3 * 8 * MiB + 16 * MiB, used
 
     # a restart reads everything back
     server.stop()

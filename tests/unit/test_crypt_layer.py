@@ -209,3 +209,23 @@ def test_the_block_errors_of_a_locked_volume_in_each_protocol() -> None:
     r = block_error_result(Locked("locked"), write=False)
     assert parse_sense(r.sense) == (NOT_READY, 0x0403)
     assert block_error_status(Locked("locked"), write=True) == NS_NOT_READY
+
+
+def test_sectors_never_written_read_as_zeros_and_so_do_unmapped_ones_with_discards(key_file: Path) -> None:
+    async def go() -> None:
+        for sector in (512, 4096):
+            dev = RamDevice((32 * MiB) // 512)
+            layer = await open_crypt(settings(key_file, sector_size=sector, allow_discards=True), dev)
+            assert layer.capabilities.unmap_reads_zero
+            assert bytes(await layer.read(0, 8)) == bytes(8 * sector)          # a new device: zeros, not noise
+            data = bytes(range(256)) * (3 * sector // 256)
+            await layer.write(2, data)
+            got = bytes(await layer.read(0, 8))
+            assert got[2 * sector:5 * sector] == data and got[:2 * sector] == bytes(2 * sector)
+            assert bytes(layer.read_now(3, 1) or b"") == data[sector:2 * sector]   # the fast path agrees
+            assert bytes(layer.read_now(6, 1) or b"") == bytes(sector)
+            await layer.unmap(3, 1)
+            assert bytes(await layer.read(2, 3)) == data[:sector] + bytes(sector) + data[2 * sector:]
+            plain = await open_crypt(settings(key_file, sector_size=sector), dev)  # no discards: not stated
+            assert not plain.capabilities.unmap_reads_zero
+    run(go())

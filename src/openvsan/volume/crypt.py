@@ -21,8 +21,8 @@ initiators wrote, and a container `cryptsetup luksFormat` made is served as a vo
 - **The fast path**: read_now / write_now encrypt and decrypt in the loop's turn up to FAST_MAX bytes;
   larger commands decline to the normal path.
 - **Unmap** does nothing unless `allow_discards = true` (dm-crypt's default too: discards show which blocks
-  are in use); unmapped blocks never read as zeros through the layer (the zeros below decrypt to noise),
-  and write_zeroes writes encrypted zeros.
+  are in use). A sector that reads as zeros below (never written, or unmapped) reads as zeros through the
+  layer, where dm-crypt shows the noise zeros decrypt to; write_zeroes writes encrypted zeros.
 """
 
 from __future__ import annotations
@@ -31,6 +31,8 @@ import asyncio
 import logging
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from openvsan.block.capabilities import Capabilities
 from openvsan.block.device import BlockDevice, Buffer
@@ -45,6 +47,7 @@ DEFAULT_SECTOR = 4096     # the sector (and the volume's block) size of a new co
 FAST_MAX = 64 << 10        # bytes encrypted or decrypted in the loop's turn on the fast path
 ZERO_CHUNK = 1 << 20       # write_zeroes writes encrypted zeros this much at a time
 READ_CHUNK = 1 << 20       # the header region is read this much at a time
+ZERO16 = bytes(16)
 
 
 class CryptError(ValueError):
@@ -88,18 +91,41 @@ class CryptLayer(Layer):
     @property
     def capabilities(self) -> Capabilities:
         caps = self.below.capabilities
-        return caps.but(unmap_reads_zero=False, write_zeroes=False, extents=False, thin=False, write_window=False)
+        # unmapped below reads zeros here too (_decrypt); an unmap reaches below only with allow_discards
+        zero = caps.unmap_reads_zero and bool(self.settings.get("allow_discards"))
+        return caps.but(unmap_reads_zero=zero, write_zeroes=False, extents=False, thin=False, write_window=False)
 
     # ---- the cipher
 
     def _crypt(self, data: Buffer, lba: int, *, encrypt: bool) -> bytes:
         return self._xts.crypt(data, self.segment.iv_tweak + lba * self._step, self._bs, encrypt=encrypt)
 
+    def _decrypt(self, raw: Buffer, lba: int) -> Buffer:
+        """The plaintext of sectors read; a sector that reads as zeros below was never written (a new file or
+        thin volume, an unmap passed down) and reads as zeros here too, not as the noise zeros decrypt to. (A
+        written sector's ciphertext is all zeros with probability 2^-4096.)"""
+        out = self._crypt(raw, lba, encrypt=False)
+        bs = self._bs
+        n = len(raw) // bs
+        if n == 1:
+            return bytes(bs) if raw[:16] == ZERO16 and raw == bytes(bs) else out
+        heads = np.frombuffer(raw, dtype=np.uint64).reshape(n, bs // 8)[:, :2]
+        blank = np.flatnonzero(~heads.any(axis=1))
+        if not len(blank):
+            return out
+        mv = memoryview(raw)
+        fixed = bytearray(out)
+        zeros = bytes(bs)
+        for i in blank.tolist():
+            if mv[i * bs:(i + 1) * bs] == zeros:
+                fixed[i * bs:(i + 1) * bs] = zeros
+        return fixed
+
     # ---- I/O
 
     async def read(self, lba: int, blocks: int) -> Buffer:
         raw = await self.below.read(self._base + lba * self._per, blocks * self._per)
-        return self._crypt(raw, lba, encrypt=False)
+        return self._decrypt(raw, lba)
 
     async def write(self, lba: int, data: Buffer, *, fua: bool = False) -> None:
         await self.below.write(self._base + lba * self._per, self._crypt(data, lba, encrypt=True), fua=fua)
@@ -109,7 +135,7 @@ class CryptLayer(Layer):
         if fn is None or blocks * self._bs > FAST_MAX:
             return None
         raw = fn(self._base + lba * self._per, blocks * self._per)
-        return None if raw is None else self._crypt(raw, lba, encrypt=False)
+        return None if raw is None else self._decrypt(raw, lba)
 
     def write_now(self, lba: int, data: Buffer) -> bool:
         fn = self._below_write_now
@@ -130,7 +156,7 @@ class CryptLayer(Layer):
             await self.below.unmap(self._base + lba * self._per, blocks * self._per)
 
     async def lba_status(self, lba: int, blocks: int) -> Any:
-        return [(lba, blocks, True)]
+        return [(lba, blocks, 0)]     # all mapped: what is below is ciphertext, its holes not told
 
     async def resize(self, num_blocks: int) -> None:
         await self.below.resize(self._base + num_blocks * self._per)  # type: ignore[attr-defined]
