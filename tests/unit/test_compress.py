@@ -394,3 +394,27 @@ def test_the_stack_refuses_compression_below_encryption_and_encryption_that_keep
         await squeeze.write(0, data, fua=True)
         assert squeeze.block_size == 4096 and bytes(await squeeze.read(0, CHUNK // 4096)) == data
     asyncio.run(go())
+
+
+def test_a_rollback_under_the_layer_is_read_anew() -> None:
+    """A snapshot of the thin volume under a compress layer, a rollback to it through Volume.change_contents
+    (as `vsan snapshot rollback` does): the layer reads its chunks again and serves what the snapshot held."""
+    from openvsan.volume.volume import Volume
+
+    async def go() -> None:
+        dev = ram()
+        g, layer = await stack(dev, fresh=True)
+        vol = Volume(layer, name="v")
+        old = b"".join(block(1, b) for b in range(2 * CB))
+        await vol.write(0, old)
+        await g.snapshot("v", "before")
+        await vol.write(CB // 2, b"".join(block(2, b) for b in range(CB // 2, CB)))
+        await vol.write_zeroes(CB, CB)
+        assert bytes(await vol.read(0, 2 * CB)) != old
+        await vol.change_contents(lambda: g.rollback("v", "before"))
+        assert bytes(await vol.read(0, 2 * CB)) == old
+        await vol.flush()
+        await g.close()
+        _, again = await stack(dev, fresh=False)
+        assert bytes(await again.read(0, 2 * CB)) == old
+    asyncio.run(go())
