@@ -180,3 +180,41 @@ def test_compression_refuses_what_cannot_work(vsan: Callable[..., VsanServer], t
     r = create("ok", "--device", "dev0", "--size", "4MiB", "--compression", "zstd")
     assert r.returncode == 0, r.stderr
     assert show(server, "ok")["compress_stats"]["algorithm"] == "zstd"
+
+
+def test_the_algorithm_changes_while_serving_and_compression_cannot_be_added(vsan: Callable[..., VsanServer],
+                                                                             tmp_path: Path) -> None:
+    """Another algorithm through the API's config: new versions use it, the chunks written before still read;
+    turning compression on or off on a volume that holds data is refused (409) and changes nothing."""
+    import httpx
+
+    require_tools("nbdcopy")
+    server = vsan("file", "64MiB", cluster="4KiB", carve="16MiB", compression="lz4", nbd=True)
+    api = httpx.Client(base_url=server.wait_api(), timeout=120,
+                       headers={"Authorization": f"Bearer {server.first_api_token()}"})
+    first = half_compressible(4 * MiB, 3)
+    run(["nbdcopy", "-", server.nbd_url()], input=first)
+
+    def with_compression(value: str | None) -> httpx.Response:
+        doc = api.get("/api/v1/config").json()
+        for v in doc["volumes"]:
+            if v["name"] == "disk0":
+                if value is None:
+                    v.pop("compression", None)
+                else:
+                    v["compression"] = value
+        return api.put("/api/v1/config", json=doc)
+
+    assert with_compression("zstd:5").status_code == 200, with_compression("zstd:5").text
+    assert show(server, "disk0")["compress_stats"]["algorithm"] == "zstd:5"
+    second = half_compressible(4 * MiB, 4)
+    run(["nbdcopy", "--destination-is-zero", "-", server.nbd_url()], input=first + second)
+    r = with_compression(None)
+    assert r.status_code == 409 and "whether it is compressed cannot change" in r.json()["detail"], r.text
+    back = subprocess.run(["nbdcopy", server.nbd_url(), "-"], capture_output=True, timeout=120, check=True).stdout
+    assert back[:8 * MiB] == first + second
+    server.stop()
+    server.start()     # the config file says lz4 again: versions of both algorithms are read back
+    assert show(server, "disk0")["compress_stats"]["algorithm"] == "lz4"
+    back = subprocess.run(["nbdcopy", server.nbd_url(), "-"], capture_output=True, timeout=120, check=True).stdout
+    assert back[:8 * MiB] == first + second

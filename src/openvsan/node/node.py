@@ -914,9 +914,10 @@ class Node:
                 what = f"{failed}: " if failed is not None else "storing the new state: "
                 line = f"{what.lstrip('+-~ ')}{why(e)}; nothing was changed"
                 if isinstance(e, ValueError):   # refused (a key file that opens nothing, a pool that says no)
-                    from openvsan.node.control import RequestError
+                    from openvsan.node.control import Conflict, RequestError
 
-                    raise RequestError(line) from e
+                    # a change the data plane will not make as asked stays a conflict (the API's 409)
+                    raise (Conflict if isinstance(e, Conflict) else RequestError)(line) from e
                 raise NodeError(line) from e
             plane.desired = None
             self.state = StoredState(desired, identities, runtime, revision)

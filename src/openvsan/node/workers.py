@@ -764,7 +764,7 @@ class Supervisor:
         or the store fails, the workers done are sent their old part again, and nothing is stored."""
         import uuid
 
-        from openvsan.node.control import RequestError
+        from openvsan.node.control import Conflict, RequestError
         from openvsan.node.node import NodeError
         from openvsan.node.reconcile import plan
         from openvsan.node.store import VolumeIdentity, import_desired
@@ -801,8 +801,9 @@ class Supervisor:
                     except Exception:
                         log.exception("worker %d: putting back its part failed", w)
                 line = str(e) if str(e).endswith("nothing was changed") else f"{e}; nothing was changed"
-                if isinstance(e, ValueError) or getattr(e, "kind", None) in ("not-found", "conflict", "stale",
-                                                                             "refused"):
+                if isinstance(e, Conflict) or getattr(e, "kind", None) == "conflict":
+                    raise Conflict(line) from e         # a worker's conflict stays one (the API's 409)
+                if isinstance(e, ValueError) or getattr(e, "kind", None) in ("not-found", "stale", "refused"):
                     raise RequestError(line) from e     # a worker's refusal stays one (the API's 4xx)
                 raise NodeError(line) from e
             identities = {k: v for k, v in {**self.state.identities, **new_ids}.items() if k not in forget}
