@@ -22,8 +22,9 @@ import random
 import struct
 
 import pytest
+from power_cut import PowerCut
 
-from openvsan.block import FaultDevice, RamDevice
+from openvsan.block import RamDevice
 from openvsan.block.device import BlockDevice
 from openvsan.block.errors import BlockError
 from openvsan.volume import compress as C
@@ -58,15 +59,6 @@ def tag_of(raw: bytes, lba: int) -> int | None:
         return 0
     tag, at = struct.unpack_from("<QQ", raw)
     return tag if at == lba and tag and block(tag, lba) == raw else None
-
-
-class PowerCut(FaultDevice):
-    def __init__(self, inner: BlockDevice, survive: float, rng: random.Random) -> None:
-        super().__init__(inner, volatile_cache=True)
-        self.survive, self.rng = survive, rng
-
-    def crash(self, *, survive: float | None = None, rng: random.Random | None = None) -> None:
-        super().crash(survive=self.survive if survive is None else survive, rng=rng or self.rng)
 
 
 # ---- headers

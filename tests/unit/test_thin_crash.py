@@ -34,8 +34,9 @@ from typing import Any
 
 import numpy as np
 import pytest
+from power_cut import PowerCut
 
-from openvsan.block import FaultDevice, RamDevice
+from openvsan.block import RamDevice
 from openvsan.block.device import BlockDevice
 from openvsan.block.errors import BlockError, NoSpace
 from openvsan.volume.thin import VolumeGroup
@@ -59,17 +60,6 @@ def blocks(tag: int, vid: int, lba: int, n: int) -> bytes:
     a["vid"] = vid
     a["lba"] = np.arange(lba, lba + n, dtype=np.uint32)[:, None]
     return a.tobytes()
-
-
-class PowerCut(FaultDevice):
-    """crash_after_writes cuts the power with `survive` of the cache written back, blocks chosen by `rng`."""
-
-    def __init__(self, inner: BlockDevice, survive: float, rng: random.Random) -> None:
-        super().__init__(inner, volatile_cache=True)
-        self.survive, self.rng = survive, rng
-
-    def crash(self, *, survive: float | None = None, rng: random.Random | None = None) -> None:
-        super().crash(survive=self.survive if survive is None else survive, rng=rng or self.rng)
 
 
 # ---- the model: what each block may hold
