@@ -74,6 +74,15 @@ class GroupIO(GroupStore):
                 return await self.dev.read(dlba + p * cb + off, blocks)
             finally:
                 self._unguard(p)
+        ps = v.map[vc:(lba + blocks - 1) // cb + 1].tolist()
+        if ps[0] and ps == list(range(ps[0], ps[0] + len(ps))):   # physically consecutive: one read, as it came
+            for p in ps:
+                self._guard(p)
+            try:
+                return await self.dev.read(dlba + ps[0] * cb + off, blocks)
+            finally:
+                for p in ps:
+                    self._unguard(p)
         out = bytearray(blocks * bs)
         at = 0
         run: list[int] = []      # clusters of one device read: physically consecutive, in order
