@@ -18,7 +18,7 @@ def test_a_token_is_checked_by_its_hash_and_never_kept(tmp_path: Path) -> None:
     assert token.startswith(f"vsan_{entry.id}_")
     assert book.verify(token) == entry
     text = (tmp_path / TOKENS_FILE).read_text()
-    assert token not in text and token.split("_")[2] not in text
+    assert token not in text and token.split("_", 2)[2] not in text   # the secret may hold "_" itself
     assert stat.S_IMODE((tmp_path / TOKENS_FILE).stat().st_mode) == 0o600
     assert json.loads(text)["tokens"][0]["role"] == "admin"
 
