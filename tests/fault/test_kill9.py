@@ -338,6 +338,13 @@ class SnapshotChurn(threading.Thread):
         names = self.listed()
         return names is not None and name not in names
 
+    def settle(self) -> None:
+        """The unanswered creates that did happen are deleted; those a listing does not show are forgotten
+        (one listing for all of them: while the target is down every create fails, and they pile up)."""
+        names = self.listed()
+        if names is not None:
+            self.unsure = [n for n in self.unsure if n in names and self.cli("delete", "disk0", n) is None]
+
     def run(self) -> None:
         n = 0
         while not self.stopping.wait(0.1):
@@ -347,10 +354,11 @@ class SnapshotChurn(threading.Thread):
                 self.kept.append(f"s{n}")
             else:
                 self.unsure.append(f"s{n}")
-            self.unsure = [name for name in self.unsure if not self.gone(name)]
+            if self.unsure:
+                self.settle()
             # at most two kept: each holds what the volume overwrote since. Only acknowledged creates are
             # deleted, so the newest two acknowledged snapshots always remain.
-            while len(self.kept) > 2 and self.gone(self.kept[0]):
+            while len(self.kept) > 2 and not self.stopping.is_set() and self.gone(self.kept[0]):
                 self.deleted += 1
                 del self.kept[0]
 
