@@ -113,7 +113,7 @@ class _Codec:
         self._zd: Any = None
 
     def encode(self, plain: bytes) -> tuple[int, bytes]:
-        if not any(plain) and plain == bytes(len(plain)):
+        if _zero(plain):
             return ZERO, b""
         if self.algo == LZ4:
             import lz4.block  # type: ignore[import-untyped,unused-ignore]
@@ -147,6 +147,11 @@ class _Codec:
         if len(out) != self.chunk:
             raise ValueError(f"a chunk decompressed to {len(out)} bytes, not {self.chunk}")
         return out
+
+
+def _zero(buf: Buffer) -> bool:
+    """All zeros (a chunk or a slot: whole 8-byte words), in C."""
+    return not np.frombuffer(buf, dtype=np.uint64).any()
 
 
 def pack_header(algo: int, chunk: int, index: int, gen: int, payload: bytes) -> bytes:
@@ -312,7 +317,7 @@ class CompressLayer(Layer):
             raw = pair[s * self.slot:(s + 1) * self.slot]
             h = read_header(raw, self.chunk, c)
             if h is None:
-                if any(raw):
+                if not _zero(raw):
                     stale.append((c, s))   # noise or a torn version: its clusters go back
                 continue
             algo, gen, length, pcrc = h
@@ -430,7 +435,7 @@ class CompressLayer(Layer):
                 plain = change(None)
             else:
                 plain = change(await self._plain(c))
-            if self.cur[c] < 0 and not any(plain) and plain == bytes(self.chunk):
+            if self.cur[c] < 0 and _zero(plain):
                 return     # zeros over zeros: nothing to store
             algo, payload = self.codec.encode(plain)
             d = int(self.dur[c])
