@@ -149,6 +149,13 @@ class _Codec:
         return out
 
 
+class _Flush:
+    """A flush under way: the write sequence it covers, and whether (done) the device below flushed (ok)."""
+
+    def __init__(self, cut: int) -> None:
+        self.cut, self.ok, self.done = cut, False, asyncio.Event()
+
+
 def _zero(buf: Buffer) -> bool:
     """All zeros (a chunk or a slot: whole 8-byte words), in C."""
     return not np.frombuffer(buf, dtype=np.uint64).any()
@@ -205,6 +212,7 @@ class CompressLayer(Layer):
         self._zeroed: dict[int, int] = {}              # chunk -> sequence at which its old slot's unmap was issued
         self._seq = 0
         self._locks: dict[int, list[Any]] = {}   # chunk -> [lock, users]
+        self._flushes: list[_Flush] = []         # flushes under way
         self._cache: OrderedDict[int, bytes] = OrderedDict()
         self.bytes_in = self.bytes_out = 0             # plain and stored bytes written since open (for stats)
 
@@ -431,6 +439,7 @@ class CompressLayer(Layer):
         not hold its newest durable version."""
         whole = off == 0 and n == self._per
         async with self._chunk(c):
+            await self._settle(c)
             if whole:
                 plain = change(None)
             else:
@@ -478,9 +487,30 @@ class CompressLayer(Layer):
         await self.below.unmap(at // self._bbs, (self.slot - keep) // self._bbs)
         self.held[c, s] = 0
 
+    async def _settle(self, c: int) -> None:
+        """Before a new version of chunk c (its lock held): if a flush under way covers its newest version, that
+        version is durable once the flush is done below, and must not be overwritten in place; wait for it and
+        make it the durable one, so the new version goes to the other slot."""
+        seq = self._written.get(c)
+        if seq is None:
+            return
+        for f in list(self._flushes):
+            if f.cut >= seq:
+                await f.done.wait()
+                if f.ok and self._written.get(c) == seq:
+                    await self._durable(c)
+                return
+
     async def flush(self) -> None:
-        cut = self._seq
-        await self.below.flush()
+        f = _Flush(self._seq)
+        self._flushes.append(f)
+        try:
+            await self.below.flush()
+            f.ok = True
+        finally:
+            f.done.set()
+            self._flushes.remove(f)
+        cut = f.cut
         # zero versions whose old slot's unmap was issued before this flush: they go too (durable at the next)
         for c in [c for c, seq in self._zeroed.items() if seq <= cut]:
             async with self._chunk(c):
