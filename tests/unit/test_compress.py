@@ -418,33 +418,36 @@ def test_a_write_during_a_flush_does_not_overwrite_what_the_flush_made_durable()
     before the next flush with half of B's blocks written back (B torn): A reads back, not the version before
     it. (Writing B over A in place, as the layer did before it knew of flushes under way, lost A.)"""
 
+    async def one(seed: int) -> None:
+        dev = PowerCut(ram(), 0.5, random.Random(seed))
+        _, layer = await stack(dev, fresh=True)
+        rnd = random.Random(seed)
+        v1, a, b = (rnd.randbytes(CHUNK) for _ in range(3))      # incompressible: versions of 40 blocks
+        await layer.write(0, v1, fua=True)
+        await layer.write(0, a)
+        lv, gate, entered = layer.below, asyncio.Event(), asyncio.Event()
+        plain_flush = lv.flush
+
+        async def gated() -> None:
+            await plain_flush()
+            entered.set()
+            await gate.wait()           # flushed below; the layer's flush is not done yet
+        lv.flush = gated  # type: ignore[method-assign]
+        flushing = asyncio.ensure_future(layer.flush())
+        await entered.wait()
+        lv.flush = plain_flush  # type: ignore[method-assign]
+        writing = asyncio.ensure_future(layer.write(0, b))
+        await asyncio.sleep(0.01)
+        gate.set()
+        await flushing
+        await writing
+        dev.crash()                         # B not flushed: half of its blocks reach the medium
+        await dev.restart()
+        _, again = await stack(dev, fresh=False)
+        got = bytes(await again.read(0, CB))
+        assert got in (a, b), f"seed {seed}: the flushed version A is lost ({'v1' if got == v1 else '?'})"
+
     async def go() -> None:
         for seed in range(8):
-            dev = PowerCut(ram(), 0.5, random.Random(seed))
-            g, layer = await stack(dev, fresh=True)
-            rnd = random.Random(seed)
-            v1, a, b = (rnd.randbytes(CHUNK) for _ in range(3))      # incompressible: versions of 40 blocks
-            await layer.write(0, v1, fua=True)
-            await layer.write(0, a)
-            lv, gate, entered = layer.below, asyncio.Event(), asyncio.Event()
-            plain_flush = lv.flush
-
-            async def gated() -> None:
-                await plain_flush()
-                entered.set()
-                await gate.wait()           # flushed below; the layer's flush is not done yet
-            lv.flush = gated  # type: ignore[method-assign]
-            flushing = asyncio.ensure_future(layer.flush())
-            await entered.wait()
-            lv.flush = plain_flush  # type: ignore[method-assign]
-            writing = asyncio.ensure_future(layer.write(0, b))
-            await asyncio.sleep(0.01)
-            gate.set()
-            await flushing
-            await writing
-            dev.crash()                         # B not flushed: half of its blocks reach the medium
-            await dev.restart()
-            _, again = await stack(dev, fresh=False)
-            got = bytes(await again.read(0, CB))
-            assert got in (a, b), f"seed {seed}: the flushed version A is lost ({'v1' if got == v1 else '?'})"
+            await one(seed)
     asyncio.run(go())
