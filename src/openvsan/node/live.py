@@ -311,7 +311,7 @@ async def volume_remove_key(node: Node, args: R.VolumeKey) -> Any:
 
 def _encrypted_spec(node: Node, name: str) -> Any:
     _known_volume(node, name)
-    spec = next(v for v in node.state.config.volumes if v.name == name)
+    spec = node.state.config.volume(name)
     if spec.encryption is None:
         raise RequestError(f"volume {name} is not encrypted (its config has no encryption table)")
     if node.volumes.get(name) is None:

@@ -238,6 +238,15 @@ async def _read_region(below: BlockDevice, nbytes: int) -> bytearray:
     return out
 
 
+def _holds(region: _Region) -> str:
+    """What the header region holds: "luks2" (either header copy's magic), "blank" (zeros: formatted at
+    first use) or "other" (data that is never formatted over)."""
+    d = region.data
+    if bytes(d[:6]) == L.MAGIC or any(bytes(d[s:s + 6]) == L.MAGIC_COPY for s in L.HDR_SIZES):
+        return "luks2"
+    return "other" if any(d) else "blank"
+
+
 async def _write_dirty(below: BlockDevice, region: _Region) -> None:
     """What LUKS2 changed in the region (header copies, keyslot areas: whole blocks), then a flush."""
     bs = below.block_size
@@ -322,7 +331,8 @@ async def open_crypt(cfg: dict[str, Any], below: BlockDevice, *, name: str = "",
         raise CryptError(f"{who}the device ({below.num_blocks * below.block_size} bytes) is too small for a LUKS2 "
                          f"container: it needs more than {L.DATA_OFFSET >> 20} MiB")
     region = _Region(await _read_region(below, L.DATA_OFFSET))
-    if bytes(region.data[:6]) == L.MAGIC or any(bytes(region.data[s:s + 6]) == L.MAGIC_COPY for s in L.HDR_SIZES):
+    held = _holds(region)
+    if held == "luks2":
         try:
             c = L.Luks2.open(region)
             key = await asyncio.to_thread(c.unlock, passphrase)
@@ -331,7 +341,7 @@ async def open_crypt(cfg: dict[str, Any], below: BlockDevice, *, name: str = "",
             raise CryptError(f"{who}{e}") from None
         log.info("%sLUKS2 container %s unlocked (%s, %d-byte sectors)", who, c.header.uuid, segment.cipher,
                  segment.sector_size)
-    elif not any(region.data):
+    elif held == "blank":
         # 4096 unless asked (cryptsetup's choice for LUKS2 too): a sector per 4 KiB command, 8x fewer tweaks
         sector = int(settings.get("sector_size", DEFAULT_SECTOR))
         key_bits = int(settings.get("key_size", 512))
@@ -423,13 +433,14 @@ async def locked_stack(below: BlockDevice, layers: list[dict[str, Any]], *, name
     unlocked stack will have, from the LUKS2 header (or, on a blank device, from what formatting will make)."""
     region = _Region(await _read_region(below, min(L.DATA_OFFSET, below.num_blocks * below.block_size)))
     settings = layers[0]
-    if bytes(region.data[:6]) == L.MAGIC:
+    held = _holds(region)
+    if held == "luks2":
         try:
             seg = L.Luks2.open(region).segment
         except L.Luks2Error as e:
             raise CryptError(f"volume {name}: {e}") from None
         bs, offset, size = seg.sector_size, seg.offset, seg.size
-    elif not any(region.data):
+    elif held == "blank":
         bs, offset, size = int(settings.get("sector_size", DEFAULT_SECTOR)), L.DATA_OFFSET, None
     else:
         raise CryptError(f"volume {name}: its device holds data but no LUKS2 header: refusing to format over it")

@@ -63,26 +63,14 @@ class GroupIO(GroupStore):
             lba += n
 
     async def read(self, v: _Vol, lba: int, blocks: int) -> Buffer:
-        bs, cb, dlba = self.block_size, self.cluster_blocks, self.lba0
+        bs, cb = self.block_size, self.cluster_blocks
         vc, off = divmod(lba, cb)
         if off + blocks <= cb:   # one cluster: the device's own buffer, as it came
             p = v.map[vc]
-            if not p:
-                return bytes(blocks * bs)
-            self._guard(p)
-            try:
-                return await self.dev.read(dlba + p * cb + off, blocks)
-            finally:
-                self._unguard(p)
+            return await self._read_run([p], off, blocks) if p else bytes(blocks * bs)
         ps = v.map[vc:(lba + blocks - 1) // cb + 1].tolist()
         if ps[0] and ps == list(range(ps[0], ps[0] + len(ps))):   # physically consecutive: one read, as it came
-            for p in ps:
-                self._guard(p)
-            try:
-                return await self.dev.read(dlba + ps[0] * cb + off, blocks)
-            finally:
-                for p in ps:
-                    self._unguard(p)
+            return await self._read_run(ps, off, blocks)
         out = bytearray(blocks * bs)
         at = 0
         run: list[int] = []      # clusters of one device read: physically consecutive, in order
@@ -94,20 +82,19 @@ class GroupIO(GroupStore):
                 run_n += n
             else:
                 if run:
-                    await self._read_run(run, run_off, run_n, out, run_at)
+                    out[run_at:run_at + run_n * bs] = await self._read_run(run, run_off, run_n)
                 run, run_at, run_off, run_n = ([p] if p else []), at, off, n
             at += n * bs
         if run:
-            await self._read_run(run, run_off, run_n, out, run_at)
+            out[run_at:run_at + run_n * bs] = await self._read_run(run, run_off, run_n)
         return out
 
-    async def _read_run(self, run: list[int], off: int, n: int, out: bytearray, at: int) -> None:
-        """n blocks from `off` in physical clusters run[0], run[0]+1, ... into out[at:]."""
-        bs, cb = self.block_size, self.cluster_blocks
+    async def _read_run(self, run: list[int], off: int, n: int) -> Buffer:
+        """n blocks from `off` in physical clusters run[0], run[0]+1, ..., each kept from reuse meanwhile."""
         for p in run:
             self._guard(p)
         try:
-            out[at:at + n * bs] = await self.dev.read(self.lba0 + run[0] * cb + off, n)
+            return await self.dev.read(self.lba0 + run[0] * self.cluster_blocks + off, n)
         finally:
             for p in run:
                 self._unguard(p)
