@@ -14,14 +14,12 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from replica_nodes import VOLUME, two_nodes
+from replica_nodes import VOLUME, two_nodes, unflushed_then, write_through
 
 from openvsan.block.file import FileDevice
-from openvsan.initiator.nvme_tcp import NvmeTcpInitiator
 from openvsan.volume.thin import VolumeGroup
 
 BS = 512
@@ -32,43 +30,6 @@ VOLUME_SIZE = 16 * MiB
 
 def block(tag: bytes, lba: int) -> bytes:
     return hashlib.sha256(tag + lba.to_bytes(8, "little")).digest() * (BS * W // 32)
-
-
-async def write(url: str, tag: bytes, lbas: list[int], *, flush: bool, deadline: float) -> None:
-    """The writes through `url` (retried as a host retries a path while a failover completes)."""
-    last: Exception | None = None
-    while time.monotonic() < deadline:
-        try:
-            dev = await NvmeTcpInitiator.open_url(url, command_timeout=3.0, reconnect_timeout=0.0,
-                                                  connect_timeout=3.0)
-        except Exception as e:  # noqa: BLE001 - not up yet
-            last = e
-            await asyncio.sleep(0.3)
-            continue
-        try:
-            for lba in lbas:
-                await dev.write(lba, block(tag, lba))
-            if flush:
-                await dev.flush()
-            return
-        except Exception as e:  # noqa: BLE001 - this path refused it (standby): again
-            last = e
-            await asyncio.sleep(0.3)
-        finally:
-            await dev.close()
-    raise AssertionError(f"writes through {url} not taken: {last}")
-
-
-async def unflushed_then(url: str, tag: bytes, lbas: list[int], then: Callable[[], Any]) -> Any:
-    """The writes through `url`, acknowledged and not flushed, then `then()` (in a thread) while the host is
-    still connected: its disconnect (an NVMe shutdown) would flush the volume."""
-    dev = await NvmeTcpInitiator.open_url(url, command_timeout=3.0, reconnect_timeout=0.0, connect_timeout=3.0)
-    try:
-        for lba in lbas:
-            await dev.write(lba, block(tag, lba))
-        return await asyncio.to_thread(then)
-    finally:
-        await dev.close()
 
 
 async def volume_image(path: Path) -> tuple[bytes, int]:
@@ -98,7 +59,8 @@ def test_a_thin_replicated_volume_keeps_every_write_when_either_node_is_killed(t
         # regions 0-1 written and flushed; region 2 written, acknowledged, not flushed
         one = [i * 256 for i in range(16)]
         two = [4096 + i * 256 for i in range(8)]
-        asyncio.run(write(cluster[first].nvme_url, b"one", one, flush=True, deadline=time.monotonic() + 30))
+        asyncio.run(write_through(cluster[first].nvme_url, one, lambda lba: block(b"one", lba), flush=True,
+                                  deadline=time.monotonic() + 30))
         wrote(b"one", one)
         sent_before = cluster[first].status()["mirror"]["resync_bytes"]  # type: ignore[index]
 
@@ -108,17 +70,20 @@ def test_a_thin_replicated_volume_keeps_every_write_when_either_node_is_killed(t
             cluster[other].start()
             return cluster.wait_in_sync()
 
-        s = asyncio.run(unflushed_then(cluster[first].nvme_url, b"two", two, secondary_killed_and_back))
+        s = asyncio.run(unflushed_then(cluster[first].nvme_url, two, lambda lba: block(b"two", lba),
+                                      secondary_killed_and_back))
         wrote(b"two", two)
         assert s["role"] == "primary" and s["mirror"]["resync_bytes"] > sent_before, s
 
         # region 3 written, not flushed; then the primary is killed: the other one has it all
         three = [6144 + i * 256 for i in range(8)]
 
-        asyncio.run(unflushed_then(cluster[first].nvme_url, b"three", three, cluster[first].kill))
+        asyncio.run(unflushed_then(cluster[first].nvme_url, three, lambda lba: block(b"three", lba),
+                                   cluster[first].kill))
         wrote(b"three", three)
         four = [100, 3000]
-        asyncio.run(write(cluster[other].nvme_url, b"four", four, flush=True, deadline=time.monotonic() + 30))
+        asyncio.run(write_through(cluster[other].nvme_url, four, lambda lba: block(b"four", lba), flush=True,
+                                  deadline=time.monotonic() + 30))
         wrote(b"four", four)
         assert cluster.wait_primary() == other
         cluster[first].start()

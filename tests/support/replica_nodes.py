@@ -12,6 +12,7 @@ file device, in one cluster whose state is in a real etcd (tests/support/etcd_cl
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -19,11 +20,12 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 from openvsan.cluster.etcd_process import free_ports
+from openvsan.initiator.nvme_tcp import NvmeTcpInitiator
 
 VSAN = [sys.executable, "-m", "openvsan.cli.main"]
 CLUSTER_ID = "ctest"
@@ -43,9 +45,11 @@ class ReplicaNode:
     def __init__(self, name: str, workdir: Path, etcd: Sequence[str], nodes: Sequence[str], *, size: str,
                  host: str = "127.0.0.1", lab: Any = None, lease_ttl: int = 3, suspend: float = 5.0,
                  ram: bool = False, ports: Sequence[int] = (), workers: int = 1, log_level: str = "",
-                 carve: str = "", api: bool = False) -> None:
+                 carve: str = "", api: bool = False, device_lines: Sequence[str] = (),
+                 volume_lines: Sequence[str] = ()) -> None:
         """`carve`: the volume is carved (thin) from the device at this size, beside others (volume/thin);
-        else it is the whole device. `api`: an [api] table on a port of its own (api_url); else none (the
+        else it is the whole device. `device_lines`, `volume_lines`: more TOML lines in the device's and the
+        volume's tables (e.g. 'cluster = "4KiB"', 'compression = "lz4"'). `api`: an [api] table on a port of its own (api_url); else none (the
         node tries the default 127.0.0.1:8080, and one of several nodes on a host gets it)."""
         self.name, self.host, self.lab = name, host, lab
         self.dir = workdir / name
@@ -65,10 +69,10 @@ class ReplicaNode:
             "[cluster]", f'id = "{CLUSTER_ID}"', f"etcd = {json.dumps(list(etcd))}",
             f'replication = "{host}:{self.repl_port}"', f"lease_ttl = {lease_ttl}", f"suspend_seconds = {suspend}", "",
             "[[devices]]", 'name = "d0"', *(['type = "ram"'] if ram else ['type = "file"', f'path = "{self.image}"']),
-            f'size = "{size}"', "",
+            f'size = "{size}"', *device_lines, "",
             "[[volumes]]", f'name = "{VOLUME}"', 'device = "d0"', *([f'size = "{carve}"'] if carve else []),
             f"replicas = {len(nodes)}",
-            f"nodes = {json.dumps(list(nodes))}", "",
+            f"nodes = {json.dumps(list(nodes))}", *volume_lines, "",
             "[iscsi]", f'portals = ["{host}:{self.iscsi_port}"]', "",
             "[[iscsi.targets]]", f'iqn = "{IQN}"', f'luns = [{{ lun = 0, volume = "{VOLUME}" }}]', "",
             "[nvme]", f'portals = ["{host}:{self.nvme_port}"]', "",
@@ -226,3 +230,42 @@ def two_nodes(tmp_path: Path, **kw: Any) -> Iterator[ReplicaCluster]:
         finally:
             cluster.stop_all()
             cluster.close()
+
+
+async def write_through(url: str, lbas: Sequence[int], data: Callable[[int], bytes], *, flush: bool,
+                        deadline: float) -> None:
+    """data(lba) written at each lba through `url` (our NVMe/TCP initiator), then a flush if asked; retried
+    as a host retries a path while a failover completes, until `deadline`."""
+    last: Exception | None = None
+    while time.monotonic() < deadline:
+        try:
+            dev = await NvmeTcpInitiator.open_url(url, command_timeout=3.0, reconnect_timeout=0.0,
+                                                  connect_timeout=3.0)
+        except Exception as e:  # noqa: BLE001 - not up yet
+            last = e
+            await asyncio.sleep(0.3)
+            continue
+        try:
+            for lba in lbas:
+                await dev.write(lba, data(lba))
+            if flush:
+                await dev.flush()
+            return
+        except Exception as e:  # noqa: BLE001 - this path refused it (standby): again
+            last = e
+            await asyncio.sleep(0.3)
+        finally:
+            await dev.close()
+    raise AssertionError(f"writes through {url} not taken: {last}")
+
+
+async def unflushed_then(url: str, lbas: Sequence[int], data: Callable[[int], bytes], then: Callable[[], Any]) -> Any:
+    """data(lba) written at each lba through `url`, acknowledged and not flushed, then `then()` (in a thread)
+    while the host is still connected: its disconnect (an NVMe shutdown) would flush the volume."""
+    dev = await NvmeTcpInitiator.open_url(url, command_timeout=3.0, reconnect_timeout=0.0, connect_timeout=3.0)
+    try:
+        for lba in lbas:
+            await dev.write(lba, data(lba))
+        return await asyncio.to_thread(then)
+    finally:
+        await dev.close()

@@ -412,6 +412,34 @@ def test_a_rollback_under_the_layer_is_read_anew() -> None:
     asyncio.run(go())
 
 
+def test_a_snapshot_reads_through_the_layer_as_it_was_and_takes_no_write() -> None:
+    """A snapshot taken between a chunk's new version and the flush that frees its old slot holds both
+    versions: read through a layer of its own, it serves the newest, unmaps nothing (it is read-only), and a
+    write to it is ReadOnly before anything changes."""
+    from openvsan.block.errors import ReadOnly
+
+    async def go() -> None:
+        dev = ram()
+        g, layer = await stack(dev, fresh=True)
+        old = b"".join(block(1, b) for b in range(2 * CB))
+        await layer.write(0, old)
+        await layer.flush()
+        new = b"".join(block(2, b) for b in range(CB))
+        await layer.write(0, new)          # chunk 0: a new version, the old one not yet unmapped
+        await g.snapshot("v", "s")
+        mapped = g.info("s")["mapped"]
+        snap = await open_compress({"type": "compress", "algorithm": "lz4", "chunk_size": CHUNK}, g.volume("s"),
+                                   name="s")
+        assert snap.read_only and bytes(await snap.read(0, 2 * CB)) == new + old[CB * BS:]
+        with pytest.raises(ReadOnly):
+            await snap.write(0, old[:BS])
+        with pytest.raises(ReadOnly):
+            await snap.unmap(0, CB)
+        assert g.info("s")["mapped"] == mapped and bytes(await snap.read(0, 2 * CB)) == new + old[CB * BS:]
+        await g.close()
+    asyncio.run(go())
+
+
 def test_a_write_during_a_flush_does_not_overwrite_what_the_flush_made_durable() -> None:
     """Version A of a chunk written, a flush under way (the device below flushed, the layer not yet done), then
     version B of the same chunk written: A is durable now, so B must go to the other slot. The power is cut

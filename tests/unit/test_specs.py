@@ -164,11 +164,22 @@ def test_any_wrong_value_gets_one_line(edits: list[tuple[tuple[Any, ...], Any, b
     ({"compression": "brotli", "size": "1GiB"}, 'use "lz4", "zstd" or "zstd:LEVEL"'),
     ({"compression": "zstd:40", "size": "1GiB"}, "a zstd level is 1 to 19"),
     ({"compression": "lz4", "size": "1GiB", "encryption": {"key_file": "/k"}}, "add allow_discards = true"),
-    ({"compression": "lz4", "size": "1GiB", "replicas": 2, "nodes": ("a", "b")}, "not yet replicated"),
+    ({"size": "1GiB", "replicas": 2, "nodes": ("a", "b"), "encryption": {"prompt": True}},
+     "give its encryption a key_file or key_command"),
 ])
 def test_compressed_volumes_are_checked(kw: dict[str, Any], why: str) -> None:
     with pytest.raises(ValidationError, match=re.escape(why)):
         VolumeSpec("v", "d", **kw)
+
+
+def test_replicated_volumes_and_served_snapshots_take_encryption_and_compression() -> None:
+    """Each replica node keeps the layers in its own stack; a snapshot of such a volume is read through the
+    same layers (read-only)."""
+    crypt = {"key_file": "/k", "allow_discards": True}
+    v = VolumeSpec("v", "d", size="1GiB", compression="lz4", encryption=crypt, replicas=2, nodes=("a", "b"))
+    assert [x["type"] for x in v.layers] == ["crypt", "compress"]
+    s = VolumeSpec("s", "d", snapshot=True, read_only=True, compression="lz4", encryption=crypt)
+    assert [x["type"] for x in s.layers] == ["crypt", "compress"] and s.carved_size is None
 
 
 def test_a_compressed_volume_sits_above_its_encryption_and_takes_two_slots_per_chunk() -> None:

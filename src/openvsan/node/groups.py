@@ -125,8 +125,10 @@ class ServedGroups(Mapping[str, ServedGroup]):
                                 "(`vsan volume delete %s` after adding it back removes it)", where, lv,
                                 format_size(info["size"]), lv)
 
-    async def volume(self, v: VolumeSpec) -> LogicalVolume:
-        """The carved volume's device: found in its group, or made there now (its size and thin-ness)."""
+    async def volume(self, v: VolumeSpec, cfg: NodeConfig | None = None) -> LogicalVolume:
+        """The carved volume's device: found in its group, or made there now (its size and thin-ness). A
+        snapshot is checked against the volume it was taken of (in `cfg`): it is read through the same
+        encryption and compression, or its bytes would be served as they lie on the device."""
         sg = self._groups[home_of(v)]
         g = sg.group
         try:
@@ -144,6 +146,8 @@ class ServedGroups(Mapping[str, ServedGroup]):
                 if v.snapshot and info["kind"] != "snapshot":
                     raise GroupSetupError(f"volume {v.name}: {v.name!r} in {sg.where} is a volume, not a snapshot; "
                                           "remove snapshot = true")
+                if v.snapshot and cfg is not None:
+                    _same_layers_as_origin(v, g, cfg)
                 if not v.snapshot and info["kind"] == "snapshot":
                     raise GroupSetupError(f"volume {v.name}: {v.name!r} in {sg.where} is a snapshot; serve it with "
                                           "snapshot = true (read-only), or clone it")
@@ -198,6 +202,28 @@ class ServedGroups(Mapping[str, ServedGroup]):
         names = set(served)
         out["listing"] = [sg.group.info(n) | {"served": n in names} for n in sg.group.names()]
         return out
+
+
+def _same_layers_as_origin(snap: VolumeSpec, g: VolumeGroup, cfg: NodeConfig) -> None:
+    """GroupSetupError unless a served snapshot names the encryption and compression of the volume it comes
+    from (the nearest one up its chain that the config serves as a volume)."""
+    origin = g.info(snap.name)["origin"]
+    seen = {snap.name}
+    while origin is not None and origin not in seen:
+        seen.add(origin)
+        spec = next((x for x in cfg.volumes if x.name == origin and not x.snapshot), None)
+        if spec is not None:
+            def kinds(x: VolumeSpec) -> list[str]:
+                return [layer["type"] for layer in x.layers if layer["type"] in ("crypt", "compress")]
+
+            if kinds(spec) != kinds(snap):
+                words = {"crypt": "encryption", "compress": "compression"}
+                need = " and ".join(words[k] for k in kinds(spec)) or "no encryption or compression"
+                raise GroupSetupError(f"volume {snap.name}: a snapshot of volume {origin}, so it is read through "
+                                      f"{need}, as {origin} is; give it the same (with --key-file and "
+                                      "--compression)")
+            return
+        origin = g.info(origin)["origin"] if origin in g.by_name else None
 
 
 # ---- snapshot.* commands (the node's control socket; node/live.py routes them here)

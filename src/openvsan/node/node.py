@@ -321,7 +321,7 @@ class Node:
     async def volume_base(self, spec: VolumeSpec) -> BlockDevice:
         """What a volume's stack stands on: its device or pool, or its place in their volume group (carved)."""
         if spec.carved:
-            return await self.groups.volume(spec)
+            return await self.groups.volume(spec, self.plane.config)
         return self.base_of(home_of(spec))
 
     async def start_nvme(self, subsystems: list[Any], factory: Callable[..., Any] | None = None) -> None:

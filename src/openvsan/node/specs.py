@@ -575,13 +575,10 @@ class VolumeSpec:
             return self
         from openvsan.volume.compress import DEFAULT_CHUNK as CHUNK
 
-        if self.size is None or self.snapshot or not self.thin:
+        if not self.snapshot and (self.size is None or not self.thin):
             raise SpecError('compression is for a thin volume carved from its device or pool: give it a size, e.g. '
                             'size = "10GiB"', "compression")
-        if self.replicated:
-            raise SpecError("a compressed volume is not yet replicated; remove compression or use replicas = 1",
-                            "compression")
-        if self.size % CHUNK:
+        if self.size is not None and self.size % CHUNK:
             raise SpecError(f"a compressed volume's size is a multiple of its {CHUNK >> 10} KiB chunks, e.g. "
                             f"{format_size(-(-self.size // CHUNK) * CHUNK)}", "size")
         if self.encryption is not None and not self.encryption.allow_discards:
@@ -610,9 +607,10 @@ class VolumeSpec:
         if self.snapshot and self.replicated:
             raise SpecError("a snapshot is served from one node's volume group; serve it with replicas = 1",
                             "replicas")
-        if self.encryption is not None and (self.replicated or self.snapshot):
-            raise SpecError("an encrypted volume is not yet replicated or served as a snapshot; remove encryption "
-                            "or use replicas = 1", "encryption")
+        if self.encryption is not None and self.encryption.prompt and self.replicated:
+            raise SpecError("a replicated volume's nodes unlock it when they start, with nobody there: give its "
+                            "encryption a key_file or key_command (prompt = true is for a volume of one node)",
+                            "encryption")
         return self
 
     @property

@@ -49,7 +49,7 @@ import numpy as np
 
 from openvsan.block.capabilities import Capabilities
 from openvsan.block.device import BlockDevice, Buffer
-from openvsan.block.errors import MediumError
+from openvsan.block.errors import MediumError, ReadOnly
 from openvsan.block.layer import Layer, stack_of
 from openvsan.volume.registry import register_layer, register_opener
 
@@ -198,6 +198,8 @@ class CompressLayer(Layer):
         self.slot = slot_bytes(self.chunk)
         self._bbs = bbs
         self._per = self.chunk // bbs                  # layer blocks per chunk (the layer's block is the device's)
+        # over a snapshot (served read-only): read as it is, stale versions left where they are
+        self.read_only = any(getattr(d, "read_only", False) for d in stack_of(below))
         self._fresh()
 
     def _fresh(self) -> None:
@@ -281,6 +283,10 @@ class CompressLayer(Layer):
         if batch:
             await scan(batch)
         self.dur[:] = self.cur
+        if self.read_only:
+            log.info("%s: %d chunks hold data (%s; read-only)", self.name, int(np.count_nonzero(self.cur >= 0)),
+                     self.settings.get("algorithm", "lz4"))
+            return
         zeros = [c for c in range(n) if self.cur[c] >= 0 and self.algo[c] == ZERO] if n else []
         for c, s in stale:
             await self._unmap_slot(c, s, 0)
@@ -437,6 +443,8 @@ class CompressLayer(Layer):
     async def _rewrite(self, c: int, off: int, n: int, change: Callable[[bytes | None], bytes], fua: bool) -> None:
         """The chunk's new version (change(old plain), old None for a whole chunk) written to the slot that does
         not hold its newest durable version."""
+        if self.read_only:
+            raise ReadOnly(f"{self.name} is a snapshot (read-only)")
         whole = off == 0 and n == self._per
         async with self._chunk(c):
             await self._settle(c)

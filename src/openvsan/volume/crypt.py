@@ -238,6 +238,10 @@ async def _read_region(below: BlockDevice, nbytes: int) -> bytearray:
     return out
 
 
+_READ_ONLY_BLANK = ("it is read-only (a snapshot) and holds no LUKS2 container: serve it without encryption, "
+                    "or take the snapshot of an encrypted volume")
+
+
 def _holds(region: _Region) -> str:
     """What the header region holds: "luks2" (either header copy's magic), "blank" (zeros: formatted at
     first use) or "other" (data that is never formatted over)."""
@@ -341,6 +345,11 @@ async def open_crypt(cfg: dict[str, Any], below: BlockDevice, *, name: str = "",
             raise CryptError(f"{who}{e}") from None
         log.info("%sLUKS2 container %s unlocked (%s, %d-byte sectors)", who, c.header.uuid, segment.cipher,
                  segment.sector_size)
+    elif held == "blank" and any(getattr(d, "read_only", False) for d in stack_of(below)):
+        raise CryptError(f"{who}it is read-only (a snapshot) and holds no LUKS2 container: serve it without "
+                         "encryption, or take the snapshot of an encrypted volume")
+    elif held == "blank" and any(getattr(d, "read_only", False) for d in stack_of(below)):
+        raise CryptError(f"{who}{_READ_ONLY_BLANK}")
     elif held == "blank":
         # 4096 unless asked (cryptsetup's choice for LUKS2 too): a sector per 4 KiB command, 8x fewer tweaks
         sector = int(settings.get("sector_size", DEFAULT_SECTOR))
@@ -440,6 +449,8 @@ async def locked_stack(below: BlockDevice, layers: list[dict[str, Any]], *, name
         except L.Luks2Error as e:
             raise CryptError(f"volume {name}: {e}") from None
         bs, offset, size = seg.sector_size, seg.offset, seg.size
+    elif held == "blank" and any(getattr(d, "read_only", False) for d in stack_of(below)):
+        raise CryptError(f"volume {name}: {_READ_ONLY_BLANK}")
     elif held == "blank":
         bs, offset, size = int(settings.get("sector_size", DEFAULT_SECTOR)), L.DATA_OFFSET, None
     else:
