@@ -64,12 +64,14 @@ name = "lz4"
 device = "ram0"
 size = "{mib}MiB"
 compression = "lz4"
+compression_chunk = "{chunk}KiB"
 
 [[volumes]]
 name = "zstd"
 device = "ram0"
 size = "{mib}MiB"
 compression = "zstd"
+compression_chunk = "{chunk}KiB"
 
 [nbd]
 portals = ["127.0.0.1:{port}"]
@@ -118,6 +120,8 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3); the median is reported")
     ap.add_argument("--seconds", type=float, default=8, help="seconds per run (default 8)")
     ap.add_argument("--mib", type=int, default=1024, help="size of each volume (default 1024)")
+    ap.add_argument("--chunk", type=int, default=64, choices=(16, 32, 64, 128),
+                    help="the compressed volumes' chunk in KiB (compression_chunk; default 64)")
     ap.add_argument("--out", type=Path, help="write the JSON result here")
     ap.add_argument("--smoke", action="store_true", help="CI: 1 round, 1 s runs, 64 MiB volumes")
     args = ap.parse_args()
@@ -132,7 +136,7 @@ def measure(args: argparse.Namespace) -> int:
     port = free_port()
     exports = "".join(f'\n[[nbd.exports]]\nname = "{v}"\nvolume = "{v}"\n' for v in VOLUMES)
     (work / "vsan.toml").write_text(VSAN_CONFIG.format(mib=args.mib, dev_mib=3 * args.mib + 128, port=port,
-                                                       exports=exports))
+                                                       exports=exports, chunk=args.chunk))
     serve = Target("openvsan", [*target_pin, str(VSAN), "serve", "--config", str(work / "vsan.toml"),
                                 "--data-dir", str(work / "data"), "--log-level", "warning"], work)
     uris = {v: f"nbd://127.0.0.1:{port}/{v}" for v in VOLUMES}
@@ -187,8 +191,8 @@ def report(args: argparse.Namespace, results: dict[tuple[str, str], dict[str, li
         out.append({"case": case, "metric": metric, "volumes": per, "ratio_lz4": ratios["lz4"],
                     "ratio_zstd": ratios["zstd"], "mark": mark or None})
     print(f"\nmedians of {args.rounds} round(s), {args.seconds:g} s each, {args.mib} MiB thin volumes of one RAM "
-          f"device (4 KiB clusters), fio buffer_compress_percentage=50, vsan serve on core 0 and clients on core 1: "
-          f"{pinned}; ratio: compressed / plain")
+          f"device (4 KiB clusters), {args.chunk} KiB chunks, fio buffer_compress_percentage=50, vsan serve on "
+          f"core 0 and clients on core 1: {pinned}; ratio: compressed / plain")
     print_table(["", "lz4", "zstd", "plain", "lz4 ratio", "zstd ratio", "mark", "server CPU (lz4/zstd/plain)"], rows)
     for v in VOLUMES:
         s = space[v]
@@ -199,7 +203,8 @@ def report(args: argparse.Namespace, results: dict[tuple[str, str], dict[str, li
         "schema": "openvsan-bench-compare-compress/1",
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "host": host_info(pinned),
-        "options": {"rounds": args.rounds, "seconds": args.seconds, "mib": args.mib, "smoke": args.smoke},
+        "options": {"rounds": args.rounds, "seconds": args.seconds, "mib": args.mib, "smoke": args.smoke,
+                    "chunk_kib": args.chunk},
         "command": argv,
         "space": space,
         "cases": out,

@@ -186,6 +186,11 @@ def test_compression_refuses_what_cannot_work(vsan: Callable[..., VsanServer], t
     r = create("ok", "--device", "dev0", "--size", "4MiB", "--compression", "zstd")
     assert r.returncode == 0, r.stderr
     assert show(server, "ok")["compress_stats"]["algorithm"] == "zstd"
+    r = create("odd16", "--device", "dev0", "--size", "4MiB", "--compression", "lz4", "--compression-chunk", "8KiB")
+    assert r.returncode != 0 and "8.0 KiB: use one of 16.0 KiB, 32.0 KiB, 64.0 KiB, 128.0 KiB" in r.stderr, r.stderr
+    r = create("small", "--device", "dev0", "--size", "4MiB", "--compression", "lz4", "--compression-chunk", "16KiB")
+    assert r.returncode == 0, r.stderr
+    assert show(server, "small")["compress_stats"]["chunk_size"] == 16 << 10
 
 
 def test_the_algorithm_changes_while_serving_and_compression_cannot_be_added(vsan: Callable[..., VsanServer],
@@ -216,7 +221,11 @@ def test_the_algorithm_changes_while_serving_and_compression_cannot_be_added(vsa
     second = half_compressible(4 * MiB, 4)
     run(["nbdcopy", "--destination-is-zero", "-", server.nbd_url()], input=first + second)
     r = with_compression(None)
-    assert r.status_code == 409 and "whether it is compressed cannot change" in r.json()["detail"], r.text
+    assert r.status_code == 409 and "whether it is compressed, and in what chunks, cannot change" in r.json()["detail"], r.text
+    doc = api.get("/api/v1/config").json()
+    next(v for v in doc["volumes"] if v["name"] == "disk0")["compression_chunk"] = 16 << 10
+    r = api.put("/api/v1/config", json=doc)
+    assert r.status_code == 409 and "and in what chunks" in r.json()["detail"], r.text
     back = subprocess.run(["nbdcopy", server.nbd_url(), "-"], capture_output=True, timeout=120, check=True).stdout
     assert back[:8 * MiB] == first + second
     server.stop()

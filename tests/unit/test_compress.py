@@ -20,6 +20,7 @@ import asyncio
 import os
 import random
 import struct
+from typing import Any
 
 import pytest
 from power_cut import PowerCut
@@ -436,6 +437,38 @@ def test_a_snapshot_reads_through_the_layer_as_it_was_and_takes_no_write() -> No
         with pytest.raises(ReadOnly):
             await snap.unmap(0, CB)
         assert g.info("s")["mapped"] == mapped and bytes(await snap.read(0, 2 * CB)) == new + old[CB * BS:]
+        await g.close()
+    asyncio.run(go())
+
+
+def test_a_layout_of_other_chunks_or_plain_data_is_refused_and_left_as_it_is() -> None:
+    """A compressed volume opened with another chunk size (its config changed), or a thin volume of plain data
+    opened as compressed: CompressError before anything is unmapped; opened as it was written, it reads back."""
+
+    def layer(lv: BlockDevice, chunk: int) -> Any:
+        return open_compress({"type": "compress", "algorithm": "lz4", "chunk_size": chunk}, lv, name="v")
+
+    async def go() -> None:
+        dev = RamDevice((16 << 20) // BS, BS)
+        g = await VolumeGroup.format(dev, cluster_size=CS, metadata_size=META)
+        lv = await g.create("v", C.backing_size(1 << 20, 64 << 10))
+        data = b"".join(block(3, b) for b in range(512 << 10 >> 9))
+        big = await layer(lv, 64 << 10)
+        await big.write(0, data)
+        await big.flush()
+        mapped = g.info("v")["mapped"]
+        with pytest.raises(CompressError, match="its chunks are 64 KiB, not 16 KiB"):
+            await layer(lv, 16 << 10)
+        assert g.info("v")["mapped"] == mapped
+        assert bytes(await (await layer(lv, 64 << 10)).read(0, len(data) // BS)) == data
+
+        plain = await g.create("p", 8 << 20)
+        noise = os.urandom(6 << 20)
+        await plain.write(0, noise)
+        mapped = g.info("p")["mapped"]
+        with pytest.raises(CompressError, match="slots hold data that is not a 16 KiB chunk of this layer"):
+            await layer(plain, 16 << 10)
+        assert g.info("p")["mapped"] == mapped and bytes(await plain.read(0, len(noise) // BS)) == noise
         await g.close()
     asyncio.run(go())
 

@@ -164,6 +164,9 @@ def test_any_wrong_value_gets_one_line(edits: list[tuple[tuple[Any, ...], Any, b
     ({"compression": "brotli", "size": "1GiB"}, 'use "lz4", "zstd" or "zstd:LEVEL"'),
     ({"compression": "zstd:40", "size": "1GiB"}, "a zstd level is 1 to 19"),
     ({"compression": "lz4", "size": "1GiB", "encryption": {"key_file": "/k"}}, "add allow_discards = true"),
+    ({"compression": "lz4", "size": "1GiB", "compression_chunk": "8KiB"}, "8.0 KiB: use one of 16.0 KiB"),
+    ({"size": "1GiB", "compression_chunk": "16KiB"}, "compression_chunk is for a compressed volume"),
+    ({"compression": "lz4", "size": 48 << 10, "compression_chunk": "32KiB"}, "multiple of its 32 KiB chunks"),
     ({"size": "1GiB", "replicas": 2, "nodes": ("a", "b"), "encryption": {"prompt": True}},
      "give its encryption a key_file or key_command"),
 ])
@@ -180,6 +183,15 @@ def test_replicated_volumes_and_served_snapshots_take_encryption_and_compression
     assert [x["type"] for x in v.layers] == ["crypt", "compress"]
     s = VolumeSpec("s", "d", snapshot=True, read_only=True, compression="lz4", encryption=crypt)
     assert [x["type"] for x in s.layers] == ["crypt", "compress"] and s.carved_size is None
+
+
+def test_a_compressed_volumes_chunk_is_in_its_layer_and_its_carved_size() -> None:
+    from openvsan.volume.compress import backing_size
+
+    v = VolumeSpec("v", "d", size="1GiB", compression="lz4", compression_chunk="16KiB")
+    assert v.layers == [{"type": "compress", "algorithm": "lz4", "chunk_size": 16 << 10}]
+    assert v.carved_size == backing_size(1 << 30, 16 << 10) > backing_size(1 << 30)   # a slot is chunk + 4 KiB
+    assert VolumeSpec("v", "d", size=48 << 10, compression="lz4", compression_chunk="16KiB").chunk_bytes == 16 << 10
 
 
 def test_a_compressed_volume_sits_above_its_encryption_and_takes_two_slots_per_chunk() -> None:

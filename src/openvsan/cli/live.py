@@ -100,6 +100,10 @@ def volume_create(
     compression: Annotated[str | None, typer.Option("--compression", help="With --device/--pool and --size: "
                                                     "compress it (lz4, zstd or zstd:LEVEL) in 64 KiB chunks; the "
                                                     "device's or pool's clusters should be 4 KiB.")] = None,
+    compression_chunk: Annotated[str | None, typer.Option("--compression-chunk", help="With --compression: the "
+                                                          "chunk, 16KiB, 32KiB, 64KiB (default) or 128KiB; smaller "
+                                                          "is cheaper for small random I/O, larger compresses "
+                                                          "better.")] = None,
     dry_run: DryRun = False, as_json: JsonOpt = False, data_dir: DataDir = None, config: ConfigOpt = None,
 ) -> None:
     """Create a volume on a running node; it can be exported at once (`vsan export add`). With --device or --pool
@@ -115,6 +119,8 @@ def volume_create(
         args["key_file"] = str(key_file.absolute())
     if compression is not None:
         args["compression"] = compression
+    if compression_chunk is not None:
+        args["compression_chunk"] = _size(compression_chunk)
     _changes(_call(data_dir, config, "volume.create", **args), as_json, dry_run)
 
 

@@ -133,6 +133,8 @@ async def volume_create(node: Node, args: R.VolumeCreate) -> Any:
             volume["encryption"]["allow_discards"] = True   # the compressed chunks' old versions go back
     if args.compression is not None:
         volume["compression"] = args.compression
+    if args.compression_chunk is not None:
+        volume["compression_chunk"] = args.compression_chunk
     doc.setdefault("volumes", []).append(volume)
     return {"changes": await _apply(node, doc, dry_run=args.dry_run),
             "volume": await _describe(node, name) if not args.dry_run else None}

@@ -83,11 +83,12 @@ def open_device(spec: DeviceSpec, *, trust_foreign: bool = False, memfd: int | N
 async def open_volume(spec: VolumeSpec, device: BlockDevice, identity: VolumeIdentity) -> Volume:
     """The volume's handle over its stack: the layers its spec names (crypt, QoS) over its device or pool
     (volume/registry.py; an encrypted volume's container is unlocked here)."""
+    from openvsan.volume.compress import CompressError
     from openvsan.volume.crypt import CryptError
 
     try:
         stack = await open_stack(device, spec.layers, name=spec.name)
-    except CryptError as e:
+    except (CryptError, CompressError) as e:
         raise NodeError(str(e)) from None
     return Volume(stack, name=spec.name, uuid=identity.uuid, serial=identity.serial)
 

@@ -203,11 +203,12 @@ class DataPlane:
 
             raise Conflict(f"volume {c.key}: whether and how it is encrypted cannot change while it holds data (a new "
                            "container would make what is stored unreadable); create a new volume and copy the data")
-        if (old.compression is None) != (new.compression is None):
+        if (old.compression is None) != (new.compression is None) or (
+                old.compression is not None and old.chunk_bytes != new.chunk_bytes):
             from openvsan.node.control import Conflict
 
-            raise Conflict(f"volume {c.key}: whether it is compressed cannot change while it holds data (its chunks "
-                           "are stored in a layout of their own); create a new volume and copy the data")
+            raise Conflict(f"volume {c.key}: whether it is compressed, and in what chunks, cannot change while it holds "
+                           "data (its chunks are stored in a layout of their own); create a new volume and copy the data")
         if old.compression != new.compression:   # another algorithm: new versions use it, the old ones still read
             squeeze = next(d for d in vol.layers if getattr(d, "type_name", None) == "compress")
             squeeze.set_algorithm(new.compression)  # type: ignore[attr-defined]

@@ -88,6 +88,8 @@ def _volume(v: VolumeSpec) -> dict[str, Any]:
         out["encryption"] = enc
     if v.compression is not None:
         out["compression"] = v.compression
+    if v.compression_chunk is not None:
+        out["compression_chunk"] = v.compression_chunk
     return out
 
 

@@ -42,6 +42,7 @@ class VolumeCreate:
     snapshot: Bool = False         # with device or pool: serve that group's snapshot named `name`, read-only
     key_file: Str | None = None    # encrypted (volume/crypt.py): a LUKS2 container unlocked by this file's bytes
     compression: Str | None = None  # compressed (volume/compress.py): "lz4", "zstd" or "zstd:LEVEL"
+    compression_chunk: Int | None = None   # its chunk in bytes (16, 32, 64 or 128 KiB; None: 64 KiB)
 
 
 @dataclass(frozen=True, config=REQUEST)

@@ -568,19 +568,30 @@ class VolumeSpec:
     # compressed in 64 KiB chunks (volume/compress.py): "lz4", "zstd" or "zstd:LEVEL"; a thin volume carved from
     # a device or pool whose group has small clusters (cluster_size = "4KiB") keeps only what the chunks need
     compression: Annotated[Str | None, AfterValidator(_compression)] = None
+    # the compressed unit: 16, 32, 64 (None: the default) or 128 KiB; smaller costs less per small random
+    # write and read (a whole chunk is read, decompressed and compressed again), larger compresses better.
+    # Fixed once the volume holds data
+    compression_chunk: Size | None = None
 
     @model_validator(mode="after")
     def _compressed(self) -> VolumeSpec:
         if self.compression is None:
+            if self.compression_chunk is not None:
+                raise SpecError('compression_chunk is for a compressed volume; add compression = "lz4" or remove it',
+                                "compression_chunk")
             return self
-        from openvsan.volume.compress import DEFAULT_CHUNK as CHUNK
+        from openvsan.volume.compress import CHUNKS
 
+        chunk = self.chunk_bytes
+        if chunk not in CHUNKS:
+            raise SpecError(f"{format_size(chunk)}: use one of {', '.join(format_size(c) for c in CHUNKS)}",
+                            "compression_chunk")
         if not self.snapshot and (self.size is None or not self.thin):
             raise SpecError('compression is for a thin volume carved from its device or pool: give it a size, e.g. '
                             'size = "10GiB"', "compression")
-        if self.size is not None and self.size % CHUNK:
-            raise SpecError(f"a compressed volume's size is a multiple of its {CHUNK >> 10} KiB chunks, e.g. "
-                            f"{format_size(-(-self.size // CHUNK) * CHUNK)}", "size")
+        if self.size is not None and self.size % chunk:
+            raise SpecError(f"a compressed volume's size is a multiple of its {chunk >> 10} KiB chunks, e.g. "
+                            f"{format_size(-(-self.size // chunk) * chunk)}", "size")
         if self.encryption is not None and not self.encryption.allow_discards:
             raise SpecError("compression under encryption gives space back through unmaps: add allow_discards = true "
                             "to its encryption table", "encryption")
@@ -595,7 +606,14 @@ class VolumeSpec:
         from openvsan.volume.compress import backing_size
         from openvsan.volume.luks2 import DATA_OFFSET
 
-        return backing_size(self.size) + (DATA_OFFSET if self.encryption is not None else 0)
+        return backing_size(self.size, self.chunk_bytes) + (DATA_OFFSET if self.encryption is not None else 0)
+
+    @property
+    def chunk_bytes(self) -> int:
+        """A compressed volume's chunk size in bytes (the default when compression_chunk is not given)."""
+        from openvsan.volume.compress import DEFAULT_CHUNK
+
+        return self.compression_chunk or DEFAULT_CHUNK
 
     @model_validator(mode="after")
     def _carved(self) -> VolumeSpec:
@@ -647,7 +665,9 @@ class VolumeSpec:
         """The layer configs of its stack, bottom first (volume/registry.py builds them over the device)."""
         crypt = [self.encryption.layer()] if self.encryption is not None else []
         # above the encryption: what it compresses is the plain data (ciphertext does not compress)
-        squeeze = [{"type": "compress", "algorithm": self.compression}] if self.compression is not None else []
+        squeeze = [{"type": "compress", "algorithm": self.compression,
+                    **({"chunk_size": self.compression_chunk} if self.compression_chunk is not None else {})}
+                   ] if self.compression is not None else []
         return crypt + squeeze + ([{"type": "qos", **self.qos}] if self.qos else [])
 
 

@@ -180,6 +180,18 @@ def read_header(raw: Buffer, chunk: int, index: int) -> tuple[int, int, int, int
     return algo, gen, length, pcrc
 
 
+def header_chunk(raw: Buffer) -> int | None:
+    """The chunk size a slot's first bytes name, where they are a whole header of this format (of any
+    chunk size and index); None where they are not."""
+    b = bytes(raw[:HEADER_BYTES])
+    if len(b) < HEADER_BYTES or b[:4] != MAGIC:
+        return None
+    (hcrc,) = struct.unpack_from("<I", b, HEADER.size)
+    if crc32c.crc32c(b[:HEADER.size]) != hcrc or b[4] != VERSION:
+        return None
+    return int(HEADER.unpack_from(b)[4])
+
+
 @register_layer
 class CompressLayer(Layer):
     type_name = "compress"
@@ -217,6 +229,7 @@ class CompressLayer(Layer):
         self._flushes: list[_Flush] = []         # flushes under way
         self._cache: OrderedDict[int, bytes] = OrderedDict()
         self.bytes_in = self.bytes_out = 0             # plain and stored bytes written since open (for stats)
+        self._foreign = self._noise = 0                # what load() found that is not of this layout
 
     # ---- what it states
 
@@ -261,6 +274,7 @@ class CompressLayer(Layer):
         todo = self._mapped_chunks(await self._extents()) if self.below.capabilities.extents else range(n)
         stale: list[tuple[int, int]] = []
         batch: list[int] = []
+        self._foreign, self._noise = 0, 0
 
         async def scan(batch: list[int]) -> None:
             # runs of consecutive chunks read in one request each
@@ -283,6 +297,7 @@ class CompressLayer(Layer):
         if batch:
             await scan(batch)
         self.dur[:] = self.cur
+        self._layout_check(n)
         if self.read_only:
             log.info("%s: %d chunks hold data (%s; read-only)", self.name, int(np.count_nonzero(self.cur >= 0)),
                      self.settings.get("algorithm", "lz4"))
@@ -299,6 +314,20 @@ class CompressLayer(Layer):
             await self.below.flush()
         log.info("%s: %d chunks hold data (%s), %d stale versions dropped", self.name,
                  int(np.count_nonzero(self.cur >= 0)), self.settings.get("algorithm", "lz4"), len(stale))
+
+    def _layout_check(self, n: int) -> None:
+        """CompressError, before anything is unmapped, where what the slots hold is not this layer's layout: a
+        header of another chunk size (compression_chunk changed), or far more slots of data without a valid
+        header than a crash can tear (the volume was written uncompressed, or in other chunks). A crash tears
+        at most the versions in flight, which load() then unmaps."""
+        valid = int(np.count_nonzero(self.cur >= 0)) if n else 0
+        if self._foreign:
+            raise CompressError(f"{self.name}: its chunks are {self._foreign >> 10} KiB, not {self.chunk >> 10} KiB "
+                                "(a compression chunk changed in the config?); nothing was changed")
+        if self._noise > max(256, valid // 4):
+            raise CompressError(f"{self.name}: {self._noise} slots hold data that is not a {self.chunk >> 10} KiB "
+                                f"chunk of this layer ({valid} are): not written compressed, or in other chunks; "
+                                "nothing was changed")
 
     async def reload(self) -> None:
         """The data below changed as a whole (a rollback to a snapshot): read it anew (I/O is drained)."""
@@ -333,6 +362,10 @@ class CompressLayer(Layer):
             if h is None:
                 if not _zero(raw):
                     stale.append((c, s))   # noise or a torn version: its clusters go back
+                    self._noise += 1
+                    other = header_chunk(raw)
+                    if other is not None and other != self.chunk:
+                        self._foreign = other
                 continue
             algo, gen, length, pcrc = h
             if crc32c.crc32c(raw[HEADER_BYTES:HEADER_BYTES + length]) != pcrc:
