@@ -311,3 +311,52 @@ def test_volumes_lock_and_unlock_while_exported(vsan: Callable[..., VsanServer],
     typed = tmp_path / "typed.key"
     typed.write_bytes(b"correct horse")
     assert cryptsetup("open", "--test-passphrase", str(tmp_path / "d0.img"), key_file=typed).returncode == 0
+
+
+def test_a_volume_switched_to_prompt_locks_and_back_to_a_key_file_opens(vsan: Callable[..., VsanServer],
+                                                                        tmp_path: Path) -> None:
+    """The desired state changed while the volume serves (the API's config PUT): `prompt = true` in place of
+    its key file locks it at once (reads answered with an error, its size kept), `vsan volume unlock` with
+    the key file's bytes opens it with its data; the key file back in the config opens it too."""
+    import httpx
+
+    require_tools("nbdcopy", "nbdinfo")
+    key = tmp_path / "k.key"
+    key.write_bytes(os.urandom(32))
+    server = vsan("file", "16MiB", nbd=True)
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([str(VSAN), *args, "--data-dir", str(server.data_dir)], capture_output=True,
+                              text=True, timeout=120, check=False)
+
+    def reads() -> bytes | None:
+        p = subprocess.run(["nbdcopy", server.nbd_url("sec"), "-"], capture_output=True, timeout=120, check=False)
+        return p.stdout if p.returncode == 0 else None
+
+    assert cli("volume", "create", "sec", "--size", "32MiB", "--key-file", str(key)).returncode == 0
+    assert cli("export", "add", "nbd", "sec", "--volume", "sec").returncode == 0
+    data = os.urandom(4 * MiB)
+    run(["nbdcopy", "-", server.nbd_url("sec")], input=data)
+    api = httpx.Client(base_url=server.wait_api(), timeout=120,
+                       headers={"Authorization": f"Bearer {server.first_api_token()}"})
+
+    def encryption(table: dict[str, object]) -> httpx.Response:
+        doc = api.get("/api/v1/config").json()
+        next(v for v in doc["volumes"] if v["name"] == "sec")["encryption"] = table
+        return api.put("/api/v1/config", json=doc)
+
+    r = encryption({"prompt": True})
+    assert r.status_code == 200, r.text
+    assert reads() is None
+    assert int(run(["nbdinfo", "--size", server.nbd_url("sec")]).stdout) == 16 * MiB
+    assert "LOCKED" in cli("volume", "show", "sec").stdout
+    done = cli("volume", "unlock", "sec", "--key-file", str(key))
+    assert done.returncode == 0, done.stderr
+    back = reads()
+    assert back is not None and back[:len(data)] == data
+    r = encryption({"prompt": True})            # no change: stays unlocked
+    assert r.status_code == 200 and reads() is not None
+    r = encryption({"key_file": str(key)})
+    assert r.status_code == 200, r.text
+    back = reads()
+    assert back is not None and back[:len(data)] == data
