@@ -222,6 +222,47 @@ def test_reads_follow_the_model_and_a_reopen_keeps_everything() -> None:
     asyncio.run(go())
 
 
+def test_the_fast_path_reads_the_bytes_the_normal_path_reads() -> None:
+    """read_now (in the caller's turn: the cache, or the thin volume's fast path over consecutive clusters)
+    gives what the chunk's slow path (read under its lock) gives, for chunks cached and not, zero chunks and partial blocks; it declines a read
+    across chunks and a chunk a write holds."""
+    async def go() -> None:
+        dev = ram()
+        g, layer = await stack(dev, fresh=True)
+        assert layer.capabilities.sync_read
+        run = Run(layer)
+        for op in workload(5, 120):
+            await run.step(op)
+        rng = random.Random(5)
+        answered = {"cache": 0, "device": 0}
+        for _ in range(400):
+            c = rng.randrange(CHUNKS)
+            off = rng.randrange(CB)
+            n = rng.randrange(1, CB - off + 1)
+            lba = c * CB + off
+            if rng.random() < 0.5:
+                layer._cache.clear()
+            cached = c in layer._cache
+            fast = layer.read_now(lba, n)
+            layer._cache.pop(c, None)          # the slow path's own read of the chunk, under its lock
+            async with layer._chunk(c):
+                slow = (await layer._plain(c))[off * BS:(off + n) * BS]
+            assert fast is not None and bytes(fast) == slow, (lba, n)
+            answered["cache" if cached else "device"] += 1
+        assert answered["cache"] > 50 and answered["device"] > 50, answered
+        assert layer.read_now(CB - 1, 2) is None                     # across two chunks
+        async with layer._chunk(1):
+            assert layer.read_now(CB, 1) is None                     # a write holds it
+        # the thin volume's own fast path over consecutive clusters, against its read()
+        lv = layer.below
+        for lba in range(0, 2 * CB * 2, 7):
+            raw = lv.read_now(lba, 24)
+            if raw is not None:
+                assert bytes(raw) == bytes(await lv.read(lba, 24)), lba
+        await g.close()
+    asyncio.run(go())
+
+
 def test_half_compressible_data_takes_about_half_the_space_and_the_ratio_is_reported() -> None:
     async def go() -> None:
         dev = ram()

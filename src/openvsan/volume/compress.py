@@ -129,9 +129,10 @@ class _Codec:
             return RAW, plain       # it would take as many units as the chunk raw: kept raw, read back free
         return self.algo, packed
 
-    def decode(self, algo: int, payload: bytes) -> bytes:
+    def decode(self, algo: int, payload: Buffer) -> bytes:
+        """The plain chunk (bytes of its own: `payload` may be a view of the device's memory)."""
         if algo == RAW:
-            return payload
+            return bytes(payload)
         if algo == ZERO:
             return bytes(self.chunk)
         if algo == LZ4:
@@ -212,6 +213,7 @@ class CompressLayer(Layer):
         self._per = self.chunk // bbs                  # layer blocks per chunk (the layer's block is the device's)
         # over a snapshot (served read-only): read as it is, stale versions left where they are
         self.read_only = any(getattr(d, "read_only", False) for d in stack_of(below))
+        self._below_read_now = getattr(below, "read_now", None) if below.capabilities.sync_read else None
         self._fresh()
 
     def _fresh(self) -> None:
@@ -244,7 +246,7 @@ class CompressLayer(Layer):
     @property
     def capabilities(self) -> Capabilities:
         caps = self.below.capabilities
-        return caps.but(sync_read=False, sync_write=False, write_window=False, unmap_reads_zero=True,
+        return caps.but(sync_write=False, write_window=False, unmap_reads_zero=True,
                         write_zeroes=True, extents=True, thin=True, volatile_cache=True,
                         atomic_write=0)
 
@@ -420,11 +422,16 @@ class CompressLayer(Layer):
             return bytes(self.chunk)
         held = int(self.held[c, s])
         raw = await self.below.read((c * 2 + s) * self.slot // self._bbs, held // self._bbs)
+        return self._decoded(c, s, raw)
+
+    def _decoded(self, c: int, s: int, raw: Buffer) -> bytes:
+        """The plain chunk from its newest version as read from slot s (kept in the cache); MediumError where
+        it does not read back whole. Both read paths end here."""
         h = read_header(raw, self.chunk, c)
         if h is None or h[1] != int(self.gen[c]):
             raise MediumError(f"{self.name}: chunk {c}: its version in slot {s} does not read back", c * self._per)
         algo, _, length, pcrc = h
-        payload = bytes(memoryview(raw)[HEADER_BYTES:HEADER_BYTES + length])
+        payload = memoryview(raw)[HEADER_BYTES:HEADER_BYTES + length]
         if crc32c.crc32c(payload) != pcrc:
             raise MediumError(f"{self.name}: chunk {c}: checksum mismatch in slot {s}", c * self._per)
         try:
@@ -434,6 +441,28 @@ class CompressLayer(Layer):
         self._keep(c, plain)
         return plain
 
+    def read_now(self, lba: int, blocks: int) -> Buffer | None:
+        """read() in the caller's turn, within one chunk that nobody holds (a write holds its chunk across its
+        awaits; this path has none), from the cache or the device's own fast path; else None."""
+        per = self._per
+        c, off = divmod(lba, per)
+        if off + blocks > per or c in self._locks:
+            return None
+        plain = self._cache.get(c)
+        if plain is not None:
+            self._cache.move_to_end(c)
+        else:
+            s = int(self.cur[c])
+            if s < 0 or self.algo[c] == ZERO:
+                return bytes(blocks * self._bbs)
+            fn = self._below_read_now
+            raw = fn((c * 2 + s) * self.slot // self._bbs, int(self.held[c, s]) // self._bbs) if fn else None
+            if raw is None:
+                return None
+            plain = self._decoded(c, s, raw)
+        bs = self._bbs
+        return plain[off * bs:(off + blocks) * bs]
+
     def _keep(self, c: int, plain: bytes) -> None:
         self._cache[c] = plain
         self._cache.move_to_end(c)
@@ -441,8 +470,12 @@ class CompressLayer(Layer):
             self._cache.popitem(last=False)
 
     async def read(self, lba: int, blocks: int) -> Buffer:
+        """Each chunk by read_now where it answers (no lock: it does not wait), else under the chunk's lock."""
         bs = self._bbs
         if blocks <= self._per and lba // self._per == (lba + blocks - 1) // self._per:
+            fast = self.read_now(lba, blocks)
+            if fast is not None:
+                return fast
             c, off = divmod(lba, self._per)
             async with self._chunk(c):
                 plain = await self._plain(c)
@@ -450,9 +483,12 @@ class CompressLayer(Layer):
         out = bytearray(blocks * bs)
         at = 0
         for c, off, n in self._pieces(lba, blocks):
-            async with self._chunk(c):
-                plain = await self._plain(c)
-            out[at:at + n * bs] = plain[off * bs:(off + n) * bs]
+            piece = self.read_now(c * self._per + off, n)
+            if piece is None:
+                async with self._chunk(c):
+                    plain = await self._plain(c)
+                piece = plain[off * bs:(off + n) * bs]
+            out[at:at + n * bs] = piece
             at += n * bs
         return out
 

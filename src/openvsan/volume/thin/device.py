@@ -85,12 +85,19 @@ class LogicalVolume:
         await self.group.resize(self.name, num_blocks * self.block_size)
 
     def read_now(self, lba: int, blocks: int) -> Buffer | None:
+        """Within a cluster, or over clusters that are all unmapped or physically consecutive (one device
+        read, as the async path's runs); else None."""
         g = self.group
         cb = g.cluster_blocks
         vc, off = divmod(lba, cb)
-        if off + blocks > cb or self._read_now is None:
+        if self._read_now is None:
             return None
-        p = self.vol.map[vc]
+        m = self.vol.map
+        p = m[vc]
+        if off + blocks > cb:
+            for i in range(1, (off + blocks - 1) // cb + 1):
+                if m[vc + i] != (p + i if p else 0):
+                    return None
         if not p:
             return bytes(blocks * self.block_size)
         data = self._read_now(g.lba0 + p * cb + off, blocks)
