@@ -130,3 +130,8 @@ def stack_of(top: BlockDevice) -> list[BlockDevice]:
     while isinstance(out[-1], Layer):
         out.append(out[-1].below)
     return out
+
+
+def read_only_stack(top: BlockDevice) -> bool:
+    """Whether anything in the stack takes no writes (a thin volume's snapshot: its `read_only`)."""
+    return any(getattr(d, "read_only", False) for d in stack_of(top))

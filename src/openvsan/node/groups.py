@@ -204,26 +204,28 @@ class ServedGroups(Mapping[str, ServedGroup]):
         return out
 
 
+def _sealed_kinds(v: VolumeSpec) -> list[str]:
+    """The layers of a volume's stack that change how its bytes lie on the device."""
+    return [layer["type"] for layer in v.layers if layer["type"] in ("crypt", "compress")]
+
+
 def _same_layers_as_origin(snap: VolumeSpec, g: VolumeGroup, cfg: NodeConfig) -> None:
     """GroupSetupError unless a served snapshot names the encryption and compression of the volume it comes
     from (the nearest one up its chain that the config serves as a volume)."""
-    origin = g.info(snap.name)["origin"]
+    origin = g.origin_of(snap.name)
     seen = {snap.name}
     while origin is not None and origin not in seen:
         seen.add(origin)
         spec = next((x for x in cfg.volumes if x.name == origin and not x.snapshot), None)
         if spec is not None:
-            def kinds(x: VolumeSpec) -> list[str]:
-                return [layer["type"] for layer in x.layers if layer["type"] in ("crypt", "compress")]
-
-            if kinds(spec) != kinds(snap):
+            if _sealed_kinds(spec) != _sealed_kinds(snap):
                 words = {"crypt": "encryption", "compress": "compression"}
-                need = " and ".join(words[k] for k in kinds(spec)) or "no encryption or compression"
+                need = " and ".join(words[k] for k in _sealed_kinds(spec)) or "no encryption or compression"
                 raise GroupSetupError(f"volume {snap.name}: a snapshot of volume {origin}, so it is read through "
                                       f"{need}, as {origin} is; give it the same (with --key-file and "
                                       "--compression)")
             return
-        origin = g.info(origin)["origin"] if origin in g.by_name else None
+        origin = g.origin_of(origin)
 
 
 # ---- snapshot.* commands (the node's control socket; node/live.py routes them here)

@@ -50,7 +50,7 @@ import numpy as np
 from openvsan.block.capabilities import Capabilities
 from openvsan.block.device import BlockDevice, Buffer
 from openvsan.block.errors import MediumError, ReadOnly
-from openvsan.block.layer import Layer, stack_of
+from openvsan.block.layer import Layer, read_only_stack, stack_of
 from openvsan.volume.registry import register_layer, register_opener
 
 log = logging.getLogger("openvsan.volume.compress")
@@ -167,30 +167,29 @@ def pack_header(algo: int, chunk: int, index: int, gen: int, payload: bytes) -> 
     return (h + struct.pack("<I", crc32c.crc32c(h))).ljust(HEADER_BYTES, b"\0")
 
 
-def read_header(raw: Buffer, chunk: int, index: int) -> tuple[int, int, int, int] | None:
-    """(algo, generation, payload length, payload crc) of a slot's first bytes, or None where they are not
-    a valid header of this chunk (zeros, noise, a torn write, another chunk size)."""
-    b = bytes(raw[:HEADER_BYTES])
-    if len(b) < HEADER_BYTES or b[:4] != MAGIC:
-        return None
-    _, version, algo, _, csize, idx, gen, length, pcrc = HEADER.unpack_from(b)
-    (hcrc,) = struct.unpack_from("<I", b, HEADER.size)
-    if (crc32c.crc32c(b[:HEADER.size]) != hcrc or version != VERSION or algo not in ALGO_NAMES or csize != chunk
-            or idx != index or length > chunk or (algo == ZERO and length) or (algo == RAW and length != chunk)):
-        return None
-    return algo, gen, length, pcrc
-
-
-def header_chunk(raw: Buffer) -> int | None:
-    """The chunk size a slot's first bytes name, where they are a whole header of this format (of any
-    chunk size and index); None where they are not."""
+def _header_fields(raw: Buffer) -> tuple[Any, ...] | None:
+    """A slot's first bytes as a header of this format and version whose own checksum holds (magic, version,
+    algo, 0, chunk size, index, generation, length, payload crc), of any chunk; None where they are not."""
     b = bytes(raw[:HEADER_BYTES])
     if len(b) < HEADER_BYTES or b[:4] != MAGIC:
         return None
     (hcrc,) = struct.unpack_from("<I", b, HEADER.size)
     if crc32c.crc32c(b[:HEADER.size]) != hcrc or b[4] != VERSION:
         return None
-    return int(HEADER.unpack_from(b)[4])
+    return HEADER.unpack_from(b)
+
+
+def read_header(raw: Buffer, chunk: int, index: int) -> tuple[int, int, int, int] | None:
+    """(algo, generation, payload length, payload crc) of a slot's first bytes, or None where they are not
+    a valid header of this chunk (zeros, noise, a torn write, another chunk size)."""
+    f = _header_fields(raw)
+    if f is None:
+        return None
+    _, _, algo, _, csize, idx, gen, length, pcrc = f
+    if (algo not in ALGO_NAMES or csize != chunk or idx != index or length > chunk or (algo == ZERO and length)
+            or (algo == RAW and length != chunk)):
+        return None
+    return algo, gen, length, pcrc
 
 
 @register_layer
@@ -212,7 +211,7 @@ class CompressLayer(Layer):
         self._bbs = bbs
         self._per = self.chunk // bbs                  # layer blocks per chunk (the layer's block is the device's)
         # over a snapshot (served read-only): read as it is, stale versions left where they are
-        self.read_only = any(getattr(d, "read_only", False) for d in stack_of(below))
+        self.read_only = read_only_stack(below)
         self._below_read_now = getattr(below, "read_now", None) if below.capabilities.sync_read else None
         self._fresh()
 
@@ -276,7 +275,6 @@ class CompressLayer(Layer):
         todo = self._mapped_chunks(await self._extents()) if self.below.capabilities.extents else range(n)
         stale: list[tuple[int, int]] = []
         batch: list[int] = []
-        self._foreign, self._noise = 0, 0
 
         async def scan(batch: list[int]) -> None:
             # runs of consecutive chunks read in one request each
@@ -365,9 +363,9 @@ class CompressLayer(Layer):
                 if not _zero(raw):
                     stale.append((c, s))   # noise or a torn version: its clusters go back
                     self._noise += 1
-                    other = header_chunk(raw)
-                    if other is not None and other != self.chunk:
-                        self._foreign = other
+                    f = _header_fields(raw)
+                    if f is not None and f[4] != self.chunk:
+                        self._foreign = f[4]
                 continue
             algo, gen, length, pcrc = h
             if crc32c.crc32c(raw[HEADER_BYTES:HEADER_BYTES + length]) != pcrc:

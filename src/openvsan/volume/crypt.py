@@ -37,7 +37,7 @@ import numpy as np
 from openvsan.block.capabilities import Capabilities
 from openvsan.block.device import BlockDevice, Buffer
 from openvsan.block.errors import Locked
-from openvsan.block.layer import Layer, stack_of
+from openvsan.block.layer import Layer, read_only_stack, stack_of
 from openvsan.volume import luks2 as L
 from openvsan.volume.registry import StackLocked, register_layer, register_opener
 
@@ -345,10 +345,7 @@ async def open_crypt(cfg: dict[str, Any], below: BlockDevice, *, name: str = "",
             raise CryptError(f"{who}{e}") from None
         log.info("%sLUKS2 container %s unlocked (%s, %d-byte sectors)", who, c.header.uuid, segment.cipher,
                  segment.sector_size)
-    elif held == "blank" and any(getattr(d, "read_only", False) for d in stack_of(below)):
-        raise CryptError(f"{who}it is read-only (a snapshot) and holds no LUKS2 container: serve it without "
-                         "encryption, or take the snapshot of an encrypted volume")
-    elif held == "blank" and any(getattr(d, "read_only", False) for d in stack_of(below)):
+    elif held == "blank" and read_only_stack(below):
         raise CryptError(f"{who}{_READ_ONLY_BLANK}")
     elif held == "blank":
         # 4096 unless asked (cryptsetup's choice for LUKS2 too): a sector per 4 KiB command, 8x fewer tweaks
@@ -449,7 +446,7 @@ async def locked_stack(below: BlockDevice, layers: list[dict[str, Any]], *, name
         except L.Luks2Error as e:
             raise CryptError(f"volume {name}: {e}") from None
         bs, offset, size = seg.sector_size, seg.offset, seg.size
-    elif held == "blank" and any(getattr(d, "read_only", False) for d in stack_of(below)):
+    elif held == "blank" and read_only_stack(below):
         raise CryptError(f"volume {name}: {_READ_ONLY_BLANK}")
     elif held == "blank":
         bs, offset, size = int(settings.get("sector_size", DEFAULT_SECTOR)), L.DATA_OFFSET, None

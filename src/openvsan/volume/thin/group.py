@@ -396,16 +396,20 @@ class VolumeGroup(GroupIO):
     def names(self) -> list[str]:
         return sorted(self.by_name)
 
+    def origin_of(self, name: str) -> str | None:
+        """The name of the volume or snapshot `name` was taken or cloned from, while it exists."""
+        origin = self.vols.get(self._vol(name).rec.origin)
+        return origin.rec.name if origin else None
+
     def info(self, name: str) -> dict[str, Any]:
         v = self._vol(name)
         mapped = entries(v)[1]
         exclusive = int(np.count_nonzero(_view(self.ref)[mapped] == 1)) if len(mapped) else 0
-        origin = self.vols.get(v.rec.origin)
         cs = self.sb.cluster_size
         return {
             "name": v.rec.name, "kind": "snapshot" if v.rec.flags & Flag.SNAPSHOT else "volume",
             "thin": v.thin, "read_only": not v.writable, "size": v.rec.blocks * self.block_size,
-            "origin": origin.rec.name if origin else None, "created": v.rec.created / 1e9,
+            "origin": self.origin_of(name), "created": v.rec.created / 1e9,
             "mapped": v.mapped * cs, "exclusive": exclusive * cs,
         }
 
