@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import types
-from collections.abc import Coroutine, Generator, Sequence
+from collections.abc import Callable, Coroutine, Generator, Sequence
 from typing import Any, TypeVar
 
 Buffer = bytes | bytearray | memoryview
@@ -22,12 +22,14 @@ class WriteBatcher:
     """Buffers handed over in one event-loop turn leave in one `transport.writelines` (one sendmsg), not one
     system call per PDU. Set `transport` once connected and back to None once lost: nothing is sent then."""
 
-    __slots__ = ("_out", "_pending", "holding", "transport")
+    __slots__ = ("_loop", "_out", "_pending", "holding", "transport")
 
     def __init__(self) -> None:
         self.transport: asyncio.WriteTransport | None = None
         self._out: list[Buffer] = []
         self._pending = False
+        # the loop, found once: asyncio.get_running_loop() makes a getpid() system call each time (CPython 3.11)
+        self._loop: asyncio.AbstractEventLoop | None = None
         # set while a connection handles what one read brought; it calls flush() itself at the end, so
         # answers made at once leave in that turn (one loop iteration less of latency at queue depth 1)
         self.holding = False
@@ -41,7 +43,10 @@ class WriteBatcher:
             self._write()          # a flush already scheduled sends what comes after
         elif not self._pending:
             self._pending = True
-            asyncio.get_running_loop().call_soon(self.flush)
+            loop = self._loop
+            if loop is None:
+                loop = self._loop = asyncio.get_running_loop()
+            loop.call_soon(self.flush)
 
     def flush(self) -> None:
         self._pending = False
@@ -101,3 +106,29 @@ def start_eagerly(coro: Coroutine[Any, Any, None]) -> asyncio.Task[None] | None:
     except StopIteration:
         return None
     return asyncio.get_running_loop().create_task(resume(coro, first))
+
+
+Done = Callable[[BaseException | None], None]
+_carried: set[asyncio.Task[None]] = set()   # start_then's Tasks, held until they end (the loop keeps weak refs)
+
+
+def start_then(coro: Coroutine[Any, Any, None], done: Done) -> None:
+    """Run coro as start_eagerly does (in the caller's turn, a Task only if it suspends) and call done(None)
+    when it ends, or done(exception) when it fails: at once if it never suspended, else from its Task. For
+    a fast path (a device's write_soon) that hands its uncommon ends to the normal path's coroutine."""
+    try:
+        task = start_eagerly(coro)
+    except Exception as e:  # noqa: BLE001 - reported to the caller's callback, as a failure from the Task is
+        done(e)
+        return
+    if task is None:
+        done(None)
+        return
+
+    _carried.add(task)
+
+    def ended(t: asyncio.Task[None]) -> None:
+        _carried.discard(t)
+        done(asyncio.CancelledError() if t.cancelled() else t.exception())
+
+    task.add_done_callback(ended)

@@ -1,7 +1,8 @@
 """What the fast-versus-normal byte-equivalence tests of the three frontends share (tests/unit/test_iscsi_fastpath.py,
 test_nvme_fastpath.py, test_nbd_fastpath.py, test_nvme_ana.py): a transport that keeps what the target sends, the
 same RAM with its fast path taken away by its capabilities, RAM that counts the commands its fast path answered,
-and an NVMe/TCP controller brought up over two such transports."""
+RAM whose writes wait on others (answered by write_soon's callback, or by write() alone), and an NVMe/TCP
+controller brought up over two such transports."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import Any
 from nvme_host import HostReader, capsule, connect_cmd, connect_data, icreq, sqe
 
 from openvsan.block.device import Buffer
+from openvsan.block.errors import MediumError
 from openvsan.block.ram import RamDevice
 from openvsan.frontend.nvme_tcp import Connection, NvmeTcpServer
 
@@ -79,6 +81,47 @@ class Counting(RamDevice):
     def write_now(self, lba: int, data: Buffer) -> bool:
         self.fast += 1
         return super().write_now(lba, data)
+
+
+class SlowRam(RamDevice):
+    """RAM with no write_now, whose write() takes two loop turns (as a mirror's does while its peers answer),
+    then writes, or fails with a medium error if it touches BAD (blocks)."""
+
+    BAD = range(100, 116)
+
+    def __init__(self, *a: Any, **kw: Any) -> None:
+        super().__init__(*a, **kw)
+        self.capabilities = self.capabilities.but(sync_write=False, write_window=False)
+
+    def _finish(self, lba: int, data: bytes) -> BaseException | None:
+        if lba < self.BAD.stop and self.BAD.start < lba + len(data) // self.block_size:
+            return MediumError("injected", lba=lba, write=True)
+        RamDevice.write_now(self, lba, data)
+        return None
+
+    async def write(self, lba: int, data: Any, *, fua: bool = False) -> None:
+        data = bytes(data)
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        e = self._finish(lba, data)
+        if e is not None:
+            raise e
+
+
+class SoonRam(SlowRam):
+    """The same, with a write_soon that ends in the same turn as write() would: every write it takes answered by
+    its callback."""
+
+    def __init__(self, *a: Any, **kw: Any) -> None:
+        super().__init__(*a, **kw)
+        self.soon = 0
+
+    def write_soon(self, lba: int, data: Any, fua: bool, done: Any) -> bool:
+        self.soon += 1
+        loop = asyncio.get_running_loop()
+        data = bytes(data)
+        loop.call_soon(loop.call_soon, lambda: done(self._finish(lba, data)))
+        return True
 
 
 def last_response(wire: Wire) -> Any:

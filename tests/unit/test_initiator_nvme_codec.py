@@ -166,7 +166,7 @@ def _queue_with_reads(reads: dict[int, int]) -> tuple[NvmeQueue, dict[int, async
     futs: dict[int, asyncio.Future[Result]] = {}
     for cid, n in reads.items():
         f: asyncio.Future[Result] = q.loop.create_future()
-        q.cmds[cid] = _Cmd(cid, n, None, f)
+        q.cmds[cid] = _Cmd(cid, n, None, f, None, 0.0)
         futs[cid] = f
     return q, futs
 
@@ -206,6 +206,38 @@ def test_the_host_read_lane_completes_what_the_pdu_reader_would() -> None:
     assert whole[5] == (S.LBA_OUT_OF_RANGE, b"")
 
 
+def test_the_host_lane_completes_capsule_resps_as_the_pdu_reader_would() -> None:
+    """CapsuleResps at the front of a receive go through the lane too (a replicated write's answers from its
+    peer): success, an error, a result in DW0/DW1, one for no waiting command, and a command answered by
+    callback (submit_then) get what the reader gives them, whole or a few bytes at a time."""
+
+    async def run(chunk: int) -> tuple[dict[int, tuple[int, int, int]], list[tuple[int, int]], int]:
+        q, futs = _queue_with_reads({1: 0, 2: 0, 3: 0})
+        answers: list[tuple[int, int]] = []
+        q.cmds[4] = _Cmd(4, 0, None, None, lambda r, e: answers.append((r.status, r.cqe.dw0)), 0.0)  # type: ignore[union-attr]
+        raw = b"".join(F.capsule_resp(c, False) for c in (
+            S.cqe(1, 0, sqhd=7), S.cqe(9, 0), S.cqe(2, S.WRITE_FAULT), S.cqe(3, 0, dw0=0x1234, dw1=5),
+            S.cqe(4, 0, dw0=77)))
+        to_reader = 0
+        receive = q.reader.receive_data
+
+        def counted(data: bytes | memoryview) -> list[Pdu]:
+            nonlocal to_reader
+            to_reader += len(data)
+            return receive(data)
+        q.reader.receive_data = counted   # type: ignore[method-assign]
+        for i in range(0, len(raw), chunk):
+            q.data_received(raw[i:i + chunk])
+        await asyncio.sleep(0)
+        got = {cid: (f.result().status, f.result().cqe.dw0, f.result().cqe.dw1) for cid, f in futs.items()}
+        return got, answers, len(raw) - to_reader
+
+    (whole, answered, by_lane), (trickled, answered_trickled, _) = asyncio.run(run(1 << 20)), asyncio.run(run(5))
+    assert whole == trickled and answered == answered_trickled == [(0, 77)]
+    assert by_lane == 5 * 24            # all five through the lane
+    assert whole == {1: (0, 0, 0), 2: (S.WRITE_FAULT, 0, 0), 3: (0, 0x1234, 5)}
+
+
 def test_the_host_read_lane_leaves_a_stray_c2hdata_to_the_reader() -> None:
     """A C2HData for no waiting command, or longer than its read, is not taken by the lane: the reader's path
     drops the connection, as before."""
@@ -220,3 +252,22 @@ def test_the_host_read_lane_leaves_a_stray_c2hdata_to_the_reader() -> None:
         return bool(aborted) and not futs[1].done()
 
     assert asyncio.run(run(9, 4096)) and asyncio.run(run(1, 8192))
+
+
+def test_a_command_answered_by_callback_fails_once_its_connection_is_lost() -> None:
+    """submit_then's callback gets the connection's loss once, in a later turn (as a future's waiter would),
+    not from inside connection_lost, so the association is known dead when the caller sends it again."""
+
+    async def run() -> list[str]:
+        q, _ = _queue_with_reads({})
+        got: list[str] = []
+        q.submit_then(lambda cid: C.write(cid, 1, 0, 1, 512, fua=False, in_capsule=True), b"x" * 512, True,
+                      lambda r, e: got.append(type(e).__name__))
+        q.connection_lost(None)
+        assert got == [] and not q.cmds
+        await asyncio.sleep(0)
+        q.connection_lost(None)          # a second loss answers nothing twice
+        await asyncio.sleep(0)
+        return got
+
+    assert asyncio.run(run()) == ["ConnectionLost"]

@@ -11,7 +11,7 @@ import struct
 import uuid
 from typing import Any
 
-from fastpath_fakes import AsyncOnly, Counting, Wire
+from fastpath_fakes import AsyncOnly, Counting, SlowRam, SoonRam, Wire
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -333,3 +333,32 @@ def test_a_connection_lost_in_a_write_received_in_place_leaves_no_window_open() 
         assert simple_replies(bytes(w.out), []) == []
         await vol.resize(2 * BLOCKS)                     # nothing is left holding it
     asyncio.run(go())
+
+
+# --- write_soon: a device whose writes wait on others (a replicated volume) answers by callback --------------
+def test_writes_answered_by_write_soon_send_what_the_normal_path_sends() -> None:
+    """Writes (some failing with a medium error, some FUA) and reads of what they wrote: the replies are the same
+    bytes whether the device answers writes by write_soon's callback or only through write()."""
+    rnd = random.Random(9)
+    stream: list[Req] = []
+    for _ in range(300):
+        length = rnd.choice((BS, 8 * BS, 16 * BS))
+        block = rnd.choice((rnd.randrange(BLOCKS - 16), rnd.randrange(90, 120)))   # some in SlowRam.BAD
+        cmd = Cmd.WRITE if rnd.random() < 0.7 else Cmd.READ
+        stream.append((0, cmd, block * BS, length, rnd.choice((0, CmdFlag.FUA)) if cmd == Cmd.WRITE else 0))
+
+    async def go(structured: bool) -> tuple[list[bytes], list[bytes], int]:
+        fast_devs, slow_devs = [SoonRam(BLOCKS, BS) for _ in NAMES], [SlowRam(BLOCKS, BS) for _ in NAMES]
+        wire = encode(stream, 3)
+        fast = await run(fast_devs, wire, structured)
+        slow = await run(slow_devs, wire, structured)
+        for f, s in zip(fast_devs, slow_devs, strict=True):
+            assert f.read_now(0, BLOCKS) == s.read_now(0, BLOCKS)
+        return fast, slow, fast_devs[0].soon
+
+    for structured in (False, True):
+        fast, slow, used = asyncio.run(go(structured))
+        assert used > 150, "write_soon was hardly taken"
+        assert fast == slow
+    errors = {e for _, e in simple_replies(asyncio.run(go(False))[0][0], stream)}
+    assert errors == {0, Errno.EIO}

@@ -13,7 +13,7 @@ import uuid
 from collections import Counter
 from typing import Any
 
-from fastpath_fakes import AsyncOnly, Counting, nvme_controller
+from fastpath_fakes import AsyncOnly, Counting, SlowRam, SoonRam, nvme_controller
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from nvme_host import HostReader, capsule, sqe
@@ -262,3 +262,36 @@ def test_data_that_fails_its_digest_is_refused_and_not_written() -> None:
         admin.close()
 
     asyncio.run(go())
+
+
+# --- write_soon: a device whose write waits on others (a replicated volume) answers by callback ----------
+def test_writes_answered_by_write_soon_are_the_same_bytes_as_the_normal_path() -> None:
+    rnd = random.Random(5)
+    steps: list[Step] = []
+    cid = 1
+    for _ in range(60):
+        batch = b""
+        for _ in range(rnd.randint(1, 6)):
+            nlb = rnd.choice((1, 8, 16))
+            slba = rnd.choice((rnd.randrange(BLOCKS - 16), rnd.randrange(90, 120)))   # some in SlowRam.BAD
+            extra = rnd.choice((0, FUA))
+            batch += rw(0x01, cid, 1, slba, nlb, extra=extra, data=rnd.randbytes(nlb * BS))
+            if rnd.random() < 0.3:
+                batch += rw(0x02, cid + 1, 1, slba, nlb)
+            cid += 2
+        steps.append(("io", batch))
+
+    async def go() -> tuple[tuple[bytes, bytes], tuple[bytes, bytes], int]:
+        fast_devs = [SoonRam(BLOCKS, BS), SoonRam(BLOCKS, BS)]
+        slow_devs = [SlowRam(BLOCKS, BS), SlowRam(BLOCKS, BS)]
+        fast = await run(fast_devs, steps, False)
+        slow = await run(slow_devs, steps, False)
+        for f, s in zip(fast_devs, slow_devs, strict=True):
+            assert f.read_now(0, BLOCKS) == s.read_now(0, BLOCKS)
+        return fast, slow, fast_devs[0].soon
+
+    fast, slow, used = asyncio.run(go())
+    assert used > 100, "write_soon was hardly taken"
+    assert fast == slow
+    seen = statuses(fast[1])
+    assert seen[S.SUCCESS] and seen[S.WRITE_FAULT]

@@ -344,3 +344,121 @@ def test_resync_sends_pieces_of_zeros_as_write_zeroes() -> None:
         assert b.calls == [("zeroes", 0, piece), ("write", piece, piece), ("zeroes", 2 * piece, 6 * piece)]
         assert await image(b) == await image(local)
     asyncio.run(go())
+
+
+# ---- write_soon: write()'s fast path (no coroutine per write), the same rules
+
+async def soon(m: MirrorLayer, lba: int, data: bytes, *, fua: bool = False) -> bool:
+    """write_soon as a frontend uses it: True and its outcome awaited, or False (declined, nothing done)."""
+    fut: asyncio.Future[BaseException | None] = asyncio.get_running_loop().create_future()
+    calls: list[BaseException | None] = []
+
+    def done(e: BaseException | None) -> None:
+        calls.append(e)
+        fut.set_result(e)
+
+    if not m.write_soon(lba, data, fua, done):
+        assert not calls
+        return False
+    e = await fut
+    await asyncio.sleep(0)
+    assert len(calls) == 1                              # done exactly once
+    if e is not None:
+        raise e
+    return True
+
+
+def test_write_soon_puts_the_write_on_every_replica_before_it_is_done() -> None:
+    async def go() -> None:
+        _, _, local, peers, m = await cluster()
+        assert not await soon(m, 8, b"w" * 4096)         # the first write of an epoch is recorded: write() does it
+        await m.write(8, b"x" * 4096)
+        before = m.stats["writes"]
+        assert await soon(m, 16, b"y" * 4096, fua=True)
+        for d in (local, *peers.values()):
+            assert bytes(await d.read(16, 8)) == b"y" * 4096
+        assert m.stats["writes"] == before + 1 and not m._ops and not m._busy_grains
+        assert await soon(m, 24, b"z" * 4096)           # not FUA: unflushed on the peers until a flush
+        assert all(3 in m._unflushed[n] or 0 in m._unflushed[n] for n in peers)
+    asyncio.run(go())
+
+
+def test_write_soon_with_a_failing_peer_records_it_out_of_sync_before_it_is_done() -> None:
+    async def go() -> None:
+        _, store, _, peers, m = await cluster()
+        await m.write(0, b"x" * BS)
+        peers["b"].fail_device()
+        assert await soon(m, REGION // BS * 2, b"y" * 4096)   # done: b recorded as missing it first
+        rs = await R.load(store, "v")
+        # region 2, and region 0, which b held unflushed (its cache may be gone with it)
+        assert rs.out_of_sync == {"b": m.view.epoch} and m.dirty == {"b": {0, 2}}
+        assert bytes(await peers["c"].read(REGION // BS * 2, 8)) == b"y" * 4096
+        assert not await soon(m, 0, b"z" * BS)          # a peer out of sync: write() takes every write now
+    asyncio.run(go())
+
+
+def test_write_soon_fails_as_write_would_once_a_new_primary_was_elected() -> None:
+    async def go() -> None:
+        clock, store, _, peers, m = await cluster()
+        await m.write(0, b"x" * BS)
+        clock.now += 6
+        await R.claim_primary(store, "v", "c", await store.grant_lease(5))
+        peers["b"].fail_device()
+        with pytest.raises(NotPrimary, match="epoch .* is over"):
+            await soon(m, 8, b"y" * BS)
+        assert m.fenced and not await soon(m, 16, b"y" * BS)
+    asyncio.run(go())
+
+
+def test_write_soon_declines_a_write_that_overlaps_one_in_flight() -> None:
+    async def go() -> None:
+        _, _, _, _, m = await cluster(("a", "b"), rng=random.Random(3))
+        await m.write(0, b"x" * BS)
+        first = asyncio.ensure_future(m.write(64, b"1" * 4096))
+        await asyncio.sleep(0)
+        assert m._ops
+        assert not m.write_soon(64 + 4, b"2" * BS, False, lambda e: None)   # overlaps: ordered by write()
+        assert not m.write_soon(60, b"2" * 4096, False, lambda e: None)     # overlaps its first blocks
+        assert await soon(m, 64 + 8, b"3" * BS)         # the next grain: overlaps nothing, goes now
+        await first
+    asyncio.run(go())
+
+
+def test_two_small_writes_in_one_grain_that_do_not_overlap_both_go() -> None:
+    async def go() -> None:
+        _, _, local, peers, m = await cluster(("a", "b"), rng=random.Random(5))
+        await m.write(0, b"x" * BS)
+        await asyncio.gather(m.write(200, b"a" * BS), m.write(201, b"b" * BS))   # one 4 KiB grain, no overlap
+        for d in (local, peers["b"]):
+            assert bytes(await d.read(200, 2)) == b"a" * BS + b"b" * BS
+        assert not m._ops and not m._busy_grains and not m._large
+    asyncio.run(go())
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_write_and_write_soon_together_keep_the_replicas_identical(seed: int) -> None:
+    """Overlapping writes of every size through both paths at once, peers taking a few loop turns each: the
+    ordering gate is one for both, so every replica ends with the same bytes."""
+    async def go() -> None:
+        rng = random.Random(seed)
+        _, _, local, peers, m = await cluster(("a", "b", "c"), rng=rng)
+        await m.write(0, b"\0" * BS)
+        taken = [0]
+
+        async def writer() -> None:
+            for _ in range(80):
+                blocks = rng.choice((1, 1, 8, 8, 16, 300))
+                lba = rng.randrange(0, 256 - min(blocks, 200)) if blocks < 300 else rng.randrange(BLOCKS - 300)
+                data = rng.randbytes(blocks * BS)
+                if rng.random() < 0.6 and await soon(m, lba, data):
+                    taken[0] += 1
+                else:
+                    await m.write(lba, data)
+
+        await asyncio.gather(*(writer() for _ in range(6)))
+        assert taken[0] > 50                            # the fast path did most of its share
+        want = await image(local)
+        for p in peers.values():
+            assert await image(p) == want
+        assert not m._ops and not m._busy_grains and not m._large
+    asyncio.run(go())

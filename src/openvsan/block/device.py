@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
 from openvsan.block.capabilities import Capabilities
@@ -62,6 +63,21 @@ class SyncWrite(Protocol):
     it, or declined (False, nothing written: use write()). The caller has checked the range."""
 
     def write_now(self, lba: int, data: Buffer) -> bool: ...
+
+
+WriteDone = Callable[[BaseException | None], None]
+
+
+@runtime_checkable
+class WriteSoon(Protocol):
+    """A device whose write waits on others (a replicated volume's mirror: its peers) may offer write_soon,
+    the fast path of such a write: started in the caller's turn with no coroutine or Task, as durable when
+    done as `write(..., fua=fua)` makes it; `done(None)` is called once when it is, `done(exc)` once when
+    it failed as write() would have raised exc (from a later turn, or at once). False: declined, nothing
+    was written and `done` is never called (use write()). The caller has checked the range. No capability
+    states it: a caller asks for the method (Volume.write_soon)."""
+
+    def write_soon(self, lba: int, data: Buffer, fua: bool, done: WriteDone) -> bool: ...
 
 
 @runtime_checkable

@@ -10,11 +10,11 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 from openvsan.block.capabilities import Capabilities
-from openvsan.block.device import BlockDevice, Buffer
+from openvsan.block.device import BlockDevice, Buffer, WriteDone
 
 # the methods forwarded as they are unless a subclass overrides them
-FORWARDED = ("read", "write", "flush", "unmap", "write_zeroes", "read_now", "write_now", "write_window",
-             "lba_status")
+FORWARDED = ("read", "write", "flush", "unmap", "write_zeroes", "read_now", "write_now", "write_soon",
+             "write_window", "lba_status")
 
 # A fast-path method goes with its normal ones: a layer that changes read() (QoS, crypt, a cache) and says
 # nothing of read_now() must not let read_now reach the device below around it. It declines, and the
@@ -23,6 +23,7 @@ FORWARDED = ("read", "write", "flush", "unmap", "write_zeroes", "read_now", "wri
 PAIRED: dict[str, tuple[tuple[str, ...], str]] = {
     "read_now": (("read",), "sync_read"),
     "write_now": (("write",), "sync_write"),
+    "write_soon": (("write",), ""),          # no capability states it (block/device.py WriteSoon)
     "write_window": (("write", "write_now"), "write_window"),
 }
 
@@ -35,11 +36,16 @@ def _decline_write(lba: int, data: Buffer) -> bool:
     return False
 
 
+def _decline_soon(lba: int, data: Buffer, fua: bool, done: WriteDone) -> bool:
+    return False
+
+
 def _decline_window(lba: int, blocks: int) -> None:
     return None
 
 
-_DECLINE: dict[str, Any] = {"read_now": _decline_read, "write_now": _decline_write, "write_window": _decline_window}
+_DECLINE: dict[str, Any] = {"read_now": _decline_read, "write_now": _decline_write, "write_soon": _decline_soon,
+                            "write_window": _decline_window}
 
 
 class Layer:
@@ -56,7 +62,8 @@ class Layer:
             slow, capability = PAIRED.get(method, ((), ""))
             if any(getattr(cls, m) is not getattr(Layer, m) for m in slow):
                 setattr(self, method, _DECLINE[method])
-                self._fast_off[capability] = False
+                if capability:
+                    self._fast_off[capability] = False
             elif hasattr(below, method):
                 setattr(self, method, getattr(below, method))
 
@@ -99,6 +106,10 @@ class Layer:
     def write_now(self, lba: int, data: Buffer) -> bool:
         fn = getattr(self.below, "write_now", None)
         return bool(fn(lba, data)) if fn is not None else False
+
+    def write_soon(self, lba: int, data: Buffer, fua: bool, done: WriteDone) -> bool:
+        fn = getattr(self.below, "write_soon", None)
+        return bool(fn(lba, data, fua, done)) if fn is not None else False
 
     def write_window(self, lba: int, blocks: int) -> memoryview | None:
         fn = getattr(self.below, "write_window", None)

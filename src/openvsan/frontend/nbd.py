@@ -15,6 +15,7 @@ tls = "off" are served with or without TLS; "require" ones only inside it.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import socket
 import ssl
@@ -219,7 +220,7 @@ class NbdServer(PortalServer):
             c.conn.start_shutdown()
 
     def in_flight(self) -> list[asyncio.Future[None]]:
-        return list(self.tasks)
+        return [*self.tasks, *(c.soon_idle() for c in self.connections if c.soon)]
 
     def exports_on(self, portal: tuple[str, int]) -> list[ExportInfo]:
         # made when a client connects, so a resized volume shows its new size to every new client
@@ -612,6 +613,9 @@ class Connection(BatchedConnection, asyncio.BufferedProtocol):
         size = req.length if req.cmd in (Cmd.READ, Cmd.WRITE) else 0
         self.inflight += 1
         self.inflight_bytes += size
+        if self._soon(req, size):
+            self._update_reading()
+            return
         # a device that answers at once (RAM) completes the request here, with no Task (netio.start_eagerly)
         task = start_eagerly(self._execute(req, size))
         if task is not None:
@@ -646,18 +650,47 @@ class Connection(BatchedConnection, asyncio.BufferedProtocol):
             return True
         return False
 
+    def _soon(self, req: Request, size: int) -> bool:
+        """A write started on a device whose write waits on others (Volume.write_soon: a replicated volume),
+        with no Task; _written_soon answers it as _execute would. False: nothing was done."""
+        if req.cmd != Cmd.WRITE or not req.length or req.payload is None:
+            return False
+        assert self.export is not None
+        vol = self.export.volume
+        assert vol is not None
+        self.soon_started(0)
+        if vol.write_soon(req.offset // vol.block_size, req.payload, req.fua,
+                          functools.partial(self._written_soon, req, size)):
+            return True
+        self.soon_ended(0)
+        return False
+
+    def _written_soon(self, req: Request, size: int, e: BaseException | None) -> None:
+        self._finished(size, self.conn.reply(req) if e is None else self._failure(req, e))
+        self.soon_ended(0)
+
     async def _execute(self, req: Request, size: int) -> None:
         try:
             out = await self._run(req)
-        except BlockError as e:
-            errno, offset = _errno(req, e, self.export)
-            out = self.conn.reply_error(req, errno, f"{_cmd_name(req.cmd)}: {e}", offset)
-        except Exception as e:  # one failing request must not take the connection down
-            log.exception("%s: %s at offset %d failed", self.peer, _cmd_name(req.cmd), req.offset)
-            out = self.conn.reply_error(req, Errno.EIO, f"{_cmd_name(req.cmd)}: internal error: {e}")
-        finally:
+        except Exception as e:  # noqa: BLE001 - one failing request must not take the connection down
+            out = self._failure(req, e)
+        except BaseException:
             self.inflight -= 1
             self.inflight_bytes -= size
+            raise
+        self._finished(size, out)
+
+    def _failure(self, req: Request, e: BaseException) -> list[Buffer]:
+        """The error reply for a request that failed with `e`."""
+        if isinstance(e, BlockError):
+            errno, offset = _errno(req, e, self.export)
+            return self.conn.reply_error(req, errno, f"{_cmd_name(req.cmd)}: {e}", offset)
+        log.error("%s: %s at offset %d failed", self.peer, _cmd_name(req.cmd), req.offset, exc_info=e)
+        return self.conn.reply_error(req, Errno.EIO, f"{_cmd_name(req.cmd)}: internal error: {e}")
+
+    def _finished(self, size: int, out: list[Buffer]) -> None:
+        self.inflight -= 1
+        self.inflight_bytes -= size
         self.send(out)
         self._start_waiting()
         self._update_reading()

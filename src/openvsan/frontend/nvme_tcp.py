@@ -8,6 +8,7 @@ A Connection is an asyncio.Protocol that feeds received bytes to the sans-IO Tcp
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import struct
 import time
@@ -35,7 +36,7 @@ from openvsan.protocol.nvme.command import FABRICS_OPCODE, Sqe, data_plan
 from openvsan.protocol.nvme.controller import FCTYPE_CONNECT, FCTYPE_DISCONNECT, Controller
 from openvsan.protocol.nvme.fabrics import Fabric, connect_subnqn
 from openvsan.protocol.nvme.identify import MAX_TRANSFER
-from openvsan.protocol.nvme.io import OP_READ, OP_WRITE, execute_io, read_now, write_now
+from openvsan.protocol.nvme.io import OP_READ, OP_WRITE, execute_io, read_now, write_now, write_soon
 from openvsan.protocol.nvme.status import Completion
 from openvsan.protocol.nvme.subsystem import Namespace, Port, Subsystem
 from openvsan.protocol.nvme_tcp.framing import FatalError
@@ -189,7 +190,8 @@ class NvmeTcpServer(PortalServer):
             self._ka_timer.cancel()
 
     def in_flight(self) -> list[asyncio.Future[None]]:
-        return [t for c in self.connections if isinstance(c, Connection) for t in c.tasks]
+        return [t for c in self.connections if isinstance(c, Connection)
+                for t in (*c.tasks, *((c.soon_idle(),) if c.soon else ()))]
 
     # --- controllers ------------------------------------------------------------------------------------
     def subsystem(self, nqn: str) -> Subsystem | None:
@@ -425,12 +427,27 @@ class Connection(BatchedConnection):
             if lent:
                 self._batch.flush()  # a lent view leaves before a later command of this read can write there
             return True
-        if op == OP_WRITE and len(data) == length and write_now(ctrl, sqe, data):
-            # what _complete sends for a success without data: the CapsuleResp
-            self._answered_in_read += 1
-            self.send_buffers((self.queue.respond(sqe.cid, 0, 0, 0, self._head(), self.qid),))
-            return True
+        if op == OP_WRITE and len(data) == length:
+            if write_now(ctrl, sqe, data):
+                # what _complete sends for a success without data: the CapsuleResp
+                self._answered_in_read += 1
+                self.send_buffers((self.queue.respond(sqe.cid, 0, 0, 0, self._head(), self.qid),))
+                return True
+            # a device whose write waits on others (a replicated volume): started here, answered by
+            # _written_soon with _complete, as _execute would answer it, and counted as a command running
+            n = len(data)
+            self.pending[sqe.cid] = sqe
+            self.soon_started(n)
+            if write_soon(ctrl, sqe, data, functools.partial(self._written_soon, sqe, n)):
+                return True
+            self.soon_ended(n)
+            del self.pending[sqe.cid]
         return False
+
+    def _written_soon(self, sqe: Sqe, n: int, comp: Completion) -> None:
+        self.pending.pop(sqe.cid, None)
+        self._complete(sqe, comp, 0)
+        self.soon_ended(n)
 
     def _data(self, ev: DataReceived) -> None:
         sqe = self.pending.get(ev.cccid)

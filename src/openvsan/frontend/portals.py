@@ -86,6 +86,8 @@ class BatchedConnection(asyncio.BaseProtocol):
         self.limits: ConnectionLimits | None = None   # set by the server that accepted it
         self._ticket: Ticket | None = None
         self._running_bytes = 0          # write data held by commands handed to the device, not yet done
+        self.soon = 0                    # writes started with a device's write_soon, not answered yet
+        self._soon_idle: asyncio.Future[None] | None = None
         self._budget_paused = False      # reading paused for _running_bytes (not for a full send buffer)
         self._send_paused = False        # reading paused because the send buffer is full
         self.record: Record | None = None   # what came and went before it settled (a worker's connection)
@@ -335,8 +337,37 @@ class BatchedConnection(asyncio.BaseProtocol):
     def hold_running(self, running: asyncio.Future[None], n: int) -> None:
         """The receive budget after login: `n` bytes of write data stay held until `running` (the command at
         the device) is done. Beyond RUNNING_WRITE_BUDGET reading pauses until half has drained."""
-        self._running_bytes += n
         running.add_done_callback(lambda _: self._release_running(n))
+        self.hold_bytes(n)
+
+    def soon_started(self, n: int) -> None:
+        """A write of `n` bytes handed to a device's write_soon (no Task): held as hold_running holds a Task's
+        data, and counted for soon_idle, until soon_ended(n)."""
+        self.soon += 1
+        self.hold_bytes(n)
+
+    def soon_ended(self, n: int) -> None:
+        self._release_running(n)
+        self.soon -= 1
+        if not self.soon and self._soon_idle is not None:
+            self._soon_idle.set_result(None)
+            self._soon_idle = None
+
+    def soon_idle(self) -> asyncio.Future[None]:
+        """Done once every write started with write_soon is answered (a server's stop waits for it, as for
+        the Tasks of commands in flight)."""
+        fut = self._soon_idle
+        if fut is None:
+            fut = asyncio.get_running_loop().create_future()
+            if self.soon:
+                self._soon_idle = fut
+            else:
+                fut.set_result(None)
+        return fut
+
+    def hold_bytes(self, n: int) -> None:
+        """hold_running for a command with no Task (a device's write_soon): `_release_running(n)` when done."""
+        self._running_bytes += n
         if self._running_bytes > RUNNING_WRITE_BUDGET and not self._budget_paused:
             self._budget_paused = True
             if self.transport is not None:

@@ -25,6 +25,9 @@ _DATA_HEADER = struct.Struct("<HHII")     # C2HData/R2T after the common header:
 _LAST_SUCCESS = F_LAST_PDU | F_SUCCESS
 _C2H_DATA = int(PduType.C2H_DATA)
 _U32 = struct.Struct("<I")
+_CAPSULE_RESP = int(PduType.CAPSULE_RESP)
+_CQE = struct.Struct("<IIHHHH")             # NVMe Base 2.0 §4.6.1 Figure 92 (as host_pdus.Cqe.parse reads it)
+_RESP = struct.Struct("<BBBBI" + _CQE.format[1:])   # a CapsuleResp PDU: common header (§3.6.1) and its CQE
 
 
 @dataclass(slots=True)
@@ -37,17 +40,39 @@ class Result:
         return self.cqe.status & 0x7FFF
 
 
-class _Cmd:
-    __slots__ = ("buf", "cid", "data", "future", "read_len", "received", "sent")
+Answer = Callable[["Result | None", "BaseException | None"], None]
 
-    def __init__(self, cid: int, read_len: int, data: memoryview | None, future: asyncio.Future[Result]) -> None:
-        self.sent = future.get_loop().time()
+
+class _Cmd:
+    """A command sent and not answered: its outcome goes to its future, or to `then` (submit_then)."""
+
+    __slots__ = ("buf", "cid", "data", "future", "read_len", "received", "sent", "then")
+
+    def __init__(self, cid: int, read_len: int, data: memoryview | None, future: asyncio.Future[Result] | None,
+                 then: Answer | None, now: float) -> None:
+        self.sent = now
         self.cid = cid
         self.read_len = read_len
         self.buf: bytearray | None = None   # made at the first C2HData that does not carry the whole read
         self.data = data
         self.future = future
+        self.then = then
         self.received = 0
+
+    def answer(self, result: Result | None, exc: BaseException | None = None) -> None:
+        """Its outcome, once (later ones are ignored): a result, or the exception it failed with."""
+        then = self.then
+        if then is not None:
+            self.then = None
+            then(result, exc)
+            return
+        fut = self.future
+        if fut is None or fut.done():
+            return
+        if exc is not None:
+            fut.set_exception(exc)
+        else:
+            fut.set_result(result)  # type: ignore[arg-type]
 
 
 class NvmeQueue(asyncio.Protocol):
@@ -86,8 +111,10 @@ class NvmeQueue(asyncio.Protocol):
         self._batch.transport = None
         err = ConnectionLost(f"{self.name}: connection lost" + (f": {exc}" if exc else ""))
         for c in self.cmds.values():
-            if not c.future.done():
-                c.future.set_exception(err)
+            if c.then is not None:    # after this returns (and the association is known dead), as a future's are
+                self.loop.call_soon(c.answer, None, err)
+            else:
+                c.answer(None, err)
         self.cmds.clear()
         if self._icresp is not None and not self._icresp.done():
             self._icresp.set_exception(err)
@@ -159,17 +186,28 @@ class NvmeQueue(asyncio.Protocol):
                 return
 
     def _read_lane(self, data: bytes) -> bytes | memoryview:
-        """The lane for what a controller sends most to a host that turned SQ flow control off: a whole read
-        in one C2HData with LAST_PDU and SUCCESS (§3.6.2.9), no digests, at the front of a receive. Its data
-        is the result (a view of the receive, as in _c2h_data). Returns what is left for the PDU reader:
-        from the first PDU that is anything else, is cut by the end of the receive, or is not exactly the
-        whole read of a command waiting for one (_c2h_data judges those)."""
+        """The lane for what a controller sends most, at the front of a receive, without digests: a
+        CapsuleResp (§3.6.2.6), and, to a host that turned SQ flow control off, a whole read in one C2HData
+        with LAST_PDU and SUCCESS (§3.6.2.9), whose data is the result (a view of the receive, as in
+        _c2h_data). Returns what is left for the PDU reader: from the first PDU that is anything else, is
+        cut by the end of the receive, or is a C2HData that is not exactly the whole read of a command
+        waiting for one (_c2h_data judges those)."""
         n = len(data)
         pos = 0
         cmds = self.cmds
         view: memoryview | None = None
-        while (n - pos >= 24 and data[pos] == _C2H_DATA and data[pos + 1] == _LAST_SUCCESS
-               and data[pos + 2] == 24):
+        completed = self._completed
+        while n - pos >= 24 and data[pos + 2] == 24:
+            t = data[pos]
+            if t == _CAPSULE_RESP:
+                t, flags, _, pdo, plen, dw0, dw1, sqhd, sqid, cid, sf = _RESP.unpack_from(data, pos)
+                if flags or pdo or plen != 24:
+                    break
+                completed(dw0, dw1, sqhd, sqid, cid, sf)
+                pos += 24
+                continue
+            if t != _C2H_DATA or data[pos + 1] != _LAST_SUCCESS:
+                break
             pdo = data[pos + 3]
             plen = _U32.unpack_from(data, pos + 4)[0]
             end = pos + plen
@@ -182,17 +220,20 @@ class NvmeQueue(asyncio.Protocol):
             del cmds[cccid]
             if view is None:
                 view = memoryview(data)
-            if not c.future.done():
-                c.future.set_result(Result(self._ok, view[pos + pdo:end]))
+            c.answer(Result(self._ok, view[pos + pdo:end]))
             pos = end
         return data if not pos else (view[pos:] if view is not None else data[pos:])
 
     def _response(self, pdu: Pdu) -> None:  # §3.6.2.6
-        cqe = H.response_cqe(pdu)
-        c = self.cmds.pop(cqe.cid, None)
-        if c is None or c.future.done():
+        self._completed(*_CQE.unpack_from(pdu.header, H.CH_LEN))
+
+    def _completed(self, dw0: int, dw1: int, sqhd: int, sqid: int, cid: int, sf: int) -> None:
+        """A CQE in: its command's result (a success with nothing in DW0/DW1 shares one Cqe)."""
+        c = self.cmds.pop(cid, None)
+        if c is None:
             return
-        c.future.set_result(Result(cqe, c.buf if c.buf is not None else b""))
+        cqe = H.Cqe(dw0, dw1, sqhd, sqid, cid, sf >> 1) if dw0 or dw1 or sf >> 1 else self._ok
+        c.answer(Result(cqe, c.buf if c.buf is not None else b""))
 
     def _c2h_data(self, pdu: Pdu) -> None:  # §3.6.2.9
         cccid, _, offset, length = _DATA_HEADER.unpack_from(pdu.header, 8)
@@ -208,8 +249,7 @@ class NvmeQueue(asyncio.Protocol):
         if success and offset == 0 and n == c.read_len and c.buf is None:
             # the whole read in one PDU: its data is the result, no copy (a view of the received bytes)
             del self.cmds[cccid]
-            if not c.future.done():
-                c.future.set_result(Result(self._ok, data))
+            c.answer(Result(self._ok, data))
             return
         if c.buf is None:
             c.buf = bytearray(c.read_len)
@@ -217,8 +257,7 @@ class NvmeQueue(asyncio.Protocol):
         c.received += n
         if success:
             del self.cmds[cccid]
-            if not c.future.done():
-                c.future.set_result(Result(self._ok, c.buf))
+            c.answer(Result(self._ok, c.buf))
 
     def _r2t(self, pdu: Pdu) -> None:  # §3.6.2.10 → H2CData §3.6.2.8
         h = H.DataHeader.parse(pdu)
@@ -247,15 +286,24 @@ class NvmeQueue(asyncio.Protocol):
     def submit(self, build: Callable[[int], bytes], *, data: Buf | None = None, read_len: int = 0,
                in_capsule: bool = False) -> asyncio.Future[Result]:
         """Send one command capsule; `build(cid)` makes its SQE. Data goes in the capsule or waits for R2T."""
+        fut: asyncio.Future[Result] = self.loop.create_future()
+        self._enqueue(build, data, read_len, in_capsule, fut, None)
+        return fut
+
+    def submit_then(self, build: Callable[[int], bytes], data: Buf | None, in_capsule: bool, then: Answer) -> None:
+        """submit() for a caller with no coroutine (a write_soon): `then(result, None)` once answered, or
+        `then(None, exc)` once it failed (the connection lost), called from the receive that ends it."""
+        self._enqueue(build, data, 0, in_capsule, None, then)
+
+    def _enqueue(self, build: Callable[[int], bytes], data: Buf | None, read_len: int, in_capsule: bool,
+                 fut: asyncio.Future[Result] | None, then: Answer | None) -> None:
         if not self.alive:
             raise ConnectionLost(f"{self.name}: not connected")
-        fut: asyncio.Future[Result] = self.loop.create_future()
         cid = self._next_cid()
         mv = memoryview(data).cast("B") if data is not None else None
-        self.cmds[cid] = _Cmd(cid, read_len, None if in_capsule else mv, fut)
+        self.cmds[cid] = _Cmd(cid, read_len, None if in_capsule else mv, fut, then, self.loop.time())
         payload: Buf = mv if (in_capsule and mv is not None) else b""
         self._send(H.capsule_cmd(build(cid), payload, hdgst=self.hdgst, ddgst=self.ddgst, cpda=self.cpda))
-        return fut
 
     def forget(self, fut: asyncio.Future[Result]) -> None:
         for cid, c in list(self.cmds.items()):

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from openvsan.block.capabilities import Capabilities
-from openvsan.block.device import Buffer, check_range
+from openvsan.block.device import Buffer, WriteDone, check_range
 from openvsan.block.errors import BlockError, Busy, DeviceFailed, MediumError, NoSpace, OutOfRange, ReadOnly
 from openvsan.initiator.iscsi_conn import ConnectionLost
 from openvsan.initiator.nvme_conn import NvmeQueue, Result
@@ -117,6 +117,17 @@ class NvmeOptions:
                    sq_flow_off=not u.opt_bool("sqflow"))
 
 
+class Slots(asyncio.Semaphore):
+    """An I/O queue's free command slots: acquire() waits for one; try_acquire() takes one only if it is free
+    now (write_soon's fast path, which must not wait)."""
+
+    def try_acquire(self) -> bool:
+        if self._value <= 0 or self._waiters:
+            return False
+        self._value -= 1        # what acquire() does when nothing waits and a slot is free (CPython 3.11-3.13)
+        return True
+
+
 class Association:
     """One controller: admin queue + I/O queues, all connected and enabled."""
 
@@ -129,7 +140,7 @@ class Association:
         self.ctrl: C.IdentifyController | None = None
         self.in_capsule = 0
         self.dead = False
-        self.slots: list[asyncio.Semaphore] = []
+        self.slots: list[Slots] = []
         self.inflight: list[int] = []
         self._ka: asyncio.Task[None] | None = None
         self.keep_alive_paused = False
@@ -260,7 +271,7 @@ class Association:
                 depth = min(self.opts.queue_depth + 1, mqes, self.ctrl.maxcmd or 1024)
                 self.queues = list(await asyncio.gather(*(self._queue(i + 1, depth) for i in range(n))))
                 # at most SQSIZE-1 commands out: the SQ never overflows without SQHD tracking
-                self.slots = [asyncio.Semaphore(max(1, depth - 1)) for _ in self.queues]
+                self.slots = [Slots(max(1, depth - 1)) for _ in self.queues]
                 self.inflight = [0] * len(self.queues)
             if self.opts.kato_ms:
                 self._ka = asyncio.get_running_loop().create_task(self._keep_alive())
@@ -488,6 +499,44 @@ class NvmeTcpInitiator:
                           in_capsule=inc, what="Write")
 
         await asyncio.gather(*(part(s, n) for s, n in self._chunks(lba, blocks, self.max_io_blocks)))
+
+    def write_soon(self, lba: int, data: Buffer, fua: bool, done: WriteDone) -> bool:
+        """write()'s fast path (block/device.py WriteSoon) for one command with its data in the capsule, on a
+        live association whose least busy queue has a slot free now: sent in this turn, no coroutine. done(None)
+        when it succeeded; done(exc) on any failure, with no retry and no reconnect (the caller sends it again
+        with write(), which does both). False: not sent."""
+        a = self.assoc
+        bs = self.block_size
+        mv = memoryview(data).cast("B")
+        n = len(mv)
+        if a is None or a.dead or not n or n % bs or n > a.in_capsule or n // bs > self.max_io_blocks:
+            return False
+        blocks = n // bs
+        if lba < 0 or lba + blocks > self.num_blocks:
+            return False
+        i = 0 if len(a.queues) == 1 else min(range(len(a.queues)), key=a.inflight.__getitem__)
+        slots = a.slots[i]
+        if not slots.try_acquire():
+            return False
+        inflight = a.inflight
+
+        def answered(r: Result | None, e: BaseException | None) -> None:
+            inflight[i] -= 1
+            slots.release()
+            if e is not None:
+                done(e)
+            else:
+                status = r.status  # type: ignore[union-attr]  # a result when no exception
+                done(status_error(status, f"{self.url} Write") if status else None)
+
+        try:
+            a.queues[i].submit_then(lambda cid: C.write(cid, self.nsid, lba, blocks, n, fua=fua, in_capsule=True),
+                                    mv, True, answered)
+        except ConnectionLost:
+            slots.release()
+            return False
+        inflight[i] += 1
+        return True
 
     async def flush(self) -> None:
         await self.io(lambda cid: C.flush(cid, self.nsid), what="Flush")

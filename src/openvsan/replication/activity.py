@@ -216,20 +216,27 @@ class ActivityLog:
 
     # -- the write path
 
+    def enter_now(self, regions: range | tuple[int, ...]) -> bool:
+        """enter()'s common case, in the caller's turn: every one of `regions` is in the log and on disk
+        already, so it is counted in flight (until `leave(regions)`) and True returned; else False and
+        nothing was entered (enter() does the rest)."""
+        lru, pending = self._lru, self._pending
+        for r in regions:
+            if r not in lru or r in pending:
+                return False
+        for r in regions:
+            self._inflight[r] = self._inflight.get(r, 0) + 1
+            self._busy.add(r)
+            lru.move_to_end(r)
+        return True
+
     async def enter(self, regions: Iterable[int]) -> None:
         """Every one of `regions` is durably in the log when this returns, and counted in flight until
         `leave(regions)`. If it raises, nothing was entered (do not leave)."""
-        lru, pending = self._lru, self._pending
         rs = regions if isinstance(regions, range) else tuple(regions)
-        for r in rs:
-            if r not in lru or r in pending:
-                break
-        else:                                                # all in the log and on disk: no I/O, no yield
-            for r in rs:
-                self._inflight[r] = self._inflight.get(r, 0) + 1
-                self._busy.add(r)
-                lru.move_to_end(r)
+        if self.enter_now(rs):                               # all in the log and on disk: no I/O, no yield
             return
+        lru, pending = self._lru, self._pending
         if not self._loaded:
             raise RuntimeError(f"{self.path}: load() before enter(): it keeps a previous run's hot set")
         wanted = set(rs)

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from openvsan.block.capabilities import Capabilities
-from openvsan.block.device import BlockDevice, Buffer
+from openvsan.block.device import BlockDevice, Buffer, WriteDone
 from openvsan.block.layer import Layer
 from openvsan.durable import replace_file
 from openvsan.node.statestore import Lease, StateStore, StoreError
@@ -54,6 +54,7 @@ log = logging.getLogger("openvsan.replication")
 HOT = "/replication/hot/"
 POLL = 0.5                     # seconds between a secondary's looks at the primary's key
 CONNECT_WAIT = 0.3             # seconds a new primary waits for its peers' replicas to answer before serving
+PEER_QUEUE_DEPTH = 256         # commands in flight to each peer replica (its NVMe/TCP I/O queue)
 RESYNC_RATE = 200 << 20        # bytes/s a resync sends at most (DRBD's c-max-rate is of this order)
 
 
@@ -75,6 +76,7 @@ class LocalReplica(Layer):
     def __init__(self, below: BlockDevice, fence: EpochFence, host: bytes, epoch: int, volume: str) -> None:
         super().__init__(below, name=f"local-replica:{volume}")
         self.fence, self.host, self.epoch, self.volume = fence, host, epoch, volume
+        self._below_now: Callable[[int, Buffer], bool] = getattr(below, "write_now", lambda lba, data: False)
 
     def _check(self) -> None:
         if not self.fence.holds(self.host, self.epoch):
@@ -85,6 +87,10 @@ class LocalReplica(Layer):
     async def write(self, lba: int, data: Buffer, *, fua: bool = False) -> None:
         self._check()
         await self.below.write(lba, data, fua=fua)
+
+    def write_now(self, lba: int, data: Buffer) -> bool:
+        """The device's write_now while the fence is held; else declined, and write() refuses it."""
+        return self.fence.holds(self.host, self.epoch) and self._below_now(lba, data)
 
     async def unmap(self, lba: int, blocks: int) -> None:
         self._check()
@@ -181,8 +187,10 @@ class PeerLink(BlockDevice):
         host, _, port = self.address.rpartition(":")
         # no reconnects inside the initiator: a connection that dropped may come back to a restarted replica,
         # which must be taken for this epoch again (connect_peer) and whose record may have changed
+        # a deep queue: every write the initiators have in flight on this volume is in flight to the peer too,
+        # and one that finds no slot free waits for one on the slower path (a coroutine and a Task)
         opts = NvmeOptions(command_timeout=self.timeout, reconnect_timeout=0.0, connect_timeout=self.timeout,
-                           kato_ms=max(int(self.timeout * 4000), 2000), reconnect=False)
+                           kato_ms=max(int(self.timeout * 4000), 2000), reconnect=False, queue_depth=PEER_QUEUE_DEPTH)
         if self.auth is not None:
             opts.dhchap_secret, opts.dhchap_ctrl_secret = (format_secret(k) for k in self.auth)
         try:
@@ -262,6 +270,12 @@ class PeerLink(BlockDevice):
         except BaseException:
             await self._drop()
             raise
+
+    def write_soon(self, lba: int, data: Buffer, fua: bool, done: WriteDone) -> bool:
+        """The initiator's write_soon while connected; else declined (write() reports it). The mirror sends a
+        write whose fast send failed again with write(), which retries, reconnects, or drops the link."""
+        dev = self.dev
+        return dev is not None and bool(dev.write_soon(lba, data, fua, done))
 
     async def flush(self) -> None:
         await self._do(lambda d: d.flush())

@@ -21,7 +21,7 @@ from time import perf_counter_ns
 from typing import Any
 
 from openvsan.block.capabilities import Capabilities
-from openvsan.block.device import BlockDevice, Buffer
+from openvsan.block.device import BlockDevice, Buffer, WriteDone
 from openvsan.block.errors import Busy, OutOfRange
 from openvsan.block.layer import Layer, stack_of
 from openvsan.volume.meter import IoMeter, metered_read_now, metered_write_now
@@ -39,6 +39,10 @@ def _decline_read(lba: int, blocks: int) -> None:
 
 
 def _decline_write(lba: int, data: Buffer) -> bool:
+    return False
+
+
+def _decline_soon(lba: int, data: Buffer, fua: bool, done: WriteDone) -> bool:
     return False
 
 
@@ -71,6 +75,9 @@ class Volume:
         self.write_now: Callable[[int, Buffer], bool] = (
             metered_write_now(self.stack.write_now, self.meter.write)  # type: ignore[attr-defined]
             if caps.sync_write else _decline_write)
+        self.write_soon: Callable[[int, Buffer, bool, WriteDone], bool] = (
+            self._write_soon if getattr(self.stack, "write_soon", _decline_soon) is not _decline_soon
+            else _decline_soon)
 
     # ---- identity (stable for as long as the volume keeps its uuid)
 
@@ -163,6 +170,26 @@ class Volume:
         finally:
             self._leave()
 
+    def _write_soon(self, lba: int, data: Buffer, fua: bool, done: WriteDone) -> bool:
+        """write()'s fast path for a stack that offers write_soon (block/device.py WriteSoon): counted in flight
+        and metered as write() is, with no coroutine; False (nothing done) where the stack declines. The
+        caller has checked the range. While a change drains I/O it is _decline_soon, as write_now is."""
+        t = perf_counter_ns()
+        n = len(data)
+        meter = self.meter.write
+
+        def finished(e: BaseException | None) -> None:
+            self._leave()
+            if e is None:
+                meter.add(n, perf_counter_ns() - t)
+            done(e)
+
+        self._inflight += 1
+        if self.stack.write_soon(lba, data, fua, finished):  # type: ignore[attr-defined]
+            return True
+        self._leave()
+        return False
+
     def open_window(self, lba: int, blocks: int) -> memoryview | None:
         """The device's own memory for a write of `blocks` at `lba` to be received into (block/device.py
         WriteWindow), or None: no window (the stack has none, or a change is draining I/O); then the write
@@ -228,7 +255,7 @@ class Volume:
         while self._held is not None:     # one change at a time
             await self._held.wait()
         held = self._held = asyncio.Event()
-        self.read_now, self.write_now = _decline_read, _decline_write
+        self.read_now, self.write_now, self.write_soon = _decline_read, _decline_write, _decline_soon
         try:
             if self._inflight:
                 self._idle = asyncio.Event()

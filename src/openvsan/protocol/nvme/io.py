@@ -3,7 +3,9 @@ reservation commands: NVMe Base 2.0 §7.5-7.8)."""
 
 from __future__ import annotations
 
+import logging
 import struct
+from collections.abc import Callable
 
 from openvsan.block.device import Buffer
 from openvsan.block.errors import BlockError
@@ -13,6 +15,8 @@ from openvsan.protocol.nvme.controller import Controller
 from openvsan.protocol.nvme.identify import MAX_TRANSFER
 from openvsan.protocol.nvme.status import Completion
 from openvsan.protocol.nvme.subsystem import Namespace
+
+log = logging.getLogger(__name__)
 
 # NVM command set opcodes (NVM Command Set 1.0 §3 Figure 16; Base 2.0 Figure 139)
 OP_FLUSH = 0x00
@@ -140,12 +144,37 @@ def write_now(ctrl: Controller, sqe: Sqe, data: Buffer) -> bool:
     more), or return False with nothing written: execute_io must run it."""
     sub = ctrl.subsystem
     ns = sub.namespaces.get(sqe.nsid)
-    if (ns is None or sqe.cdw12 & ~_PLAIN_CDW12 or admit(ctrl, sqe, ns, len(data))
-            or not ns.volume.write_now(sqe.cdw10 | (sqe.cdw11 << 32), data)):
+    if (ns is None or not ns.volume.capabilities.sync_write or sqe.cdw12 & ~_PLAIN_CDW12
+            or admit(ctrl, sqe, ns, len(data)) or not ns.volume.write_now(sqe.cdw10 | (sqe.cdw11 << 32), data)):
         return False
     sub.write_commands += 1
     sub.bytes_written += len(data)
     return True
+
+
+def write_soon(ctrl: Controller, sqe: Sqe, data: Buffer, done: Callable[[Completion], None]) -> bool:
+    """A Write that admit() lets through, with its data, started on a device whose write waits on others
+    (Volume.write_soon: a replicated volume's mirror) with no coroutine; `done(completion)` is called once
+    it ends, with what execute_io would have answered. False: nothing was written; execute_io must run it."""
+    sub = ctrl.subsystem
+    ns = sub.namespaces.get(sqe.nsid)
+    if ns is None or sqe.cdw12 & ~_PLAIN_CDW12 or admit(ctrl, sqe, ns, len(data)):
+        return False
+    n = len(data)
+
+    def ended(e: BaseException | None) -> None:
+        if e is None:
+            sub.write_commands += 1
+            sub.bytes_written += n
+            done(S.OK)
+        elif isinstance(e, BlockError):
+            done(_device_failed(ctrl, sqe, e, write=True))
+        else:
+            log.error("write of %d bytes at lba %d failed: %r", n, sqe.cdw10 | (sqe.cdw11 << 32), e)
+            done(Completion(S.INTERNAL_ERROR))
+
+    return ns.volume.write_soon(sqe.cdw10 | (sqe.cdw11 << 32), data, bool(sqe.cdw12 & FUA) or not ctrl.write_cache,
+                                ended)
 
 
 async def execute_io(ctrl: Controller, sqe: Sqe, data: bytes | bytearray | memoryview) -> Completion:
@@ -196,13 +225,18 @@ async def execute_io(ctrl: Controller, sqe: Sqe, data: bytes | bytearray | memor
                 return await _shared_reservation(ctrl, sqe, ns, data)
             return _reservation(ctrl, sqe, ns, data)
     except BlockError as e:
-        write = op not in (OP_READ, OP_COMPARE)
-        st = S.block_error_status(e, write=write)
-        if st in (S.WRITE_FAULT, S.UNRECOVERED_READ_ERROR):
-            sub.media_errors += 1
-        ctrl.record_error(0, sqe.cid, st, sqe.nsid, getattr(e, "lba", None) or 0)
-        return S.fail(st)
+        return _device_failed(ctrl, sqe, e, write=op not in (OP_READ, OP_COMPARE))
     return S.fail(S.INVALID_OPCODE)
+
+
+def _device_failed(ctrl: Controller, sqe: Sqe, e: BlockError, *, write: bool) -> Completion:
+    """The completion of a command the device failed with `e`, recorded in the error log (and the media
+    error count)."""
+    st = S.block_error_status(e, write=write)
+    if st in (S.WRITE_FAULT, S.UNRECOVERED_READ_ERROR):
+        ctrl.subsystem.media_errors += 1
+    ctrl.record_error(0, sqe.cid, st, sqe.nsid, getattr(e, "lba", None) or 0)
+    return S.fail(st)
 
 
 async def _flush_all(ctrl: Controller) -> Completion:
