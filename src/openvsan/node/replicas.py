@@ -208,7 +208,7 @@ class NodeReplication:
         if not subsystems:
             return
         # a 1 MiB write in one capsule (no R2T round trip on the replication path; hosts' portals keep 8 KiB)
-        self.server = NvmeTcpServer(subsystems)
+        self.server = NvmeTcpServer(subsystems, in_capsule=REPLICATION_IN_CAPSULE)
         for v in self.volumes:
             sub = self.server.subsystem(replica_nqn(v.name))
             sub.namespaces[1].reservations = self.fences[v.name]
