@@ -171,6 +171,22 @@ def _queue_with_reads(reads: dict[int, int]) -> tuple[NvmeQueue, dict[int, async
     return q, futs
 
 
+def _feed(q: NvmeQueue, raw: bytes, chunk: int) -> int:
+    """`raw` into the queue as receives of `chunk` bytes; returns how many bytes the lane took (the PDU reader
+    had the rest)."""
+    to_reader = 0
+    receive = q.reader.receive_data
+
+    def counted(data: bytes | memoryview) -> list[Pdu]:
+        nonlocal to_reader
+        to_reader += len(data)
+        return receive(data)
+    q.reader.receive_data = counted   # type: ignore[method-assign]
+    for i in range(0, len(raw), chunk):
+        q.data_received(raw[i:i + chunk])
+    return len(raw) - to_reader
+
+
 def test_the_host_read_lane_completes_what_the_pdu_reader_would() -> None:
     """NvmeQueue's read lane (a whole read in one C2HData with SUCCESS at the front of a receive) is a shortcut of
     its PDU reader: the same stream, arriving whole (lane) or a few bytes at a time (reader), completes the same
@@ -186,18 +202,9 @@ def test_the_host_read_lane_completes_what_the_pdu_reader_would() -> None:
         F.c2h_data(wire, 3, 4096, b"\x33" * 4096, last=True, success=True, hdgst=False, ddgst=False, hpda=0)
         F.c2h_data(wire, 4, 0, b"\x04" * 512, last=True, success=True, hdgst=False, ddgst=False, hpda=0)
         raw = b"".join(bytes(x) for x in wire) + F.capsule_resp(S.cqe(5, S.LBA_OUT_OF_RANGE), False)
-        to_reader = 0
-        receive = q.reader.receive_data
-
-        def counted(data: bytes | memoryview) -> list[Pdu]:
-            nonlocal to_reader
-            to_reader += len(data)
-            return receive(data)
-        q.reader.receive_data = counted   # type: ignore[method-assign]
-        for i in range(0, len(raw), chunk):
-            q.data_received(raw[i:i + chunk])
+        by_lane = _feed(q, raw, chunk)
         await asyncio.sleep(0)
-        return {cid: (f.result().status, bytes(f.result().data)) for cid, f in futs.items()}, len(raw) - to_reader
+        return {cid: (f.result().status, bytes(f.result().data)) for cid, f in futs.items()}, by_lane
 
     (whole, by_lane), (trickled, _) = asyncio.run(run(1 << 20)), asyncio.run(run(7))
     assert whole == trickled
@@ -218,19 +225,10 @@ def test_the_host_lane_completes_capsule_resps_as_the_pdu_reader_would() -> None
         raw = b"".join(F.capsule_resp(c, False) for c in (
             S.cqe(1, 0, sqhd=7), S.cqe(9, 0), S.cqe(2, S.WRITE_FAULT), S.cqe(3, 0, dw0=0x1234, dw1=5),
             S.cqe(4, 0, dw0=77)))
-        to_reader = 0
-        receive = q.reader.receive_data
-
-        def counted(data: bytes | memoryview) -> list[Pdu]:
-            nonlocal to_reader
-            to_reader += len(data)
-            return receive(data)
-        q.reader.receive_data = counted   # type: ignore[method-assign]
-        for i in range(0, len(raw), chunk):
-            q.data_received(raw[i:i + chunk])
+        by_lane = _feed(q, raw, chunk)
         await asyncio.sleep(0)
         got = {cid: (f.result().status, f.result().cqe.dw0, f.result().cqe.dw1) for cid, f in futs.items()}
-        return got, answers, len(raw) - to_reader
+        return got, answers, by_lane
 
     (whole, answered, by_lane), (trickled, answered_trickled, _) = asyncio.run(run(1 << 20)), asyncio.run(run(5))
     assert whole == trickled and answered == answered_trickled == [(0, 77)]
