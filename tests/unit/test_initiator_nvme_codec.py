@@ -70,7 +70,7 @@ def test_host_reader_parses_controller_pdus() -> None:
     d = H.DataHeader.parse(pdus[0])
     assert (d.cccid, d.offset, d.length) == (5, 512, 512) and pdus[0].flags & F_SUCCESS
     assert bytes(pdus[0].data) == b"d" * 512 and pdus[0].data_ok
-    cqe = H.response_cqe(pdus[1])
+    cqe = H.Cqe.parse(pdus[1].header[8:24])   # §3.6.2.6: the CQE follows the common header
     assert (cqe.cid, cqe.status, cqe.dw0) == (5, S.LBA_OUT_OF_RANGE, 1)
     t = H.DataHeader.parse(pdus[2])
     assert (t.cccid, t.ttag, t.offset, t.length) == (6, 2, 0, 8192)

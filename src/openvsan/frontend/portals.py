@@ -366,7 +366,7 @@ class BatchedConnection(asyncio.BaseProtocol):
         return fut
 
     def hold_bytes(self, n: int) -> None:
-        """hold_running for a command with no Task (a device's write_soon): `_release_running(n)` when done."""
+        """`n` bytes of write data held until `_release_running(n)` (hold_running's and soon_started's count)."""
         self._running_bytes += n
         if self._running_bytes > RUNNING_WRITE_BUDGET and not self._budget_paused:
             self._budget_paused = True

@@ -16,7 +16,7 @@ from openvsan.initiator.iscsi_conn import ConnectionLost
 from openvsan.initiator.watchdog import CommandWatchdog
 from openvsan.netio import WriteBatcher
 from openvsan.protocol.nvme_tcp import host_pdus as H
-from openvsan.protocol.nvme_tcp.framing import Pdu
+from openvsan.protocol.nvme_tcp.framing import RESP_PLAIN, Pdu
 from openvsan.protocol.nvme_tcp.pdu import F_LAST_PDU, F_SUCCESS, PduType
 
 log = logging.getLogger("openvsan.initiator.nvme")
@@ -26,8 +26,6 @@ _LAST_SUCCESS = F_LAST_PDU | F_SUCCESS
 _C2H_DATA = int(PduType.C2H_DATA)
 _U32 = struct.Struct("<I")
 _CAPSULE_RESP = int(PduType.CAPSULE_RESP)
-_CQE = struct.Struct("<IIHHHH")             # NVMe Base 2.0 §4.6.1 Figure 92 (as host_pdus.Cqe.parse reads it)
-_RESP = struct.Struct("<BBBBI" + _CQE.format[1:])   # a CapsuleResp PDU: common header (§3.6.1) and its CQE
 
 
 @dataclass(slots=True)
@@ -200,7 +198,7 @@ class NvmeQueue(asyncio.Protocol):
         while n - pos >= 24 and data[pos + 2] == 24:
             t = data[pos]
             if t == _CAPSULE_RESP:
-                t, flags, _, pdo, plen, dw0, dw1, sqhd, sqid, cid, sf = _RESP.unpack_from(data, pos)
+                t, flags, _, pdo, plen, dw0, dw1, sqhd, sqid, cid, sf = RESP_PLAIN.unpack_from(data, pos)
                 if flags or pdo or plen != 24:
                     break
                 completed(dw0, dw1, sqhd, sqid, cid, sf)
@@ -225,7 +223,7 @@ class NvmeQueue(asyncio.Protocol):
         return data if not pos else (view[pos:] if view is not None else data[pos:])
 
     def _response(self, pdu: Pdu) -> None:  # §3.6.2.6
-        self._completed(*_CQE.unpack_from(pdu.header, H.CH_LEN))
+        self._completed(*RESP_PLAIN.unpack_from(pdu.header)[5:])   # the CQE after the common header
 
     def _completed(self, dw0: int, dw1: int, sqhd: int, sqid: int, cid: int, sf: int) -> None:
         """A CQE in: its command's result (a success with nothing in DW0/DW1 shares one Cqe)."""

@@ -187,7 +187,9 @@ def capsule_resp(cqe: bytes, hdgst: bool) -> bytes:
 
 
 _CAPSULE_RESP = int(PduType.CAPSULE_RESP)
-_RESP_PLAIN = struct.Struct("<BBBBI" + CQE_LAYOUT)   # RESP_CH and the CQE in one
+# a CapsuleResp without a header digest, RESP_CH and the CQE in one: the target packs it, the host's lane
+# (initiator/nvme_conn.py) and its PDU reader's answers unpack it
+RESP_PLAIN = struct.Struct("<BBBBI" + CQE_LAYOUT)
 
 
 def capsule_resp_of(cid: int, status: int, dw0: int, dw1: int, sqhd: int, sqid: int, hdgst: bool) -> bytes:
@@ -195,7 +197,7 @@ def capsule_resp_of(cid: int, status: int, dw0: int, dw1: int, sqhd: int, sqid: 
     command, on its normal and its fast path. Without a header digest, one pack."""
     if hdgst:
         return capsule_resp(cqe(cid, status, dw0, dw1, sqhd, sqid), True)
-    return _RESP_PLAIN.pack(_CAPSULE_RESP, 0, 24, 0, 24, dw0 & 0xFFFFFFFF, dw1 & 0xFFFFFFFF, sqhd, sqid, cid,
+    return RESP_PLAIN.pack(_CAPSULE_RESP, 0, 24, 0, 24, dw0 & 0xFFFFFFFF, dw1 & 0xFFFFFFFF, sqhd, sqid, cid,
                             (status << 1) & 0xFFFF)
 
 

@@ -151,11 +151,6 @@ class DataHeader:
         return cls(cccid, ttag, off, n)
 
 
-def response_cqe(pdu: Pdu) -> Cqe:
-    """§3.6.2.6 CapsuleResp: the CQE follows the common header."""
-    return Cqe.parse(pdu.header[CH_LEN:CH_LEN + 16])
-
-
 class HostPduReader:
     """Bytes from a controller → PDUs. Header digest errors and impossible lengths raise HostFatalError;
     a data digest error is reported on the PDU (data_ok False)."""
