@@ -159,6 +159,7 @@ class Queue:
         rsp, _ = await q.command(connect_cmd(0, qid, sqsize, kato, cattr), connect_data(subnqn, hostnqn, cntlid, hostid))
         assert rsp is not None
         if rsp.status:
+            await q.close()   # its reader task goes with it (left pending, it is destroyed unfinished at exit)
             raise ConnectionRefusedError(f"Connect status {rsp.status:#x}")
         q.cntlid = rsp.u16(8) if qid == 0 else cntlid
         return q
