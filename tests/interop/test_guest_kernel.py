@@ -20,7 +20,15 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from vsan_harness import RUN_TARGET, SHARED_PEERS, VsanServer, check_target_log, require_root, require_tools
+from vsan_harness import (
+    RUN_TARGET,
+    SHARED_PEERS,
+    VsanServer,
+    check_target_log,
+    guest_forward_env,
+    require_root,
+    require_tools,
+)
 
 pytestmark = [pytest.mark.interop, pytest.mark.slow]
 
@@ -78,7 +86,7 @@ def run_guest(
     with open(out_path, "wb") as out:
         proc = subprocess.Popen(
             ["bash", str(GUEST)],
-            env={**os.environ, **env},
+            env={**os.environ, **guest_forward_env(), **env},
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,
@@ -140,10 +148,12 @@ def test_linux_kernel_initiator_with_digests(vsan: Callable[..., VsanServer], tm
 # the kernel initiator must notice, log in again (session reinstatement, ERL 0) and retry, with no I/O error
 # reaching fio and nothing written before the restart lost.
 RESTART_SCRIPT = r"""
-fail() { echo "@@FAIL $*"; exit 1; }
+fail() { echo "@@FAIL $*"; grep -iE 'error|re-open|bind|login|connect' /tmp/iscsid.log | head -40; exit 1; }
 modprobe -a iscsi_tcp sd_mod crc32c_generic || fail modprobe
 mkdir -p /run/lock/iscsi
-iscsid || fail iscsid
+# iscsid in the foreground with its reconnects logged, shown if the session does not ride through
+(iscsid -f -d 3 > /tmp/iscsid.log 2>&1 &)
+for i in $(seq 50); do iscsiadm -m session >/dev/null 2>&1; [ $? -ne 20 ] && break; sleep 0.1; done  # 20: no iscsid yet
 iscsiadm -m discovery -t sendtargets -p $PORTAL > /tmp/disc || fail discovery
 IQN=$(awk '{print $2; exit}' /tmp/disc)
 [ -n "$IQN" ] || fail "no target discovered"

@@ -34,6 +34,7 @@ from vsan_harness import (
     SHARED_PEERS,
     VsanServer,
     check_target_log,
+    guest_forward_env,
     require_root,
     require_tools,
 )
@@ -151,7 +152,7 @@ def test_linux_kernel_host_dhchap(vsan: Callable[..., VsanServer], tmp_path: Pat
     out_path = tmp_path / "guest.log"
     with open(out_path, "wb") as out:
         try:
-            p = subprocess.run(["bash", str(AUTH_GUEST), "run"], env={**os.environ, **env}, stdout=out,
+            p = subprocess.run(["bash", str(AUTH_GUEST), "run"], env={**os.environ, **guest_forward_env(), **env}, stdout=out,
                                stderr=subprocess.STDOUT, timeout=500, check=False)
         except subprocess.TimeoutExpired:
             pytest.fail(f"guest test timed out; log: {out_path}\n{out_path.read_text(errors='replace')[-6000:]}",

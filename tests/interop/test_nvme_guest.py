@@ -30,6 +30,7 @@ from vsan_harness import (
     SHARED_PEERS,
     VsanServer,
     check_target_log,
+    guest_forward_env,
     require_root,
     require_tools,
 )
@@ -128,7 +129,7 @@ def test_linux_kernel_nvme_host(vsan: Callable[..., VsanServer], tmp_path: Path)
     try:
         with open(out_path, "wb") as out:
             try:
-                p = subprocess.run(["bash", str(GUEST)], env={**os.environ, **env}, stdout=out,
+                p = subprocess.run(["bash", str(GUEST)], env={**os.environ, **guest_forward_env(), **env}, stdout=out,
                                    stderr=subprocess.STDOUT, timeout=700, check=False)
             except subprocess.TimeoutExpired:
                 pytest.fail(f"guest test timed out; log: {out_path}\n"

@@ -22,7 +22,17 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from vsan_harness import REPO, RUN_TARGET, SHARED_PEERS, VSAN, VsanServer, check_target_log, require_root, require_tools
+from vsan_harness import (
+    REPO,
+    RUN_TARGET,
+    SHARED_PEERS,
+    VSAN,
+    VsanServer,
+    check_target_log,
+    guest_forward_env,
+    require_root,
+    require_tools,
+)
 
 pytestmark = [pytest.mark.interop, pytest.mark.slow]
 
@@ -131,7 +141,7 @@ def test_linux_host_sees_a_namespace_added_resized_and_removed(vsan: Callable[..
         assert p.returncode == 0, (args, p.stdout, p.stderr)
 
     with open(out_path, "wb") as out:
-        proc = subprocess.Popen(["bash", str(GUEST)], env={**os.environ, **env}, stdout=out,
+        proc = subprocess.Popen(["bash", str(GUEST)], env={**os.environ, **guest_forward_env(), **env}, stdout=out,
                                 stderr=subprocess.STDOUT, start_new_session=True)
         try:
             serial = serial_log(out_path, proc, 600)

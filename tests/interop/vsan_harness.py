@@ -394,6 +394,14 @@ def make_device(kind: str, workdir: Path, size: str = "64MiB", block_size: int =
 # ----------------------------------------------- targets started by a peer's harness
 # The suite and guest scripts start and stop the target themselves; run_target.py records how each run ended.
 RUN_TARGET = Path(__file__).with_name("run_target.py")
+# a socat for QEMU's guestfwd rules that keeps its messages off the guest's socket (see the script)
+GUEST_FORWARD = Path(__file__).with_name("guest") / "forward"
+
+
+def guest_forward_env() -> dict[str, str]:
+    """PATH for ../shared/peers/linux-guest/run-guest-test.sh with NET=user: its guestfwd socat is ours."""
+    return {"PATH": f"{GUEST_FORWARD}:{os.environ.get('PATH', '/usr/bin:/bin')}"}
+
 
 # for guest scripts (shared/peers/linux-guest): prints the first NVMe namespace's block device once the
 # kernel has made it, within 10 s; fails otherwise
