@@ -9,7 +9,7 @@ import struct
 import pytest
 
 from openvsan.initiator.nvme_conn import NvmeQueue, Result, _Cmd
-from openvsan.initiator.nvme_tcp import retryable, status_error
+from openvsan.initiator.nvme_tcp import Slots, retryable, status_error
 from openvsan.protocol.nvme import host_commands as C
 from openvsan.protocol.nvme import status as S
 from openvsan.protocol.nvme.command import Sqe
@@ -159,6 +159,30 @@ def test_a_bare_capsule_is_what_the_general_encoder_makes() -> None:
     assert pdu.type == PduType.CAPSULE_CMD and Sqe(pdu.header[8:72]).cid == 0x1234 and not len(pdu.data)
 
 
+def test_a_write_sqe_is_what_the_general_encoder_makes() -> None:
+    """C.write packs its SQE itself: the same bytes as sqe() with the Write's fields (SLBA in CDW10-11, NLB 0's
+    based and FUA in CDW12, the SGL for in-capsule or transport data)."""
+    cases = ((0, 1, False, True), (0x1_2345_6789, 8, True, True), ((1 << 64) - 9, 256, False, False))
+    for lba, blocks, fua, inc in cases:
+        assert C.write(0xBEEF, 3, lba, blocks, blocks * 512, fua=fua, in_capsule=inc) == C.sqe(
+            C.IO_WRITE, 0xBEEF, 3, cdw10=lba, cdw11=lba >> 32, cdw12=(blocks - 1) | (C.FUA if fua else 0),
+            data_len=blocks * 512, in_capsule=inc)
+
+
+def test_a_capsule_with_plain_data_is_what_the_general_encoder_makes() -> None:
+    """capsule_cmd's shortcut for in-capsule data with no digest and no CPDA padding (a replicated write's
+    capsule) makes the common header field by field (PDO 72, PLEN 72 + data), the SQE, then the data itself;
+    the controller's reader takes it; with CPDA padding it takes the general encoder, whose PDO moves."""
+    data = bytes(range(256)) * 16
+    sqe = C.write(0x55, 1, 0x1_0000_0002, 8, 4096, fua=True, in_capsule=True)
+    hdr, body = H.capsule_cmd(sqe, data, hdgst=False, ddgst=False)
+    assert hdr == struct.pack("<BBBBI", PduType.CAPSULE_CMD, 0, 72, 72, 72 + 4096) + sqe and body == data
+    (pdu,) = controller_reader(False, False).receive_data(hdr + bytes(body))
+    assert Sqe(pdu.header[8:72]).cid == 0x55 and bytes(pdu.data) == data
+    padded = H.capsule_cmd(sqe, data, hdgst=False, ddgst=False, cpda=3)   # 16-byte alignment
+    assert padded[0][3] == 80 and padded[1] == bytes(8) and padded[2] == data
+
+
 def _queue_with_reads(reads: dict[int, int]) -> tuple[NvmeQueue, dict[int, asyncio.Future[Result]]]:
     """An NvmeQueue with reads of the given lengths outstanding by CID, and their futures."""
     q = NvmeQueue("test", 1)
@@ -259,7 +283,7 @@ def test_a_command_answered_by_callback_fails_once_its_connection_is_lost() -> N
     async def run() -> list[str]:
         q, _ = _queue_with_reads({})
         got: list[str] = []
-        q.submit_then(lambda cid: C.write(cid, 1, 0, 1, 512, fua=False, in_capsule=True), b"x" * 512, True,
+        q.submit_then(lambda cid: C.write(cid, 1, 0, 1, 512, fua=False, in_capsule=True), memoryview(b"x" * 512), True,
                       lambda r, e: got.append(type(e).__name__))
         q.connection_lost(None)
         assert got == [] and not q.cmds
@@ -269,3 +293,22 @@ def test_a_command_answered_by_callback_fails_once_its_connection_is_lost() -> N
         return got
 
     assert asyncio.run(run()) == ["ConnectionLost"]
+
+
+def test_slots_taken_at_once_and_put_back_as_a_semaphore_would() -> None:
+    """Slots.try_acquire takes a free slot only when nobody waits; put_back frees one as release() does, and
+    hands it to a waiter when there is one."""
+    async def run() -> None:
+        slots = Slots(2)
+        assert slots.try_acquire() and slots.try_acquire() and not slots.try_acquire()
+        waiter = asyncio.ensure_future(slots.acquire())
+        await asyncio.sleep(0)
+        assert not waiter.done()
+        slots.put_back()                       # to the waiter, not to try_acquire
+        assert not slots.try_acquire()
+        await asyncio.sleep(0)
+        assert waiter.done() and slots.locked()
+        slots.put_back()
+        slots.put_back()
+        assert slots._value == 2 and slots.try_acquire()
+    asyncio.run(run())

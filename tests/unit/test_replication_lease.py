@@ -110,3 +110,29 @@ def test_the_mirror_acknowledges_nothing_without_the_lease() -> None:
             await m.flush()
         assert m.fenced
     asyncio.run(go())
+
+
+def test_write_soon_acknowledges_nothing_without_the_lease() -> None:
+    """The fast path asks the lease where write() does, before the acknowledgement: a write started once the
+    lease was past its margin ends in NotPrimary, and the mirror is fenced."""
+    async def go() -> None:
+        clock = Clock()
+        store = MemoryStateStore(MemoryState(clock=clock))
+        await R.create(store, "v", ("a", "b"))
+        asked = clock()
+        lease = await store.grant_lease(6)
+        view = await R.claim_primary(store, "v", "a", lease)
+        keeper = LeaseKeeper(lease, asked, clock=clock, sleep=clock.sleep)
+        m = MirrorLayer(RamDevice(256, 512), me="a", view=view, store=store, peers={"b": RamDevice(256, 512)},
+                        region_size=4096, lease=keeper)
+        await m.write(0, b"x" * 512)          # held: acknowledged, and the epoch is written
+        fut: asyncio.Future[BaseException | None] = asyncio.get_running_loop().create_future()
+        assert m.write_soon(8, b"y" * 512, False, fut.set_result)
+        assert await fut is None              # held: acknowledged
+        clock.now += 5                        # no renewal for 5 of 6 s: past the margin
+        fut = asyncio.get_running_loop().create_future()
+        assert m.write_soon(16, b"z" * 512, False, fut.set_result)
+        e = await fut
+        assert isinstance(e, NotPrimary) and "lease was not renewed in time" in str(e)
+        assert m.fenced and not m.write_soon(24, b"w" * 512, False, fut.set_result)
+    asyncio.run(go())

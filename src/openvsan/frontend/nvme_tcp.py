@@ -429,9 +429,7 @@ class Connection(BatchedConnection):
             return True
         if op == OP_WRITE and len(data) == length:
             if write_now(ctrl, sqe, data):
-                # what _complete sends for a success without data: the CapsuleResp
-                self._answered_in_read += 1
-                self.send_buffers((self.queue.respond(sqe.cid, 0, 0, 0, self._head(), self.qid),))
+                self._answered_ok(sqe.cid)
                 return True
             # a device whose write waits on others (a replicated volume): started here, answered by
             # _written_soon with _complete, as _execute would answer it, and counted as a command running
@@ -444,9 +442,17 @@ class Connection(BatchedConnection):
             del self.pending[sqe.cid]
         return False
 
+    def _answered_ok(self, cid: int) -> None:
+        """What _complete sends for a success with no data and nothing in DW0/DW1: the CapsuleResp."""
+        self._answered_in_read += 1
+        self.send_buffers((self.queue.respond(cid, 0, 0, 0, self._head(), self.qid),))
+
     def _written_soon(self, sqe: Sqe, n: int, comp: Completion) -> None:
         self.pending.pop(sqe.cid, None)
-        self._complete(sqe, comp, 0)
+        if comp is S.OK and not self._closed:
+            self._answered_ok(sqe.cid)
+        else:
+            self._complete(sqe, comp, 0)
         self.soon_ended(n)
 
     def _data(self, ev: DataReceived) -> None:

@@ -95,6 +95,7 @@ class NvmeQueue(asyncio.Protocol):
         self._batch = WriteBatcher()
         # the completion a C2HData with SUCCESS stands for (§3.6.2.9): status 0; one for every such command
         self._ok = H.Cqe(0, 0, 0, qid, 0, 0)
+        self._done = Result(self._ok)   # the answer of every success with no data (not changed by its callers)
 
     # ---------------------------------------------------------------------------------- transport
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -230,8 +231,13 @@ class NvmeQueue(asyncio.Protocol):
         c = self.cmds.pop(cid, None)
         if c is None:
             return
-        cqe = H.Cqe(dw0, dw1, sqhd, sqid, cid, sf >> 1) if dw0 or dw1 or sf >> 1 else self._ok
-        c.answer(Result(cqe, c.buf if c.buf is not None else b""))
+        if dw0 or dw1 or sf >> 1:
+            c.answer(Result(H.Cqe(dw0, dw1, sqhd, sqid, cid, sf >> 1), c.buf if c.buf is not None else b""))
+        elif c.buf is None and c.then is not None:
+            then, c.then = c.then, None
+            then(self._done, None)      # answer()'s first case, the fast path's every success
+        else:
+            c.answer(self._done if c.buf is None else Result(self._ok, c.buf))
 
     def _c2h_data(self, pdu: Pdu) -> None:  # §3.6.2.9
         cccid, _, offset, length = _DATA_HEADER.unpack_from(pdu.header, 8)
@@ -285,20 +291,22 @@ class NvmeQueue(asyncio.Protocol):
                in_capsule: bool = False) -> asyncio.Future[Result]:
         """Send one command capsule; `build(cid)` makes its SQE. Data goes in the capsule or waits for R2T."""
         fut: asyncio.Future[Result] = self.loop.create_future()
-        self._enqueue(build, data, read_len, in_capsule, fut, None)
+        self._enqueue(build, memoryview(data).cast("B") if data is not None else None, read_len, in_capsule, fut,
+                      None)
         return fut
 
-    def submit_then(self, build: Callable[[int], bytes], data: Buf | None, in_capsule: bool, then: Answer) -> None:
-        """submit() for a caller with no coroutine (a write_soon): `then(result, None)` once answered, or
-        `then(None, exc)` once it failed (the connection lost), called from the receive that ends it."""
+    def submit_then(self, build: Callable[[int], bytes], data: memoryview | None, in_capsule: bool,
+                    then: Answer) -> None:
+        """submit() for a caller with no coroutine (a write_soon), its data a memoryview of bytes (format "B"):
+        `then(result, None)` once answered, or `then(None, exc)` once it failed (the connection lost), called
+        from the receive that ends it."""
         self._enqueue(build, data, 0, in_capsule, None, then)
 
-    def _enqueue(self, build: Callable[[int], bytes], data: Buf | None, read_len: int, in_capsule: bool,
+    def _enqueue(self, build: Callable[[int], bytes], mv: memoryview | None, read_len: int, in_capsule: bool,
                  fut: asyncio.Future[Result] | None, then: Answer | None) -> None:
         if not self.alive:
             raise ConnectionLost(f"{self.name}: not connected")
         cid = self._next_cid()
-        mv = memoryview(data).cast("B") if data is not None else None
         self.cmds[cid] = _Cmd(cid, read_len, None if in_capsule else mv, fut, then, self.loop.time())
         payload: Buf = mv if (in_capsule and mv is not None) else b""
         self._send(H.capsule_cmd(build(cid), payload, hdgst=self.hdgst, ddgst=self.ddgst, cpda=self.cpda))

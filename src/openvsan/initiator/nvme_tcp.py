@@ -127,6 +127,13 @@ class Slots(asyncio.Semaphore):
         self._value -= 1        # what acquire() does when nothing waits and a slot is free (CPython 3.11-3.13)
         return True
 
+    def put_back(self) -> None:
+        """release(), without its two calls when nothing waits (then all it does is this)."""
+        if self._waiters:
+            self.release()
+        else:
+            self._value += 1
+
 
 class Association:
     """One controller: admin queue + I/O queues, all connected and enabled."""
@@ -519,18 +526,19 @@ class NvmeTcpInitiator:
         if not slots.try_acquire():
             return False
         inflight = a.inflight
+        nsid = self.nsid
 
         def answered(r: Result | None, e: BaseException | None) -> None:
             inflight[i] -= 1
-            slots.release()
+            slots.put_back()
             if e is not None:
                 done(e)
             else:
-                status = r.status  # type: ignore[union-attr]  # a result when no exception
+                status = r.cqe.status & 0x7FFF  # type: ignore[union-attr]  # a result when no exception (.status)
                 done(status_error(status, f"{self.url} Write") if status else None)
 
         try:
-            a.queues[i].submit_then(lambda cid: C.write(cid, self.nsid, lba, blocks, n, fua=fua, in_capsule=True),
+            a.queues[i].submit_then(lambda cid: C.write(cid, nsid, lba, blocks, n, fua=fua, in_capsule=True),
                                     mv, True, answered)
         except ConnectionLost:
             slots.release()

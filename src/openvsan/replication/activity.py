@@ -285,16 +285,17 @@ class ActivityLog:
     def leave(self, regions: Iterable[int]) -> None:
         """The write to `regions` finished (acknowledged or failed): the same regions that were entered."""
         rs = regions if isinstance(regions, range) else tuple(regions)
-        missing = [r for r in rs if r not in self._inflight]
-        if missing:
-            raise ValueError(f"region {missing[0]} has no write in flight")
+        inflight = self._inflight
+        for r in rs:        # all checked before any is changed
+            if r not in inflight:
+                raise ValueError(f"region {r} has no write in flight")
         freed = False
         for r in rs:
-            n = self._inflight[r] - 1
+            n = inflight[r] - 1
             if n:
-                self._inflight[r] = n
+                inflight[r] = n
             else:
-                del self._inflight[r]
+                del inflight[r]
                 if r not in self._pinned:
                     self._busy.discard(r)
                     freed = True

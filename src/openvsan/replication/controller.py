@@ -275,7 +275,7 @@ class PeerLink(BlockDevice):
         """The initiator's write_soon while connected; else declined (write() reports it). The mirror sends a
         write whose fast send failed again with write(), which retries, reconnects, or drops the link."""
         dev = self.dev
-        return dev is not None and bool(dev.write_soon(lba, data, fua, done))
+        return dev is not None and dev.write_soon(lba, data, fua, done)
 
     async def flush(self) -> None:
         await self._do(lambda d: d.flush())

@@ -28,7 +28,7 @@ import functools
 import itertools
 import logging
 import time
-from collections.abc import Awaitable, Callable, Generator, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Generator, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -122,6 +122,7 @@ class MirrorLayer(Layer):
         self._large = 0                         # large requests in flight
         self._tokens = itertools.count()
         self._every_peer: tuple[Any, list[str]] = (None, [])     # (the view it is of, its peers): _targets
+        self._sends: tuple[Any, list[tuple[int, BlockDevice, Callable[..., bool] | None]]] = (None, [])  # _senders
         self.stats = {"writes": 0, "peer_failures": 0, "resync_regions": 0, "resync_bytes": 0}
         if activity is not None:
             activity.before_evict = self.flush     # a region leaves the log once durable on every replica
@@ -190,7 +191,7 @@ class MirrorLayer(Layer):
             self._leave(token)
         await self._settle(regions, targets, results, grew, durable)
 
-    async def _settle(self, regions: range, targets: list[str], results: list[Any], grew: list[str],
+    async def _settle(self, regions: range, targets: list[str], results: list[Any], grew: Sequence[str],
                       durable: bool) -> None:
         """What follows a write's fan-out, before it is acknowledged (write() and write_soon() alike): a
         failure recorded (the local one raised, failed peers marked out of sync and their regions saved), the
@@ -218,7 +219,7 @@ class MirrorLayer(Layer):
             await self._check_lease()
         self._count_write()
 
-    def _settled_now(self, regions: range, targets: list[str], results: list[Any], grew: list[str],
+    def _settled_now(self, regions: range, targets: list[str], results: list[Any], grew: Sequence[str],
                      durable: bool) -> bool:
         """_settle's whole work when nothing failed or grew, the volume is written in this epoch and the lease
         is held (the common case), done here with no coroutine: True. Else False, nothing done."""
@@ -247,15 +248,15 @@ class MirrorLayer(Layer):
 
     def write_soon(self, lba: int, data: Buffer, fua: bool, done: WriteDone) -> bool:
         """write()'s fast path (block/device.py WriteSoon) for the common case: every peer in sync, the volume
-        written in this epoch, the lease held, the regions in the activity log already and no request in
-        flight overlapping it, and a local replica that writes at once (write_now). Then the local write is
+        written in this epoch, the regions in the activity log already and no request in flight overlapping it,
+        and a local replica that writes at once (write_now). (The lease is asked before the acknowledgement, as
+        write() asks it: an epoch's writes are fenced on the replicas, not by the sender.) Then the local write is
         made here, each peer's command leaves in this turn (its own write_soon, else its write() started
         eagerly; a fast send that fails is sent again by write(), which retries and reconnects as for any
         write), and when the last answer comes in, _settle (the same as write()'s) decides: done(None), or
         done(exc) after whatever a failure needs. False: nothing was written (write() takes it)."""
         view = self.view
-        lease = self.lease
-        if self.fenced or view.out_of_sync or not view.written or (lease is not None and not lease.held):
+        if self.fenced or view.out_of_sync or not view.written:
             return False
         blocks = memoryview(data).nbytes // self._bs
         regions = self._regions(lba, blocks)
@@ -277,7 +278,12 @@ class MirrorLayer(Layer):
         results: list[Any] = [None] * (len(targets) + 1)
         left = [len(targets) + 1]       # one more than the peers: the last one is this call's own, below
 
-        def answered(i: int, e: BaseException | None) -> None:
+        def answered(i: int, peer: BlockDevice | None, e: BaseException | None) -> None:
+            if e is not None and peer is not None:
+                # a fast send that failed: sent again the normal way, which retries, reconnects or fails as for
+                # any write
+                start_then(peer.write(lba, data, fua=fua), functools.partial(answered, i, None))
+                return
             results[i] = e
             left[0] -= 1
             if left[0]:
@@ -285,24 +291,25 @@ class MirrorLayer(Layer):
             if activity is not None:
                 activity.leave(regions)
             self._leave(token)
-            if self._settled_now(regions, targets, results, [], fua):
+            if self._settled_now(regions, targets, results, (), fua):
                 done(None)
             else:
-                start_then(self._settle(regions, targets, results, [], fua), done)
+                start_then(self._settle(regions, targets, results, (), fua), done)
 
-        def sent(i: int, peer: BlockDevice, e: BaseException | None) -> None:
-            if e is None:
-                answered(i, None)
-            else:       # sent again the normal way, which retries, reconnects or fails as for any write
-                start_then(peer.write(lba, data, fua=fua), functools.partial(answered, i))
-
-        for i, n in enumerate(targets, 1):
-            peer = self.peers[n]
-            soon = getattr(peer, "write_soon", None)
-            if soon is None or not soon(lba, data, fua, functools.partial(sent, i, peer)):
-                start_then(peer.write(lba, data, fua=fua), functools.partial(answered, i))
-        answered(0, None)
+        for i, peer, soon in self._senders(targets):
+            if soon is None or not soon(lba, data, fua, functools.partial(answered, i, peer)):
+                start_then(peer.write(lba, data, fua=fua), functools.partial(answered, i, None))
+        answered(0, None, None)
         return True
+
+    def _senders(self, targets: list[str]) -> list[tuple[int, BlockDevice, Callable[..., bool] | None]]:
+        """(index in the results, device, its write_soon or None) of each of `targets`: kept while `targets` is
+        the same list (_targets' every-peer list, which lasts as long as the view)."""
+        cached = self._sends
+        if cached[0] is not targets:
+            peers = [self.peers[n] for n in targets]
+            cached = self._sends = (targets, [(i, p, getattr(p, "write_soon", None)) for i, p in enumerate(peers, 1)])
+        return cached[1]
 
     async def _all(self, op: Callable[[BlockDevice], Awaitable[None]], targets: list[str]) -> list[Any]:
         """`op` on the local stack and on each target peer at once: [local's result, then each peer's], an

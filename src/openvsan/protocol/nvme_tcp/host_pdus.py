@@ -65,14 +65,19 @@ def _pad_to(n: int, cpda: int) -> int:
 
 
 _BARE_CAPSULE_CH = CH.pack(PduType.CAPSULE_CMD, 0, 72, 0, 72)
+_CAPSULE_CMD = int(PduType.CAPSULE_CMD)
 
 
 def capsule_cmd(sqe: bytes, data: bytes | bytearray | memoryview = b"", *, hdgst: bool, ddgst: bool,
                 cpda: int = 0) -> list[bytes | memoryview]:
     """§3.6.2.5 CapsuleCmd: header (CH + 64-byte SQE), header digest, pad to CPDA, in-capsule data, digest."""
     n = len(data)
-    if not n and not hdgst:
-        return [_BARE_CAPSULE_CH + sqe]   # the common header of every capsule with nothing but its SQE
+    if not hdgst:
+        if not n:
+            return [_BARE_CAPSULE_CH + sqe]   # the common header of every capsule with nothing but its SQE
+        if not ddgst and not cpda:
+            # the data right after the SQE (PDO 72, no padding, no digest): a replicated write's capsule
+            return [CH.pack(_CAPSULE_CMD, 0, 72, 72, 72 + n) + sqe, memoryview(data)]
     hd = DIGEST_LEN if hdgst else 0
     dd = DIGEST_LEN if ddgst and n else 0
     pdo = _pad_to(72 + hd, cpda) if n else 0
