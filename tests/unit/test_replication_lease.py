@@ -91,17 +91,23 @@ def test_an_expired_lease_is_lost_for_good() -> None:
     asyncio.run(go())
 
 
+async def leased_mirror() -> tuple[Clock, MirrorLayer]:
+    """A primary's mirror (a, peer b, RAM) whose acknowledgements ask a 6 s lease kept on a test clock."""
+    clock = Clock()
+    store = MemoryStateStore(MemoryState(clock=clock))
+    await R.create(store, "v", ("a", "b"))
+    asked = clock()
+    lease = await store.grant_lease(6)
+    view = await R.claim_primary(store, "v", "a", lease)
+    keeper = LeaseKeeper(lease, asked, clock=clock, sleep=clock.sleep)
+    m = MirrorLayer(RamDevice(256, 512), me="a", view=view, store=store, peers={"b": RamDevice(256, 512)},
+                    region_size=4096, lease=keeper)
+    return clock, m
+
+
 def test_the_mirror_acknowledges_nothing_without_the_lease() -> None:
     async def go() -> None:
-        clock = Clock()
-        store = MemoryStateStore(MemoryState(clock=clock))
-        await R.create(store, "v", ("a", "b"))
-        asked = clock()
-        lease = await store.grant_lease(6)
-        view = await R.claim_primary(store, "v", "a", lease)
-        keeper = LeaseKeeper(lease, asked, clock=clock, sleep=clock.sleep)
-        m = MirrorLayer(RamDevice(256, 512), me="a", view=view, store=store, peers={"b": RamDevice(256, 512)},
-                        region_size=4096, lease=keeper)
+        clock, m = await leased_mirror()
         await m.write(0, b"x" * 512)          # held: acknowledged
         clock.now += 5                        # no renewal for 5 of 6 s: past the margin
         with pytest.raises(NotPrimary, match="lease was not renewed in time"):
@@ -116,15 +122,7 @@ def test_write_soon_acknowledges_nothing_without_the_lease() -> None:
     """The fast path asks the lease where write() does, before the acknowledgement: a write started once the
     lease was past its margin ends in NotPrimary, and the mirror is fenced."""
     async def go() -> None:
-        clock = Clock()
-        store = MemoryStateStore(MemoryState(clock=clock))
-        await R.create(store, "v", ("a", "b"))
-        asked = clock()
-        lease = await store.grant_lease(6)
-        view = await R.claim_primary(store, "v", "a", lease)
-        keeper = LeaseKeeper(lease, asked, clock=clock, sleep=clock.sleep)
-        m = MirrorLayer(RamDevice(256, 512), me="a", view=view, store=store, peers={"b": RamDevice(256, 512)},
-                        region_size=4096, lease=keeper)
+        clock, m = await leased_mirror()
         await m.write(0, b"x" * 512)          # held: acknowledged, and the epoch is written
         fut: asyncio.Future[BaseException | None] = asyncio.get_running_loop().create_future()
         assert m.write_soon(8, b"y" * 512, False, fut.set_result)
