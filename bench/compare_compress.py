@@ -64,21 +64,31 @@ name = "lz4"
 device = "ram0"
 size = "{mib}MiB"
 compression = "lz4"
-compression_chunk = "{chunk}KiB"
+compression_chunk = "{chunk}KiB"{frame}
 
 [[volumes]]
 name = "zstd"
 device = "ram0"
 size = "{mib}MiB"
 compression = "zstd"
-compression_chunk = "{chunk}KiB"
-
+compression_chunk = "{chunk}KiB"{frame}
+{stream}
 [nbd]
 portals = ["127.0.0.1:{port}"]
 {exports}
 """
 
 VOLUMES = ("lz4", "zstd", "plain")
+# --stream: a fourth volume, lz4 with each chunk one stream (compression_frame = 0), beside the framed ones
+STREAM = """
+[[volumes]]
+name = "lz4-stream"
+device = "ram0"
+size = "{mib}MiB"
+compression = "lz4"
+compression_chunk = "{chunk}KiB"
+compression_frame = 0
+"""
 HALF = ["buffer_compress_percentage=50", "refill_buffers"]
 # name, fio rw, request bytes, queue depth, the figure compared, the issue's mark for lz4 (compressed / plain)
 CASES: list[tuple[str, str, int, int, str, float]] = [
@@ -122,6 +132,10 @@ def main() -> int:
     ap.add_argument("--mib", type=int, default=1024, help="size of each volume (default 1024)")
     ap.add_argument("--chunk", type=int, default=64, choices=(16, 32, 64, 128),
                     help="the compressed volumes' chunk in KiB (compression_chunk; default 64)")
+    ap.add_argument("--frame", type=int, choices=(0, 4, 8, 16, 32),
+                    help="the compressed volumes' frames in KiB (compression_frame; 0: none; default: the default)")
+    ap.add_argument("--stream", action="store_true",
+                    help="a fourth volume: lz4 with each chunk one stream (compression_frame = 0)")
     ap.add_argument("--out", type=Path, help="write the JSON result here")
     ap.add_argument("--smoke", action="store_true", help="CI: 1 round, 1 s runs, 64 MiB volumes")
     args = ap.parse_args()
@@ -134,12 +148,16 @@ def measure(args: argparse.Namespace) -> int:
     work = make_workdir("openvsan-compare-compress-")
     target_pin, client_pin, pinned = pinning()
     port = free_port()
-    exports = "".join(f'\n[[nbd.exports]]\nname = "{v}"\nvolume = "{v}"\n' for v in VOLUMES)
-    (work / "vsan.toml").write_text(VSAN_CONFIG.format(mib=args.mib, dev_mib=3 * args.mib + 128, port=port,
-                                                       exports=exports, chunk=args.chunk))
+    volumes = VOLUMES + (("lz4-stream",) if args.stream else ())
+    exports = "".join(f'\n[[nbd.exports]]\nname = "{v}"\nvolume = "{v}"\n' for v in volumes)
+    frame = "" if args.frame is None else f'\ncompression_frame = "{args.frame}KiB"' if args.frame else \
+        "\ncompression_frame = 0"
+    (work / "vsan.toml").write_text(VSAN_CONFIG.format(
+        mib=args.mib, dev_mib=(len(volumes) + 1) * args.mib + 128, port=port, exports=exports, chunk=args.chunk,
+        frame=frame, stream=STREAM.format(mib=args.mib, chunk=args.chunk) if args.stream else ""))
     serve = Target("openvsan", [*target_pin, str(VSAN), "serve", "--config", str(work / "vsan.toml"),
                                 "--data-dir", str(work / "data"), "--log-level", "warning"], work)
-    uris = {v: f"nbd://127.0.0.1:{port}/{v}" for v in VOLUMES}
+    uris = {v: f"nbd://127.0.0.1:{port}/{v}" for v in volumes}
     print(f"work dir {work}; vsan serve on core 0, clients on core 1: {pinned}", file=sys.stderr)
     results: dict[tuple[str, str], dict[str, list[float]]] = {}
     space: dict[str, dict[str, Any]] = {}
@@ -148,7 +166,7 @@ def measure(args: argparse.Namespace) -> int:
         serve.start()
         wait_port(serve, port)
         time.sleep(0.5)
-        for v in VOLUMES:
+        for v in volumes:
             used0 = shown(work, v)["volume_group"]["used"]
             seconds = fill(client_pin, work, uris[v], args.mib)
             info = shown(work, v)
@@ -157,7 +175,7 @@ def measure(args: argparse.Namespace) -> int:
             print(f"filled {v} in {seconds:.1f} s: {space[v]}", file=sys.stderr)
         for rnd in range(args.rounds):
             for c in CASES:
-                for v in (VOLUMES if rnd % 2 == 0 else tuple(reversed(VOLUMES))):
+                for v in (volumes if rnd % 2 == 0 else tuple(reversed(volumes))):
                     cpu0, t0 = group_cpu_seconds(serve.pgid), time.monotonic()
                     r = fio(client_pin, work, uris[v], c[1], c[2], c[3], args.seconds, f"{c[0]}-{v}", args.mib)
                     r["target_cpu_pct"] = 100 * (group_cpu_seconds(serve.pgid) - cpu0) / (time.monotonic() - t0)
@@ -165,36 +183,40 @@ def measure(args: argparse.Namespace) -> int:
                     record(results, (c[0], v), r)
                     print(f"round {rnd + 1}/{args.rounds} {c[0]} {v}: {r['iops']:.0f} IOPS {r['mbps']:.0f} MB/s, "
                           f"server CPU {r['target_cpu_pct']:.0f} %", file=sys.stderr)
-        for v in VOLUMES[:2]:
-            space[v]["after_runs"] = shown(work, v).get("compress_stats")
+        for v in volumes:
+            if v != "plain":
+                space[v]["after_runs"] = shown(work, v).get("compress_stats")
         ok = True
     finally:
         stop_all([serve], work, ok)
-    doc = report(args, results, space, pinned, serve.argv)
+    doc = report(args, volumes, results, space, pinned, serve.argv)
     if args.out:
         args.out.write_text(json.dumps(doc, indent=2) + "\n")
     return 0
 
 
-def report(args: argparse.Namespace, results: dict[tuple[str, str], dict[str, list[float]]],
+def report(args: argparse.Namespace, volumes: tuple[str, ...], results: dict[tuple[str, str], dict[str, list[float]]],
            space: dict[str, dict[str, Any]], pinned: bool, argv: list[str]) -> dict[str, Any]:
     rows, out = [], []
+    squeezed = [v for v in volumes if v != "plain"]
     for case, _, _, _, metric, mark in CASES:
-        per = {v: {k: median(x) for k, x in results[(case, v)].items()} for v in VOLUMES}
+        per = {v: {k: median(x) for k, x in results[(case, v)].items()} for v in volumes}
         unit = {"iops": "IOPS", "mbps": "MB/s"}[metric]
         base = per["plain"][metric]
-        ratios = {v: per[v][metric] / base if base else None for v in VOLUMES[:2]}
-        rows.append([f"openvsan, fio nbd {case}", fmt(per["lz4"][metric], unit), fmt(per["zstd"][metric], unit),
-                     fmt(base, unit), *("-" if r is None else f"{r:.2f}" for r in ratios.values()),
+        ratios = {v: per[v][metric] / base if base else None for v in squeezed}
+        rows.append([f"openvsan, fio nbd {case}", *(fmt(per[v][metric], unit) for v in volumes),
+                     *("-" if r is None else f"{r:.2f}" for r in ratios.values()),
                      f"{mark:.1f}" if mark else "-",
-                     " / ".join(f"{per[v]['target_cpu_pct']:.0f}" for v in VOLUMES) + " %"])
-        out.append({"case": case, "metric": metric, "volumes": per, "ratio_lz4": ratios["lz4"],
-                    "ratio_zstd": ratios["zstd"], "mark": mark or None})
+                     " / ".join(f"{per[v]['target_cpu_pct']:.0f}" for v in volumes) + " %"])
+        out.append({"case": case, "metric": metric, "volumes": per, "mark": mark or None,
+                    **{f"ratio_{v.replace('-', '_')}": ratios[v] for v in squeezed}})
     print(f"\nmedians of {args.rounds} round(s), {args.seconds:g} s each, {args.mib} MiB thin volumes of one RAM "
-          f"device (4 KiB clusters), {args.chunk} KiB chunks, fio buffer_compress_percentage=50, vsan serve on "
+          f"device (4 KiB clusters), {args.chunk} KiB chunks, frames "
+          f"{'default' if args.frame is None else args.frame}, fio buffer_compress_percentage=50, vsan serve on "
           f"core 0 and clients on core 1: {pinned}; ratio: compressed / plain")
-    print_table(["", "lz4", "zstd", "plain", "lz4 ratio", "zstd ratio", "mark", "server CPU (lz4/zstd/plain)"], rows)
-    for v in VOLUMES:
+    print_table(["", *volumes, *(f"{v} ratio" for v in squeezed), "mark", f"server CPU ({'/'.join(volumes)})"],
+                rows)
+    for v in volumes:
         s = space[v]
         sq = s.get("compress_stats") or {}
         print(f"{v}: filled in {s['fill_seconds']:.1f} s, {s['group_bytes_used'] / 2**20:.0f} MiB of the group "
@@ -204,7 +226,7 @@ def report(args: argparse.Namespace, results: dict[tuple[str, str], dict[str, li
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "host": host_info(pinned),
         "options": {"rounds": args.rounds, "seconds": args.seconds, "mib": args.mib, "smoke": args.smoke,
-                    "chunk_kib": args.chunk},
+                    "chunk_kib": args.chunk, "frame_kib": args.frame, "stream": args.stream},
         "command": argv,
         "space": space,
         "cases": out,

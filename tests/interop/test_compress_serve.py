@@ -136,7 +136,7 @@ def test_compressed_volumes_through_every_protocol(vsan: Callable[..., VsanServe
         assert sq["plain_bytes"] >= len(d), sq
         assert 1.6 <= sq["ratio"] < 2.0, sq          # 50 % random bytes: never 2x, less the 4 KiB rounding
     human = run([VSAN, "volume", "show", "z", "--data-dir", server.data_dir]).stdout
-    assert "compression: lz4, 64 KiB chunks, ratio 1." in human, human
+    assert "compression: lz4, 64 KiB chunks in 16 KiB frames, ratio 1." in human, human
     import httpx
 
     metrics = httpx.get(server.wait_api() + "/metrics", timeout=60,
@@ -191,12 +191,22 @@ def test_compression_refuses_what_cannot_work(vsan: Callable[..., VsanServer], t
     r = create("small", "--device", "dev0", "--size", "4MiB", "--compression", "lz4", "--compression-chunk", "16KiB")
     assert r.returncode == 0, r.stderr
     assert show(server, "small")["compress_stats"]["chunk_size"] == 16 << 10
+    assert show(server, "small")["compress_stats"]["frame_size"] == 0     # a 16 KiB chunk is one stream
+    r = create("framed", "--device", "dev0", "--size", "4MiB", "--compression", "lz4", "--compression-frame", "4KiB")
+    assert r.returncode == 0, r.stderr
+    assert show(server, "framed")["compress_stats"]["frame_size"] == 4096
+    r = create("whole", "--device", "dev0", "--size", "4MiB", "--compression", "lz4", "--compression-frame", "0")
+    assert r.returncode == 0, r.stderr
+    assert show(server, "whole")["compress_stats"]["frame_size"] == 0
+    r = create("wide", "--device", "dev0", "--size", "4MiB", "--compression", "lz4", "--compression-frame", "64KiB")
+    assert r.returncode != 0 and "frame size 65536: use 0" in r.stderr, r.stderr
 
 
 def test_the_algorithm_changes_while_serving_and_compression_cannot_be_added(vsan: Callable[..., VsanServer],
                                                                              tmp_path: Path) -> None:
-    """Another algorithm through the API's config: new versions use it, the chunks written before still read;
-    turning compression on or off on a volume that holds data is refused (409) and changes nothing."""
+    """Another algorithm and frame size through the API's config: new versions use them, the chunks written
+    before still read; turning compression on or off on a volume that holds data is refused (409) and changes
+    nothing."""
     import httpx
 
     require_tools("nbdcopy")
@@ -212,12 +222,18 @@ def test_the_algorithm_changes_while_serving_and_compression_cannot_be_added(vsa
             if v["name"] == "disk0":
                 if value is None:
                     v.pop("compression", None)
+                    v.pop("compression_frame", None)
                 else:
                     v["compression"] = value
         return api.put("/api/v1/config", json=doc)
 
     assert with_compression("zstd:5").status_code == 200, with_compression("zstd:5").text
     assert show(server, "disk0")["compress_stats"]["algorithm"] == "zstd:5"
+    doc = api.get("/api/v1/config").json()
+    next(v for v in doc["volumes"] if v["name"] == "disk0")["compression_frame"] = 4096   # and smaller frames
+    r = api.put("/api/v1/config", json=doc)
+    assert r.status_code == 200, r.text
+    assert show(server, "disk0")["compress_stats"]["frame_size"] == 4096
     second = half_compressible(4 * MiB, 4)
     run(["nbdcopy", "--destination-is-zero", "-", server.nbd_url()], input=first + second)
     r = with_compression(None)

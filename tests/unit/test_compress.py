@@ -27,7 +27,7 @@ from power_cut import PowerCut
 
 from openvsan.block import RamDevice
 from openvsan.block.device import BlockDevice
-from openvsan.block.errors import BlockError
+from openvsan.block.errors import BlockError, MediumError
 from openvsan.volume import compress as C
 from openvsan.volume.compress import CompressError, CompressLayer, open_compress
 from openvsan.volume.thin import VolumeGroup
@@ -69,7 +69,7 @@ def test_a_header_reads_back_and_nothing_else_passes_for_one() -> None:
     payload = b"x" * 100
     h = C.pack_header(C.LZ4, CHUNK, 7, 3, payload)
     assert len(h) == C.HEADER_BYTES
-    assert C.read_header(h, CHUNK, 7) == (C.LZ4, 3, 100, __import__("crc32c").crc32c(payload))
+    assert C.read_header(h, CHUNK, 7) == (C.LZ4, 3, 100, __import__("crc32c").crc32c(payload), 0)
     assert C.read_header(h, CHUNK, 8) is None          # another chunk's
     assert C.read_header(h, 2 * CHUNK, 7) is None      # another chunk size
     assert C.read_header(bytes(64), CHUNK, 7) is None
@@ -92,6 +92,129 @@ def test_the_codec_keeps_incompressible_chunks_raw_and_zeros_as_nothing() -> Non
     assert algo == C.ZSTD and z.decode(algo, packed) == text
 
 
+def mixed_chunk(rnd: random.Random) -> bytes:
+    """A chunk of 4 KiB frames: zeros, text, noise (stored raw), fio's half-compressible; in that order twice."""
+    kinds = [bytes(4096), (b"a storage administrator expects " * 200)[:4096], rnd.randbytes(4096),
+             b"".join(rnd.randbytes(256) + bytes(256) for _ in range(8))]
+    return b"".join(kinds[i % 4] for i in range(CHUNK // 4096))
+
+
+@pytest.mark.parametrize("algorithm", ["lz4", "zstd"])
+def test_a_framed_version_decodes_whole_and_in_any_part(algorithm: str) -> None:
+    rnd = random.Random(3)
+    codec = C._Codec(algorithm, 3, CHUNK, 4096)
+    plain = mixed_chunk(rnd)
+    algo, payload = codec.encode(plain)
+    assert algo == C.FRAMED[C.ALGOS[algorithm]]
+    lens, _, _ = C.frame_table(payload, 4)
+    assert lens[0] == 0 and 0 < lens[1] < 4096 and lens[2] == 4096 and 0 < lens[3] < 4096, lens
+    h = C.pack_header(algo, CHUNK, 2, 1, payload, codec.shift)
+    _, _, length, pcrc, shift = C.read_header(h, CHUNK, 2) or (0, 0, 0, 0, 0)
+    assert shift == 12 and length == len(payload) and C.payload_ok(algo, shift, payload, pcrc, CHUNK)
+    assert codec.decode(algo, payload, shift) == plain
+    for _ in range(200):
+        start = rnd.randrange(CHUNK)
+        n = rnd.randrange(1, CHUNK - start + 1)
+        assert codec.decode_part(algo, payload, shift, start, n) == plain[start:start + n], (start, n)
+    # a flipped byte in one frame: that frame fails its checksum, the others still decode, the whole payload fails
+    bad = bytearray(payload)
+    at = C._table(4).size + lens[0]            # the first byte of frame 1
+    bad[at] ^= 1
+    assert not C.payload_ok(algo, shift, bytes(bad), pcrc, CHUNK)
+    with pytest.raises(ValueError, match="frame 1"):
+        codec.decode_part(algo, bytes(bad), shift, 4096, 10)
+    assert codec.decode_part(algo, bytes(bad), shift, 8192, 8192) == plain[8192:]
+    # a frame shift that does not fit the chunk is no header
+    for wrong in (0, 11, 14, 20):
+        assert C.read_header(_header(algo, wrong, payload), CHUNK, 2) is None, wrong
+    assert C.read_header(_header(algo, 12, payload), CHUNK, 2) is not None
+
+
+def _header(algo: int, shift: int, payload: bytes) -> bytes:
+    import crc32c
+
+    h = C.HEADER.pack(C.MAGIC, C.VERSION, algo, shift, CHUNK, 2, 1, len(payload), 0)
+    return (h + struct.pack("<I", crc32c.crc32c(h))).ljust(C.HEADER_BYTES, b"\0")
+
+
+def test_a_framed_codec_keeps_all_zeros_as_nothing_and_incompressible_chunks_raw() -> None:
+    codec = C._Codec("lz4", 0, CHUNK, 4096)
+    noise = random.Random(1).randbytes(CHUNK)
+    assert codec.encode(noise) == (C.RAW, noise)
+    assert codec.encode(bytes(CHUNK)) == (C.ZERO, b"")
+
+
+def test_a_small_write_encodes_only_the_frames_it_touches_and_a_bad_frame_is_not_carried_silently() -> None:
+    async def go() -> None:
+        rnd = random.Random(9)
+        dev = ram()
+        g, layer = await stack(dev, fresh=True, frame=4096)
+        plain = mixed_chunk(rnd)
+        await layer.write(0, plain)
+        await layer.flush()
+        squeezed: list[int] = []
+        real = layer.codec._squeeze
+        layer.codec._squeeze = lambda piece: (squeezed.append(len(piece)), real(piece))[1]  # type: ignore[method-assign]
+        new = b"openvsan" * 64                                      # one 512-byte block in frame 1
+        await layer.write(9, new)
+        assert squeezed == [4096], squeezed                         # frame 1 only, the others copied as stored
+        want = plain[:9 * BS] + new + plain[10 * BS:]
+        layer._cache.clear()
+        assert bytes(await layer.read(0, CB)) == want
+        layer._cache.clear()
+        assert bytes(layer.read_now(17, 3) or b"") == want[17 * BS:20 * BS]
+        # frame 3's stored bytes damaged below the layer: a read of it fails, a read of frame 1 does not, and
+        # a write into frame 3 fails with nothing written, while a write elsewhere keeps frame 3 as it was (bad)
+        await layer.flush()
+        s = int(layer.cur[0])
+        raw = bytearray(await layer.below.read(s * layer.slot // BS, int(layer.held[0, s]) // BS))
+        _, starts = C.frame_table(memoryview(raw)[C.HEADER_BYTES:], 4)[::2]
+        raw[C.HEADER_BYTES + starts[3] + 5] ^= 0x40
+        await layer.below.write(s * layer.slot // BS, bytes(raw))
+        layer._cache.clear()
+        with pytest.raises(MediumError):
+            layer.read_now(3 * 8, 8)
+        assert bytes(layer.read_now(8, 8) or b"") == want[4096:8192]
+        gen = int(layer.gen[0])
+        with pytest.raises(MediumError):
+            await layer.write(3 * 8 + 1, bytes(BS))
+        assert int(layer.gen[0]) == gen
+        await layer.write(0, bytes(BS))
+        layer._cache.clear()
+        with pytest.raises(MediumError):
+            await layer.read(3 * 8, 8)
+        await g.close()
+    asyncio.run(go())
+
+
+def test_versions_of_another_frame_size_read_and_are_rewritten_in_this_one() -> None:
+    async def go() -> None:
+        rnd = random.Random(4)
+        dev = ram()
+        g, layer = await stack(dev, fresh=True, frame=0)
+        data = b"".join(mixed_chunk(rnd) for _ in range(CHUNKS))
+        await layer.write(0, data)
+        assert set(layer.algo.tolist()) <= {C.LZ4, C.RAW}
+        layer.set_algorithm("zstd", 8192)
+        assert layer.settings["frame_size"] == 8192 and layer.stats()["frame_size"] == 8192
+        await layer.write(CB + 3, b"z" * BS)           # chunk 1: its unframed version patched into frames
+        data = data[:(CB + 3) * BS] + b"z" * BS + data[(CB + 4) * BS:]
+        assert int(layer.algo[1]) == C.ZSTDF
+        await layer.flush()
+        await g.close()
+        g, layer = await stack(dev, fresh=False, frame=4096)
+        assert bytes(await layer.read(0, BLOCKS)) == data
+        await layer.write(CB + 20, b"y" * BS)          # frames of 8 KiB in zstd, rewritten in 4 KiB ones in lz4
+        data = data[:(CB + 20) * BS] + b"y" * BS + data[(CB + 21) * BS:]
+        assert int(layer.algo[1]) == C.LZ4F
+        layer._cache.clear()
+        assert bytes(await layer.read(0, BLOCKS)) == data
+        with pytest.raises(CompressError, match="frame size"):
+            layer.set_algorithm("lz4", CHUNK)
+        await g.close()
+    asyncio.run(go())
+
+
 @pytest.mark.parametrize("value, expected", [("lz4", ("lz4", 0)), ("zstd", ("zstd", 3)), ("zstd:19", ("zstd", 19))])
 def test_parse_compression(value: str, expected: tuple[str, int]) -> None:
     assert C.parse_compression(value) == expected
@@ -106,7 +229,11 @@ def test_parse_compression_refuses(value: str) -> None:
 # ---- the stack
 
 
-async def stack(dev: BlockDevice, *, fresh: bool, algorithm: str = "lz4") -> tuple[VolumeGroup, CompressLayer]:
+FRAME = 4096              # the tests' chunks are framed unless a test says 0 (one stream per chunk)
+
+
+async def stack(dev: BlockDevice, *, fresh: bool, algorithm: str = "lz4",
+                frame: int = FRAME) -> tuple[VolumeGroup, CompressLayer]:
     if fresh:
         g = await VolumeGroup.format(dev, cluster_size=CS, metadata_size=META)
         g.commit_interval = 1e9
@@ -115,7 +242,8 @@ async def stack(dev: BlockDevice, *, fresh: bool, algorithm: str = "lz4") -> tup
         g = await VolumeGroup.open(dev)
         g.commit_interval = 1e9
         lv = g.volume("v")
-    layer = await open_compress({"type": "compress", "algorithm": algorithm, "chunk_size": CHUNK}, lv, name="v")
+    layer = await open_compress({"type": "compress", "algorithm": algorithm, "chunk_size": CHUNK, "frame_size": frame},
+                                lv, name="v")
     return g, layer
 
 
@@ -198,11 +326,12 @@ async def read_all(layer: CompressLayer) -> list[int | None]:
     return [tag_of(raw[b * BS:(b + 1) * BS], b) for b in range(BLOCKS)]
 
 
-def test_reads_follow_the_model_and_a_reopen_keeps_everything() -> None:
+@pytest.mark.parametrize("frame", [0, 4096, 8192])
+def test_reads_follow_the_model_and_a_reopen_keeps_everything(frame: int) -> None:
     async def go() -> None:
         for seed in range(12):
             dev = ram()
-            g, layer = await stack(dev, fresh=True, algorithm="zstd:3" if seed % 2 else "lz4")
+            g, layer = await stack(dev, fresh=True, algorithm="zstd:3" if seed % 2 else "lz4", frame=frame)
             run = Run(layer)
             for i, op in enumerate(workload(seed, 150)):
                 await run.step(op)
@@ -211,7 +340,7 @@ def test_reads_follow_the_model_and_a_reopen_keeps_everything() -> None:
             assert await read_all(layer) == run.cur
             await layer.flush()
             await g.close()
-            g, layer = await stack(dev, fresh=False)
+            g, layer = await stack(dev, fresh=False, frame=(frame or FRAME) if seed % 3 else 0)  # reads either way
             assert await read_all(layer) == run.cur, f"seed {seed}: after a reopen"
             # trimmed whole, every cluster goes back to the group (the zero versions go one flush later)
             await layer.unmap(0, BLOCKS)
@@ -222,13 +351,14 @@ def test_reads_follow_the_model_and_a_reopen_keeps_everything() -> None:
     asyncio.run(go())
 
 
-def test_the_fast_path_reads_the_bytes_the_normal_path_reads() -> None:
+@pytest.mark.parametrize("frame", [0, 4096])
+def test_the_fast_path_reads_the_bytes_the_normal_path_reads(frame: int) -> None:
     """read_now (in the caller's turn: the cache, or the thin volume's fast path over consecutive clusters)
     gives what the chunk's slow path (read under its lock) gives, for chunks cached and not, zero chunks and partial blocks; it declines a read
     across chunks and a chunk a write holds."""
     async def go() -> None:
         dev = ram()
-        g, layer = await stack(dev, fresh=True)
+        g, layer = await stack(dev, fresh=True, frame=frame)
         assert layer.capabilities.sync_read
         run = Run(layer)
         for op in workload(5, 120):
@@ -312,11 +442,11 @@ def test_a_torn_newer_version_gives_way_to_the_older_durable_one() -> None:
 SURVIVE = (0.0, 0.0, 0.25, 0.5, 0.75, 1.0)
 
 
-async def cut_at(ops: list[Op], k: int, survive: float, rng: random.Random) -> str | None | bool:
+async def cut_at(ops: list[Op], k: int, survive: float, rng: random.Random, frame: int) -> str | None | bool:
     """Run ops with the power cut after the stack's k-th write; False if they ended first, else what the
     checker found wrong (None: nothing)."""
     dev = PowerCut(ram(), survive, rng)
-    g, layer = await stack(dev, fresh=True)
+    g, layer = await stack(dev, fresh=True, frame=frame)
     run = Run(layer)
     dev.crash_after_writes = dev.writes + k
     at = None
@@ -334,13 +464,13 @@ async def cut_at(ops: list[Op], k: int, survive: float, rng: random.Random) -> s
     if k % 3 == 0:    # the power goes again while the layer recovers (its unmaps and flushes)
         dev.crash_after_writes = dev.writes + 1 + k % 7
         try:
-            await stack(dev, fresh=False)
+            await stack(dev, fresh=False, frame=frame)
         except BlockError:
             pass
         dev.crash_after_writes = None     # disarmed if opening wrote fewer
         await dev.restart()
     try:
-        g, layer = await stack(dev, fresh=False)
+        g, layer = await stack(dev, fresh=False, frame=frame)
     except Exception as e:  # noqa: BLE001 - reported as the finding
         return f"the stack did not open: {e!r} (cut in {ops[at]})"
     try:
@@ -354,7 +484,7 @@ async def cut_at(ops: list[Op], k: int, survive: float, rng: random.Random) -> s
             return f"block {b} holds write {t}; allowed {sorted(run.maybe[b] | {run.cur[b]})}, cut in {ops[at]}"
     if k % 5 == 0:    # it works on: a write stays through another reopen, and a whole trim frees everything
         await layer.write(0, block(999, 0), fua=True)
-        g, layer = await stack(dev, fresh=False)
+        g, layer = await stack(dev, fresh=False, frame=frame)
         if bytes(await layer.read(0, 1)) != block(999, 0):
             return "a write after the reopen did not stay"
         await layer.unmap(0, BLOCKS)
@@ -365,7 +495,7 @@ async def cut_at(ops: list[Op], k: int, survive: float, rng: random.Random) -> s
     return None
 
 
-async def sweep(seeds: range, length: int) -> tuple[int, list[str]]:
+async def sweep(seeds: range, length: int, frame: int = FRAME) -> tuple[int, list[str]]:
     points = 0
     failures: list[str] = []
     for seed in seeds:
@@ -374,7 +504,7 @@ async def sweep(seeds: range, length: int) -> tuple[int, list[str]]:
         k = 1
         while True:
             survive = rng.choice(SURVIVE)
-            found = await cut_at(ops, k, survive, random.Random(rng.random()))
+            found = await cut_at(ops, k, survive, random.Random(rng.random()), frame)
             if found is False:
                 break
             points += 1
@@ -386,9 +516,10 @@ async def sweep(seeds: range, length: int) -> tuple[int, list[str]]:
     return points, failures
 
 
+@pytest.mark.parametrize("frame", [0, 4096])
 @pytest.mark.parametrize("batch", range(3))
-def test_power_cuts_at_every_write_lose_nothing_durable(batch: int) -> None:
-    points, failures = asyncio.run(sweep(range(batch * 4, batch * 4 + 4), 40))
+def test_power_cuts_at_every_write_lose_nothing_durable(batch: int, frame: int) -> None:
+    points, failures = asyncio.run(sweep(range(batch * 4, batch * 4 + 4), 40, frame))
     print(f"{points} crash points")
     assert not failures, "\n".join(failures)
     assert points > 100

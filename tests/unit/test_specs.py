@@ -167,6 +167,10 @@ def test_any_wrong_value_gets_one_line(edits: list[tuple[tuple[Any, ...], Any, b
     ({"compression": "lz4", "size": "1GiB", "compression_chunk": "8KiB"}, "8.0 KiB: use one of 16.0 KiB"),
     ({"size": "1GiB", "compression_chunk": "16KiB"}, "compression_chunk is for a compressed volume"),
     ({"compression": "lz4", "size": 48 << 10, "compression_chunk": "32KiB"}, "multiple of its 32 KiB chunks"),
+    ({"size": "1GiB", "compression_frame": "4KiB"}, "compression_frame is for a compressed volume"),
+    ({"compression": "lz4", "size": "1GiB", "compression_frame": "6KiB"}, "frame size 6144: use 0"),
+    ({"compression": "lz4", "size": "1GiB", "compression_chunk": "16KiB", "compression_frame": "16KiB"},
+     "4 KiB, 8 KiB (smaller than the 16 KiB chunk)"),
     ({"size": "1GiB", "replicas": 2, "nodes": ("a", "b"), "encryption": {"prompt": True}},
      "give its encryption a key_file or key_command"),
 ])
@@ -192,6 +196,10 @@ def test_a_compressed_volumes_chunk_is_in_its_layer_and_its_carved_size() -> Non
     assert v.layers == [{"type": "compress", "algorithm": "lz4", "chunk_size": 16 << 10}]
     assert v.carved_size == backing_size(1 << 30, 16 << 10) > backing_size(1 << 30)   # a slot is chunk + 4 KiB
     assert VolumeSpec("v", "d", size=48 << 10, compression="lz4", compression_chunk="16KiB").chunk_bytes == 16 << 10
+    # its frames: in the layer when given, 0 (one stream per chunk) included
+    for written, want in (("4KiB", 4096), (0, 0), ("0", 0)):
+        v = VolumeSpec("v", "d", size="1GiB", compression="lz4", compression_frame=written)
+        assert v.layers == [{"type": "compress", "algorithm": "lz4", "frame_size": want}], written
 
 
 def test_a_compressed_volume_sits_above_its_encryption_and_takes_two_slots_per_chunk() -> None:

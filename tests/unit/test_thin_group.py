@@ -506,6 +506,37 @@ async def test_read_now_and_write_now_agree_with_read_and_write() -> None:
 
 
 @aio
+async def test_a_write_in_place_over_physically_consecutive_clusters_is_one_device_write() -> None:
+    dev, g = await new_group()
+    lv = await g.create("a", MiB)
+    await lv.write(0, data(1, 6 * CB))            # clusters 0-5, allocated as one run
+    await lv.write(100 * CB, data(1, 1, 100 * CB))  # cluster 100: elsewhere on the device
+    await lv.flush()
+    await g.snapshot("a", "s")
+    await lv.write(2 * CB, data(2, 1, 2 * CB))    # cluster 2 copied on write: no longer beside 1 and 3
+    await g.delete("s")
+    await lv.flush()
+    writes: list[tuple[int, int]] = []
+    real = dev.write
+
+    async def counted(lba: int, buf: Buffer, *, fua: bool = False) -> None:
+        writes.append((lba, len(buf) // BS))
+        await real(lba, buf, fua=fua)
+
+    dev.write = counted  # type: ignore[method-assign]
+    await lv.write(3, data(3, 2 * CB + 2, 3))     # clusters 0 (from block 3), 1 and part of 2: 0-1 one write
+    assert [n for _, n in writes] == [2 * CB - 3, 5], writes
+    writes.clear()
+    await lv.write(3 * CB + 1, data(4, 3 * CB - 2, 3 * CB + 1))   # clusters 3, 4, 5: one write
+    assert [n for _, n in writes] == [3 * CB - 2], writes
+    dev.write = real  # type: ignore[method-assign]
+    want = (data(1, 3) + data(3, 2 * CB + 2, 3) + data(1, 3, 2 * CB + 5) + data(1, 1, 3 * CB)
+            + data(4, 3 * CB - 2, 3 * CB + 1) + data(1, 1, 6 * CB - 1))
+    assert await read(lv, 0, 6 * CB) == want
+    check_refs(g)
+
+
+@aio
 async def test_write_now_declines_while_a_snapshot_holds_the_volume() -> None:
     dev = RamDevice(8 * MiB // BS, BS)
     gate = Gate(dev)

@@ -104,6 +104,10 @@ def volume_create(
                                                           "chunk, 16KiB, 32KiB, 64KiB (default) or 128KiB; smaller "
                                                           "is cheaper for small random I/O, larger compresses "
                                                           "better.")] = None,
+    compression_frame: Annotated[str | None, typer.Option("--compression-frame", help="With --compression: each "
+                                                          "frame of this size in a chunk is compressed on its own, "
+                                                          "0 (none), 4KiB to 32KiB (default 16KiB); a small read or "
+                                                          "write then decodes or encodes only its frames.")] = None,
     dry_run: DryRun = False, as_json: JsonOpt = False, data_dir: DataDir = None, config: ConfigOpt = None,
 ) -> None:
     """Create a volume on a running node; it can be exported at once (`vsan export add`). With --device or --pool
@@ -121,6 +125,8 @@ def volume_create(
         args["compression"] = compression
     if compression_chunk is not None:
         args["compression_chunk"] = _size(compression_chunk)
+    if compression_frame is not None:
+        args["compression_frame"] = 0 if compression_frame.strip() == "0" else _size(compression_frame)
     _changes(_call(data_dir, config, "volume.create", **args), as_json, dry_run)
 
 
@@ -257,7 +263,8 @@ def volume_show(name: VolumeArg, as_json: JsonOpt = False, data_dir: DataDir = N
                   soft_wrap=True)
     squeeze = v.get("compress_stats")
     if squeeze:
-        out.print(f"{'compression':>12}: {squeeze['algorithm']}, {squeeze['chunk_size'] >> 10} KiB chunks, "
+        frames = f" in {squeeze['frame_size'] >> 10} KiB frames" if squeeze.get("frame_size") else ""
+        out.print(f"{'compression':>12}: {squeeze['algorithm']}, {squeeze['chunk_size'] >> 10} KiB chunks{frames}, "
                   f"ratio {squeeze['ratio']:.2f}x ({_fmt_size(squeeze['plain_bytes'])} in "
                   f"{_fmt_size(squeeze['stored_bytes'])}; {squeeze['raw_chunks']} of {squeeze['chunks']} chunks "
                   "stored raw)", soft_wrap=True)

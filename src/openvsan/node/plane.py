@@ -209,9 +209,10 @@ class DataPlane:
 
             raise Conflict(f"volume {c.key}: whether it is compressed, and in what chunks, cannot change while it holds "
                            "data (its chunks are stored in a layout of their own); create a new volume and copy the data")
-        if old.compression != new.compression:   # another algorithm: new versions use it, the old ones still read
+        if (old.compression, old.compression_frame) != (new.compression, new.compression_frame):
+            # another algorithm or frame size: new versions use it, the old ones still read
             squeeze = next(d for d in vol.layers if getattr(d, "type_name", None) == "compress")
-            squeeze.set_algorithm(new.compression)  # type: ignore[attr-defined]
+            squeeze.set_algorithm(new.compression, new.compression_frame)  # type: ignore[attr-defined]
         # another key file (or setting) for the same container: the stack is opened again below, the container
         # unlocked with it (a key file that does not open it fails the change, and nothing changes)
         qos = next((d for d in vol.layers if getattr(d, "type_name", None) == "qos"), None)

@@ -90,6 +90,8 @@ def _volume(v: VolumeSpec) -> dict[str, Any]:
         out["compression"] = v.compression
     if v.compression_chunk is not None:
         out["compression_chunk"] = v.compression_chunk
+    if v.compression_frame is not None:
+        out["compression_frame"] = v.compression_frame
     return out
 
 

@@ -43,6 +43,7 @@ class VolumeCreate:
     key_file: Str | None = None    # encrypted (volume/crypt.py): a LUKS2 container unlocked by this file's bytes
     compression: Str | None = None  # compressed (volume/compress.py): "lz4", "zstd" or "zstd:LEVEL"
     compression_chunk: Int | None = None   # its chunk in bytes (16, 32, 64 or 128 KiB; None: 64 KiB)
+    compression_frame: Int | None = None   # its frames in bytes (0: none, 4 to 32 KiB; None: the default)
 
 
 @dataclass(frozen=True, config=REQUEST)

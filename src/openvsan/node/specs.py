@@ -208,6 +208,8 @@ Number = Annotated[float, Strict()]       # an integer or a float, not a bool
 Name = Annotated[str, Strict(), _check(check_object_name)]
 BlockSize = Annotated[int, Strict(), AfterValidator(_block_size)]
 Size = Annotated[int, BeforeValidator(_size)]
+# a size that may be 0 (none), written 0 or "0" too
+SizeOrZero = Annotated[int, BeforeValidator(lambda v: 0 if v in (0, "0") and v is not False else _size(v))]
 # written "host:port" (and so in JSON and the REST API's schema), a Portal once read
 PortalT = Annotated[Portal, BeforeValidator(_portal), PlainSerializer(str, return_type=str),
                     WithJsonSchema({"type": "string", "examples": ["127.0.0.1:3260", "[::1]:3260"]})]
@@ -572,13 +574,18 @@ class VolumeSpec:
     # write and read (a whole chunk is read, decompressed and compressed again), larger compresses better.
     # Fixed once the volume holds data
     compression_chunk: Size | None = None
+    # within a chunk, each frame of this size is compressed on its own: 0 (the chunk is one stream), 4, 8, 16
+    # (None: the default, for chunks over 16 KiB) or 32 KiB; a small read decodes only its frames and a small
+    # write encodes only the frames it changes, at a few per cent of the ratio. Changeable: each version
+    # written says how it is framed
+    compression_frame: SizeOrZero | None = None
 
     @model_validator(mode="after")
     def _compressed(self) -> VolumeSpec:
         if self.compression is None:
-            if self.compression_chunk is not None:
-                raise SpecError('compression_chunk is for a compressed volume; add compression = "lz4" or remove it',
-                                "compression_chunk")
+            for knob in ("compression_chunk", "compression_frame"):
+                if getattr(self, knob) is not None:
+                    raise SpecError(f'{knob} is for a compressed volume; add compression = "lz4" or remove it', knob)
             return self
         from openvsan.volume.compress import CHUNKS
 
@@ -586,6 +593,12 @@ class VolumeSpec:
         if chunk not in CHUNKS:
             raise SpecError(f"{format_size(chunk)}: use one of {', '.join(format_size(c) for c in CHUNKS)}",
                             "compression_chunk")
+        if self.compression_frame is not None:
+            from openvsan.volume.compress import check_frame
+
+            why = check_frame(self.compression_frame, chunk)
+            if why:
+                raise SpecError(why, "compression_frame")
         if not self.snapshot and (self.size is None or not self.thin):
             raise SpecError('compression is for a thin volume carved from its device or pool: give it a size, e.g. '
                             'size = "10GiB"', "compression")
@@ -666,7 +679,8 @@ class VolumeSpec:
         crypt = [self.encryption.layer()] if self.encryption is not None else []
         # above the encryption: what it compresses is the plain data (ciphertext does not compress)
         squeeze = [{"type": "compress", "algorithm": self.compression,
-                    **({"chunk_size": self.compression_chunk} if self.compression_chunk is not None else {})}
+                    **({"chunk_size": self.compression_chunk} if self.compression_chunk is not None else {}),
+                    **({"frame_size": self.compression_frame} if self.compression_frame is not None else {})}
                    ] if self.compression is not None else []
         return crypt + squeeze + ([{"type": "qos", **self.qos}] if self.qos else [])
 

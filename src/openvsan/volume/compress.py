@@ -15,6 +15,17 @@ chunk index, generation, payload length, CRC32C of the payload, CRC32C of the he
 chunk compressed, or raw when compression would not save a 4 KiB unit, or nothing for a chunk of zeros),
 rounded up to 4 KiB; what lies past it in the slot is unmapped, so the thin volume holds no clusters there.
 
+**Frames.** A chunk over 16 KiB is compressed in frames (16 KiB by default; `frame_size`, or 0 for one stream
+per chunk), each on its own: the payload is a table (each frame's stored length, then each frame's CRC32C)
+and the frames one after another; a frame of zeros stores nothing (length 0), one that does not compress is
+stored raw (length = the frame size). The header carries the frame size (its log2, in the field that is 0 for
+an unframed version) and, as payload checksum, the table's CRC32C. A read decodes and checks only the frames
+it covers; a write of part of the chunk encodes only the frames it touches and copies the others as they are
+stored, with their checksums (a damaged frame stays detectably damaged, it is never re-encoded as good).
+Framing costs a few per cent of the ratio (each frame is compressed without the context of the others) and
+saves most of the codec's work on small I/O. Each version says how it was written, so a volume may hold
+versions of both kinds, and a change of the frame size (or algorithm) applies to the versions written after.
+
 **Crash safety, without a map of its own.** The slots are the metadata: on open, every mapped slot is read
 and the chunk's newest valid version (header and payload checksums right, its own index and chunk size) is
 the one served. A write of a chunk never touches the slot holding its newest *durable* version: it goes to
@@ -64,10 +75,28 @@ SCAN_CHUNKS = 16              # chunks read per request while opening
 MAGIC = b"VSZC"
 VERSION = 1
 RAW, LZ4, ZSTD, ZERO = 0, 1, 2, 3
+LZ4F, ZSTDF = 4, 5                        # lz4 and zstd in frames (each frame compressed on its own)
 ALGOS = {"lz4": LZ4, "zstd": ZSTD}
-ALGO_NAMES = {RAW: "raw", LZ4: "lz4", ZSTD: "zstd", ZERO: "zero"}
+FRAMED = {LZ4: LZ4F, ZSTD: ZSTDF}
+ALGO_NAMES = {RAW: "raw", LZ4: "lz4", ZSTD: "zstd", ZERO: "zero", LZ4F: "lz4 in frames", ZSTDF: "zstd in frames"}
+DEFAULT_FRAME = 16 << 10                  # of a chunk larger than it; a chunk of 16 KiB or less is one stream
+FRAME_SIZES = (0, 4096, 8192, 16384, 32768)   # 0: the chunk is one stream
+
+
+def default_frame(chunk: int) -> int:
+    return DEFAULT_FRAME if chunk > DEFAULT_FRAME else 0
+
+
+def check_frame(frame: int, chunk: int) -> str | None:
+    """Why `frame` cannot be the frame size of `chunk`-byte chunks (one line), or None."""
+    if frame not in FRAME_SIZES or (frame and frame >= chunk):
+        return (f"frame size {frame}: use 0 (each chunk one stream) or "
+                f"{', '.join(str(f >> 10) + ' KiB' for f in FRAME_SIZES[1:] if f < chunk)} (smaller than the "
+                f"{chunk >> 10} KiB chunk)")
+    return None
 ZSTD_LEVELS = (1, 19)
-HEADER = struct.Struct("<4sBBHIQQII")     # magic, version, algo, 0, chunk size, index, generation, length, crc
+HEADER = struct.Struct("<4sBBHIQQII")     # magic, version, algo, frame shift, chunk size, index, generation,
+                                          # payload length, payload crc (of a framed payload: of its table)
 HEADER_BYTES = 64                         # the header, its own CRC32C after it, zeros to 64
 
 
@@ -105,49 +134,161 @@ def _units(n: int) -> int:
 
 
 class _Codec:
-    """The chunk's bytes to a version's (algo, payload) and back; lz4 and zstd are their C libraries."""
+    """The chunk's bytes to a version's (algo, payload) and back; lz4 and zstd are their C libraries.
 
-    def __init__(self, algo: str, level: int, chunk: int) -> None:
-        self.algo, self.level, self.chunk = ALGOS[algo], level, chunk
+    With frames (frame > 0, the default 4 KiB), a version's payload is the chunk's frames each compressed on
+    its own, after a table of their stored lengths and CRC32Cs (see the module's docstring): a read decodes
+    only the frames it covers, and a small write re-encodes only the frames it changes, the others' stored
+    bytes copied as they are. Without (frame 0) the chunk is one stream: it compresses a little better."""
+
+    def __init__(self, algo: str, level: int, chunk: int, frame: int = 0) -> None:
+        self.algo, self.level, self.chunk, self.frame = ALGOS[algo], level, chunk, frame
+        self.framed = FRAMED[self.algo] if frame else 0            # the algo code of a framed version
+        self.shift = frame.bit_length() - 1 if frame else 0
+        self.frames = chunk // frame if frame else 0
+        self.table = _table(self.frames) if frame else None
         self._zc: Any = None
         self._zd: Any = None
 
-    def encode(self, plain: bytes) -> tuple[int, bytes]:
-        if _zero(plain):
-            return ZERO, b""
+    def _squeeze(self, plain: Buffer) -> bytes:
         if self.algo == LZ4:
             import lz4.block  # type: ignore[import-untyped,unused-ignore]
 
-            packed = lz4.block.compress(plain, store_size=False)
-        else:
-            if self._zc is None:
-                import zstandard
+            return bytes(lz4.block.compress(plain, store_size=False))
+        if self._zc is None:
+            import zstandard
 
-                self._zc = zstandard.ZstdCompressor(level=self.level)
-            packed = self._zc.compress(plain)
-        if _units(HEADER_BYTES + len(packed)) >= _units(HEADER_BYTES + self.chunk):
-            return RAW, plain       # it would take as many units as the chunk raw: kept raw, read back free
-        return self.algo, packed
+            self._zc = zstandard.ZstdCompressor(level=self.level)
+        return bytes(self._zc.compress(plain))
 
-    def decode(self, algo: int, payload: Buffer) -> bytes:
-        """The plain chunk (bytes of its own: `payload` may be a view of the device's memory)."""
-        if algo == RAW:
-            return bytes(payload)
-        if algo == ZERO:
-            return bytes(self.chunk)
-        if algo == LZ4:
+    def _expand(self, algo: int, payload: Buffer, size: int) -> bytes:
+        if algo in (LZ4, LZ4F):
             import lz4.block  # type: ignore[import-untyped,unused-ignore]
 
-            out = bytes(lz4.block.decompress(payload, uncompressed_size=self.chunk))
+            out = bytes(lz4.block.decompress(payload, uncompressed_size=size))
         else:
             if self._zd is None:
                 import zstandard
 
                 self._zd = zstandard.ZstdDecompressor()
-            out = bytes(self._zd.decompress(payload, max_output_size=self.chunk))
-        if len(out) != self.chunk:
-            raise ValueError(f"a chunk decompressed to {len(out)} bytes, not {self.chunk}")
+            out = bytes(self._zd.decompress(payload, max_output_size=size))
+        if len(out) != size:
+            raise ValueError(f"a chunk or frame decompressed to {len(out)} bytes, not {size}")
         return out
+
+    def encode(self, plain: bytes) -> tuple[int, bytes]:
+        if _zero(plain):
+            return ZERO, b""
+        if self.frame:
+            fs = self.frame
+            return self.assemble([self.frame_of(memoryview(plain)[i * fs:(i + 1) * fs]) for i in range(self.frames)],
+                                 lambda: plain)
+        packed = self._squeeze(plain)
+        if _units(HEADER_BYTES + len(packed)) >= _units(HEADER_BYTES + self.chunk):
+            return RAW, plain       # it would take as many units as the chunk raw: kept raw, read back free
+        return self.algo, packed
+
+    # ---- frames
+
+    def frame_of(self, piece: Buffer) -> Frame:
+        """One frame's stored form: (length, CRC32C, bytes); length 0 for zeros, the frame's size for raw."""
+        if _zero(piece):
+            return 0, 0, b""
+        packed = self._squeeze(piece)
+        if len(packed) >= self.frame:
+            packed = bytes(piece)
+        return len(packed), crc32c.crc32c(packed), packed
+
+    def plain_of(self, algo: int, f: Frame) -> bytes:
+        """A stored frame back to its plain bytes (`algo`: the version's, LZ4F or ZSTDF)."""
+        n, _, stored = f
+        if not n:
+            return bytes(self.frame)
+        if n == self.frame:
+            return bytes(stored)
+        return self._expand(algo, stored, self.frame)
+
+    def assemble(self, frames: list[Frame], plain: Callable[[], bytes]) -> tuple[int, bytes]:
+        """A version from its frames: ZERO when all are zeros, RAW (plain() the chunk) when the frames would
+        take as many units as the chunk raw, else the table and the frames."""
+        if not any(f[0] for f in frames):
+            return ZERO, b""
+        table = self.table.pack(*(f[0] for f in frames), *(f[1] for f in frames))  # type: ignore[union-attr]
+        size = len(table) + sum(f[0] for f in frames)
+        if _units(HEADER_BYTES + size) >= _units(HEADER_BYTES + self.chunk):
+            return RAW, plain()
+        return self.framed, b"".join([table, *(f[2] for f in frames)])
+
+    def decode(self, algo: int, payload: Buffer, shift: int = 0) -> bytes:
+        """The plain chunk (bytes of its own: `payload` may be a view of the device's memory)."""
+        if algo == RAW:
+            return bytes(payload)
+        if algo == ZERO:
+            return bytes(self.chunk)
+        if algo in (LZ4F, ZSTDF):
+            return self.decode_part(algo, payload, shift, 0, self.chunk)
+        return self._expand(algo, payload, self.chunk)
+
+    def decode_part(self, algo: int, payload: Buffer, shift: int, start: int, n: int) -> bytes:
+        """Bytes [start, start+n) of a framed version's chunk, decoding only the frames they cover; ValueError
+        where a frame's checksum or decoding fails."""
+        fs = 1 << shift
+        lens, crcs, starts = frame_table(payload, self.chunk >> shift)
+        first, last = start >> shift, (start + n - 1) >> shift
+        view = memoryview(payload)
+        out = []
+        for i in range(first, last + 1):
+            k, at = lens[i], starts[i]
+            stored = view[at:at + k]
+            if k and crc32c.crc32c(stored) != crcs[i]:
+                raise ValueError(f"frame {i}: checksum mismatch")
+            out.append(bytes(fs) if not k else bytes(stored) if k == fs else self._expand(algo, stored, fs))
+        whole = out[0] if len(out) == 1 else b"".join(out)
+        skip = start - (first << shift)
+        return whole if skip == 0 and len(whole) == n else whole[skip:skip + n]
+
+    def stored_frames(self, algo: int, payload: Buffer, shift: int) -> list[Frame] | None:
+        """A framed version's frames as they are stored, for a new version to copy those it does not change;
+        None where they cannot be copied (another codec or frame size than this one writes)."""
+        if algo != self.framed or shift != self.shift:
+            return None
+        lens, crcs, starts = frame_table(payload, self.frames)
+        view = memoryview(payload)
+        return [(k, crcs[i], view[starts[i]:starts[i] + k]) for i, k in enumerate(lens)]
+
+
+Frame = tuple[int, int, Buffer]     # a frame as stored: (length, CRC32C, bytes)
+
+
+@functools.cache
+def _table(frames: int) -> struct.Struct:
+    return struct.Struct(f"<{frames}H{frames}I")
+
+
+def frame_table(payload: Buffer, frames: int) -> tuple[tuple[int, ...], tuple[int, ...], list[int]]:
+    """A framed payload's table: each frame's stored length and CRC32C, and where its bytes start."""
+    t = _table(frames)
+    fields = t.unpack_from(payload)
+    lens, crcs = fields[:frames], fields[frames:]
+    starts, at = [], t.size
+    for k in lens:
+        starts.append(at)
+        at += k
+    return lens, crcs, starts
+
+
+def framed_ok(payload: Buffer, pcrc: int, shift: int, chunk: int) -> bool:
+    """A framed payload whose table checksum (the header's) and every frame's checksum hold, and whose
+    lengths add up to it."""
+    frames = chunk >> shift
+    t = _table(frames)
+    if len(payload) < t.size or crc32c.crc32c(memoryview(payload)[:t.size]) != pcrc:
+        return False
+    lens, crcs, starts = frame_table(payload, frames)
+    if any(k > (1 << shift) for k in lens) or t.size + sum(lens) != len(payload):
+        return False
+    view = memoryview(payload)
+    return all(not k or crc32c.crc32c(view[at:at + k]) == crc for k, crc, at in zip(lens, crcs, starts))
 
 
 class _Flush:
@@ -162,8 +303,10 @@ def _zero(buf: Buffer) -> bool:
     return not np.frombuffer(buf, dtype=np.uint64).any()
 
 
-def pack_header(algo: int, chunk: int, index: int, gen: int, payload: bytes) -> bytes:
-    h = HEADER.pack(MAGIC, VERSION, algo, 0, chunk, index, gen, len(payload), crc32c.crc32c(payload))
+def pack_header(algo: int, chunk: int, index: int, gen: int, payload: bytes, shift: int = 0) -> bytes:
+    """A version's header; `shift`: log2 of a framed version's frame size (0 unframed)."""
+    crc = crc32c.crc32c(memoryview(payload)[:_table(chunk >> shift).size] if shift else payload)
+    h = HEADER.pack(MAGIC, VERSION, algo, shift, chunk, index, gen, len(payload), crc)
     return (h + struct.pack("<I", crc32c.crc32c(h))).ljust(HEADER_BYTES, b"\0")
 
 
@@ -179,17 +322,29 @@ def _header_fields(raw: Buffer) -> tuple[Any, ...] | None:
     return HEADER.unpack_from(b)
 
 
-def read_header(raw: Buffer, chunk: int, index: int) -> tuple[int, int, int, int] | None:
-    """(algo, generation, payload length, payload crc) of a slot's first bytes, or None where they are not
-    a valid header of this chunk (zeros, noise, a torn write, another chunk size)."""
+def read_header(raw: Buffer, chunk: int, index: int) -> tuple[int, int, int, int, int] | None:
+    """(algo, generation, payload length, payload crc, frame shift) of a slot's first bytes, or None where they
+    are not a valid header of this chunk (zeros, noise, a torn write, another chunk size)."""
     f = _header_fields(raw)
     if f is None:
         return None
-    _, _, algo, _, csize, idx, gen, length, pcrc = f
+    _, _, algo, shift, csize, idx, gen, length, pcrc = f
     if (algo not in ALGO_NAMES or csize != chunk or idx != index or length > chunk or (algo == ZERO and length)
             or (algo == RAW and length != chunk)):
         return None
-    return algo, gen, length, pcrc
+    if algo in (LZ4F, ZSTDF):
+        if (1 << shift) not in FRAME_SIZES[1:] or (1 << shift) >= chunk or length < _table(chunk >> shift).size:
+            return None
+    elif shift:
+        return None
+    return algo, gen, length, pcrc, shift
+
+
+def payload_ok(algo: int, shift: int, payload: Buffer, pcrc: int, chunk: int) -> bool:
+    """A version's payload checks against its header: its CRC32C, or a framed one's table and frames."""
+    if algo in (LZ4F, ZSTDF):
+        return framed_ok(payload, pcrc, shift, chunk)
+    return crc32c.crc32c(payload) == pcrc
 
 
 @register_layer
@@ -206,7 +361,12 @@ class CompressLayer(Layer):
         bbs = below.block_size
         if UNIT % bbs:
             raise CompressError(f"the device's {bbs}-byte blocks do not divide {UNIT}")
-        self.codec = _Codec(algo, level, self.chunk)
+        frame = settings.get("frame_size")
+        self.frame = default_frame(self.chunk) if frame is None else int(frame)
+        why = check_frame(self.frame, self.chunk)
+        if why:
+            raise CompressError(why)
+        self.codec = _Codec(algo, level, self.chunk, self.frame)
         self.slot = slot_bytes(self.chunk)
         self._bbs = bbs
         self._per = self.chunk // bbs                  # layer blocks per chunk (the layer's block is the device's)
@@ -259,7 +419,7 @@ class CompressLayer(Layer):
         chunks = int(np.count_nonzero(live))
         stored = int(self.held[live, :].sum()) if chunks else 0
         plain = chunks * self.chunk
-        return {"algorithm": self.settings.get("algorithm", "lz4"), "chunk_size": self.chunk,
+        return {"algorithm": self.settings.get("algorithm", "lz4"), "chunk_size": self.chunk, "frame_size": self.frame,
                 "chunks": chunks, "plain_bytes": plain, "stored_bytes": stored,
                 "ratio": round(plain / stored, 2) if stored else 1.0,
                 "raw_chunks": int(np.count_nonzero(live & (self.algo == RAW)))}
@@ -367,8 +527,8 @@ class CompressLayer(Layer):
                     if f is not None and f[4] != self.chunk:
                         self._foreign = f[4]
                 continue
-            algo, gen, length, pcrc = h
-            if crc32c.crc32c(raw[HEADER_BYTES:HEADER_BYTES + length]) != pcrc:
+            algo, gen, length, pcrc, shift = h
+            if not payload_ok(algo, shift, raw[HEADER_BYTES:HEADER_BYTES + length], pcrc, self.chunk):
                 stale.append((c, s))
                 continue
             self.held[c, s] = _units(HEADER_BYTES + length)
@@ -422,22 +582,30 @@ class CompressLayer(Layer):
         raw = await self.below.read((c * 2 + s) * self.slot // self._bbs, held // self._bbs)
         return self._decoded(c, s, raw)
 
-    def _decoded(self, c: int, s: int, raw: Buffer) -> bytes:
-        """The plain chunk from its newest version as read from slot s (kept in the cache); MediumError where
-        it does not read back whole. Both read paths end here."""
+    def _decoded(self, c: int, s: int, raw: Buffer, start: int = 0, n: int = 0) -> bytes:
+        """Bytes [start, start+n) of the chunk (n 0: all of it, then kept in the cache) from its newest version
+        as read from slot s; MediumError where it does not read back whole. Both read paths end here. Of a
+        framed version only the frames the range covers are checked and decoded; else the whole payload."""
         h = read_header(raw, self.chunk, c)
         if h is None or h[1] != int(self.gen[c]):
             raise MediumError(f"{self.name}: chunk {c}: its version in slot {s} does not read back", c * self._per)
-        algo, _, length, pcrc = h
+        algo, _, length, pcrc, shift = h
         payload = memoryview(raw)[HEADER_BYTES:HEADER_BYTES + length]
-        if crc32c.crc32c(payload) != pcrc:
+        framed = algo in (LZ4F, ZSTDF)
+        if framed and n:
+            ok = len(payload) == length and crc32c.crc32c(payload[:_table(self.chunk >> shift).size]) == pcrc
+        else:
+            ok = payload_ok(algo, shift, payload, pcrc, self.chunk)
+        if not ok:
             raise MediumError(f"{self.name}: chunk {c}: checksum mismatch in slot {s}", c * self._per)
         try:
-            plain = self.codec.decode(algo, payload)
+            if framed and n:
+                return self.codec.decode_part(algo, payload, shift, start, n)
+            plain = self.codec.decode(algo, payload, shift)
         except Exception as e:   # noqa: BLE001 - a payload whose checksum holds but does not decode
             raise MediumError(f"{self.name}: chunk {c}: {e}", c * self._per) from None
         self._keep(c, plain)
-        return plain
+        return plain[start:start + n] if n else plain
 
     def read_now(self, lba: int, blocks: int) -> Buffer | None:
         """read() in the caller's turn, within one chunk that nobody holds (a write holds its chunk across its
@@ -446,20 +614,19 @@ class CompressLayer(Layer):
         c, off = divmod(lba, per)
         if off + blocks > per or c in self._locks:
             return None
+        bs = self._bbs
         plain = self._cache.get(c)
         if plain is not None:
             self._cache.move_to_end(c)
-        else:
-            s = int(self.cur[c])
-            if s < 0 or self.algo[c] == ZERO:
-                return bytes(blocks * self._bbs)
-            fn = self._below_read_now
-            raw = fn((c * 2 + s) * self.slot // self._bbs, int(self.held[c, s]) // self._bbs) if fn else None
-            if raw is None:
-                return None
-            plain = self._decoded(c, s, raw)
-        bs = self._bbs
-        return plain[off * bs:(off + blocks) * bs]
+            return plain[off * bs:(off + blocks) * bs]
+        s = int(self.cur[c])
+        if s < 0 or self.algo[c] == ZERO:
+            return bytes(blocks * bs)
+        fn = self._below_read_now
+        raw = fn((c * 2 + s) * self.slot // bs, int(self.held[c, s]) // bs) if fn else None
+        if raw is None:
+            return None
+        return self._decoded(c, s, raw, off * bs, blocks * bs)
 
     def _keep(self, c: int, plain: bytes) -> None:
         self._cache[c] = plain
@@ -497,46 +664,51 @@ class CompressLayer(Layer):
         for c, off, n in self._pieces(lba, len(view) // bs):
             piece = view[at:at + n * bs]
             at += n * bs
-            await self._rewrite(c, off, n, functools.partial(_patched, at=off * bs, piece=piece, n=n * bs), fua)
+            await self._rewrite(c, off, n, piece, fua)
 
     async def write_zeroes(self, lba: int, blocks: int) -> None:
-        bs = self._bbs
         for c, off, n in self._pieces(lba, blocks):
-            await self._rewrite(c, off, n, functools.partial(_patched, at=off * bs, piece=None, n=n * bs), False)
+            await self._rewrite(c, off, n, None, False)
 
     async def unmap(self, lba: int, blocks: int) -> None:
         await self.write_zeroes(lba, blocks)
 
-    async def _rewrite(self, c: int, off: int, n: int, change: Callable[[bytes | None], bytes], fua: bool) -> None:
-        """The chunk's new version (change(old plain), old None for a whole chunk) written to the slot that does
-        not hold its newest durable version."""
+    async def _rewrite(self, c: int, off: int, n: int, piece: memoryview | None, fua: bool) -> None:
+        """The chunk's new version (blocks [off, off+n) of it replaced by piece, None: zeros) written to the slot
+        that does not hold its newest durable version."""
         if self.read_only:
             raise ReadOnly(f"{self.name} is a snapshot (read-only)")
+        bs = self._bbs
         whole = off == 0 and n == self._per
         async with self._chunk(c):
             await self._settle(c)
-            if whole:
-                plain = change(None)
+            plain: bytes | None
+            if self.codec.frame and not whole:
+                algo, payload, plain = await self._reframed(c, off * bs, n * bs, piece)
+                if self.cur[c] < 0 and algo == ZERO:
+                    return     # zeros over zeros: nothing to store
             else:
-                plain = change(await self._plain(c))
-            if self.cur[c] < 0 and _zero(plain):
-                return     # zeros over zeros: nothing to store
-            algo, payload = self.codec.encode(plain)
+                plain = _patched(None if whole else await self._plain(c), off * bs, piece, n * bs)
+                if self.cur[c] < 0 and _zero(plain):
+                    return
+                algo, payload = self.codec.encode(plain)
             d = int(self.dur[c])
             t = 1 - d if d >= 0 else max(0, int(self.cur[c]))
             gen = int(self.gen[c]) + 1
-            body = pack_header(algo, self.chunk, c, gen, payload) + payload
+            body = pack_header(algo, self.chunk, c, gen, payload, self.codec.shift if algo in (LZ4F, ZSTDF) else 0)
+            body += payload
             size = _units(len(body))
             at = (c * 2 + t) * self.slot
             self._cache.pop(c, None)
             before = int(self.held[c, t])
             self.held[c, t] = max(before, size)     # a write that fails may have taken clusters: unmapped later
-            await self.below.write(at // self._bbs, body.ljust(size, b"\0"), fua=fua)
+            await self.below.write(at // bs, body.ljust(size, b"\0"), fua=fua)
             if before > size:     # what an older, longer version left past it
-                await self.below.unmap((at + size) // self._bbs, (before - size) // self._bbs)
+                await self.below.unmap((at + size) // bs, (before - size) // bs)
             self.held[c, t] = size
             self.cur[c], self.gen[c], self.algo[c] = t, gen, algo
-            self._keep(c, plain)
+            if plain is not None:
+                self._keep(c, plain)
             self._seq += 1
             self._written[c] = self._seq
             self._zeroed.pop(c, None)
@@ -544,6 +716,56 @@ class CompressLayer(Layer):
             self.bytes_out += size
             if fua:
                 await self._durable(c)
+
+    async def _reframed(self, c: int, start: int, n: int, piece: memoryview | None) -> tuple[int, bytes, bytes | None]:
+        """(algo, payload, the plain chunk where it was at hand) of chunk c's new version in frames, bytes
+        [start, start+n) replaced by piece (None: zeros), its lock held. The frames the range does not touch are
+        copied as stored (with their checksums) from a version in this codec's frames; only the frames it
+        touches are encoded, after decoding the old frame where the range covers part of it."""
+        codec = self.codec
+        fs, first, last = codec.frame, start // codec.frame, (start + n - 1) // codec.frame
+        old: list[Frame] | None = None
+        old_plain: bytes | None = None
+        s = int(self.cur[c])
+        if s >= 0 and self.algo[c] == codec.framed:
+            raw = await self.below.read((c * 2 + s) * self.slot // self._bbs, int(self.held[c, s]) // self._bbs)
+            h = read_header(raw, self.chunk, c)
+            if h is None or h[1] != int(self.gen[c]):
+                raise MediumError(f"{self.name}: chunk {c}: its version in slot {s} does not read back", c * self._per)
+            algo, _, length, pcrc, shift = h
+            stored = memoryview(raw)[HEADER_BYTES:HEADER_BYTES + length]
+            table = _table(self.chunk >> shift).size
+            if len(stored) != length or crc32c.crc32c(stored[:table]) != pcrc:
+                raise MediumError(f"{self.name}: chunk {c}: checksum mismatch in slot {s}", c * self._per)
+            old = codec.stored_frames(algo, stored, shift)
+        if old is None and s >= 0 and self.algo[c] != ZERO:
+            old_plain = await self._plain(c)
+        frames: list[Frame] = []
+        for i in range(codec.frames):
+            a = i * fs
+            if i < first or i > last:
+                frames.append(old[i] if old is not None else codec.frame_of(old_plain[a:a + fs]) if old_plain
+                              else (0, 0, b""))
+                continue
+            lo, hi = max(a, start), min(a + fs, start + n)
+            new = piece[lo - start:hi - start] if piece is not None else bytes(hi - lo)
+            if hi - lo < fs:     # part of the frame: the rest from the old one
+                if old is not None:
+                    k, crc, kept = old[i]
+                    if k and crc32c.crc32c(kept) != crc:
+                        raise MediumError(f"{self.name}: chunk {c}: frame {i}: checksum mismatch", c * self._per)
+                    base = bytearray(codec.plain_of(codec.framed, old[i]))
+                else:
+                    base = bytearray(old_plain[a:a + fs]) if old_plain else bytearray(fs)
+                base[lo - a:hi - a] = new
+                new = memoryview(base)
+            frames.append(codec.frame_of(new))
+
+        def plain() -> bytes:
+            return b"".join(codec.plain_of(codec.framed, f) for f in frames)
+
+        algo, payload = codec.assemble(frames, plain)
+        return algo, payload, (payload if algo == RAW else None)
 
     async def _durable(self, c: int) -> None:
         """The chunk's newest version is durable (its lock held): the other slot's version goes."""
@@ -637,11 +859,18 @@ class CompressLayer(Layer):
         self.cur, self.dur = fit(self.cur, -1), fit(self.dur, -1)
         self.gen, self.algo, self.held = fit(self.gen, 0), fit(self.algo, ZERO), fit(self.held, 0)
 
-    def set_algorithm(self, value: str) -> None:
-        """Another algorithm for the versions written from now on (each version names its own)."""
+    def set_algorithm(self, value: str, frame: int | None = None) -> None:
+        """Another algorithm or frame size (None: the default) for the versions written from now on (each
+        version says how it was written)."""
         algo, level = parse_compression(value)
-        self.codec = _Codec(algo, level, self.chunk)
-        self.settings = {**self.settings, "algorithm": value}
+        size = default_frame(self.chunk) if frame is None else frame
+        why = check_frame(size, self.chunk)
+        if why:
+            raise CompressError(why)
+        self.codec = _Codec(algo, level, self.chunk, size)
+        self.frame = size
+        self.settings = {**{k: v for k, v in self.settings.items() if k != "frame_size"}, "algorithm": value,
+                         **({"frame_size": frame} if frame is not None else {})}
 
     # ---- its place in the desired state
 
@@ -654,7 +883,7 @@ class CompressLayer(Layer):
                             "open_compress), not from its settings alone")
 
 
-def _patched(old: bytes | None, at: int, piece: memoryview | None, n: int) -> bytes:
+def _patched(old: bytes | None, at: int, piece: Buffer | None, n: int) -> bytes:
     """old (None: the chunk is replaced whole) with n bytes at `at` replaced by piece (None: zeros)."""
     if old is None:
         return bytes(piece) if piece is not None else bytes(n)

@@ -112,14 +112,25 @@ class GroupIO(GroupStore):
             i = 0
             while i < len(segments):
                 vc, off, n = segments[i]
-                p = v.map[vc]
+                p = int(v.map[vc])
                 if p and ref[p] == 1 and not pin[p] and vc not in v.provisioning:   # in place
-                    self._guard(p)
+                    # and the clusters after it that go on where it ends, physically too: one device write
+                    run, k = [p], i + 1
+                    while k < len(segments) and off + n == len(run) * cb:
+                        q, vq = int(v.map[segments[k][0]]), segments[k][0]
+                        if q != run[-1] + 1 or ref[q] != 1 or pin[q] or vq in v.provisioning:
+                            break
+                        run.append(q)
+                        n += segments[k][2]
+                        k += 1
+                    for q in run:
+                        self._guard(q)
                     try:
                         await self.dev.write(dlba + p * cb + off, view[at:at + n * bs])
                     finally:
-                        self._unguard(p)
-                    at, i = at + n * bs, i + 1
+                        for q in run:
+                            self._unguard(q)
+                    at, i = at + n * bs, k
                     continue
                 # whole clusters that nothing maps yet, one after another: provisioned together
                 j = i
