@@ -232,13 +232,20 @@ class _Codec:
     def decode_part(self, algo: int, payload: Buffer, shift: int, start: int, n: int) -> bytes:
         """Bytes [start, start+n) of a framed version's chunk, decoding only the frames they cover; ValueError
         where a frame's checksum or decoding fails."""
-        fs = 1 << shift
         lens, crcs, starts = frame_table(payload, self.chunk >> shift)
+        return self.decode_frames(algo, shift, (lens, crcs, starts), payload, 0, start, n)
+
+    def decode_frames(self, algo: int, shift: int, table: FrameTable, data: Buffer, base: int, start: int,
+                      n: int) -> bytes:
+        """decode_part from the version's table and `data`, bytes of its payload from offset `base` on that
+        hold the frames the range covers."""
+        fs = 1 << shift
+        lens, crcs, starts = table
         first, last = start >> shift, (start + n - 1) >> shift
-        view = memoryview(payload)
+        view = memoryview(data)
         out = []
         for i in range(first, last + 1):
-            k, at = lens[i], starts[i]
+            k, at = lens[i], starts[i] - base
             stored = view[at:at + k]
             if k and crc32c.crc32c(stored) != crcs[i]:
                 raise ValueError(f"frame {i}: checksum mismatch")
@@ -247,17 +254,18 @@ class _Codec:
         skip = start - (first << shift)
         return whole if skip == 0 and len(whole) == n else whole[skip:skip + n]
 
-    def stored_frames(self, algo: int, payload: Buffer, shift: int) -> list[Frame] | None:
+    def stored_frames(self, algo: int, table: FrameTable, payload: Buffer, shift: int) -> list[Frame] | None:
         """A framed version's frames as they are stored, for a new version to copy those it does not change;
         None where they cannot be copied (another codec or frame size than this one writes)."""
         if algo != self.framed or shift != self.shift:
             return None
-        lens, crcs, starts = frame_table(payload, self.frames)
+        lens, crcs, starts = table
         view = memoryview(payload)
         return [(k, crcs[i], view[starts[i]:starts[i] + k]) for i, k in enumerate(lens)]
 
 
 Frame = tuple[int, int, Buffer]     # a frame as stored: (length, CRC32C, bytes)
+FrameTable = tuple[tuple[int, ...], tuple[int, ...], list[int]]   # lengths, CRC32Cs, starts in the payload
 
 
 @functools.cache
@@ -265,7 +273,7 @@ def _table(frames: int) -> struct.Struct:
     return struct.Struct(f"<{frames}H{frames}I")
 
 
-def frame_table(payload: Buffer, frames: int) -> tuple[tuple[int, ...], tuple[int, ...], list[int]]:
+def frame_table(payload: Buffer, frames: int) -> FrameTable:
     """A framed payload's table: each frame's stored length and CRC32C, and where its bytes start."""
     t = _table(frames)
     fields = t.unpack_from(payload)
@@ -373,6 +381,8 @@ class CompressLayer(Layer):
         # over a snapshot (served read-only): read as it is, stale versions left where they are
         self.read_only = read_only_stack(below)
         self._below_read_now = getattr(below, "read_now", None) if below.capabilities.sync_read else None
+        # the blocks a framed version's header and table take at most (4 KiB frames)
+        self._head_blocks = -(-(HEADER_BYTES + _table(self.chunk // FRAME_SIZES[1]).size) // bbs)
         self._fresh()
 
     def _fresh(self) -> None:
@@ -582,34 +592,54 @@ class CompressLayer(Layer):
         raw = await self.below.read((c * 2 + s) * self.slot // self._bbs, held // self._bbs)
         return self._decoded(c, s, raw)
 
-    def _decoded(self, c: int, s: int, raw: Buffer, start: int = 0, n: int = 0) -> bytes:
-        """Bytes [start, start+n) of the chunk (n 0: all of it, then kept in the cache) from its newest version
-        as read from slot s; MediumError where it does not read back whole. Both read paths end here. Of a
-        framed version only the frames the range covers are checked and decoded; else the whole payload."""
+    def _head(self, c: int, s: int, raw: Buffer) -> tuple[int, int, int, int]:
+        """(algo, payload length, payload crc, frame shift) of chunk c's newest version from the first bytes
+        read from slot s; MediumError where they are not its header."""
         h = read_header(raw, self.chunk, c)
         if h is None or h[1] != int(self.gen[c]):
             raise MediumError(f"{self.name}: chunk {c}: its version in slot {s} does not read back", c * self._per)
-        algo, _, length, pcrc, shift = h
+        return h[0], h[2], h[3], h[4]
+
+    def _frames(self, c: int, s: int, payload: memoryview, pcrc: int, shift: int) -> FrameTable:
+        """A framed version's table from the start of its payload, its checksum checked (MediumError)."""
+        size = _table(self.chunk >> shift).size
+        if len(payload) < size or crc32c.crc32c(payload[:size]) != pcrc:
+            raise MediumError(f"{self.name}: chunk {c}: checksum mismatch in slot {s}", c * self._per)
+        return frame_table(payload, self.chunk >> shift)
+
+    def _decoded(self, c: int, s: int, raw: Buffer, start: int = 0, n: int = 0) -> bytes:
+        """Bytes [start, start+n) of the chunk (n 0: all of it, then kept in the cache) from its newest version
+        as read from slot s; MediumError where it does not read back whole. Both read paths end here (read_now
+        over a framed version reads only the frames it needs, then decodes them with the same call). Of a
+        framed version only the frames the range covers are checked and decoded; else the whole payload."""
+        algo, length, pcrc, shift = self._head(c, s, raw)
         payload = memoryview(raw)[HEADER_BYTES:HEADER_BYTES + length]
         framed = algo in (LZ4F, ZSTDF)
         if framed and n:
-            ok = len(payload) == length and crc32c.crc32c(payload[:_table(self.chunk >> shift).size]) == pcrc
-        else:
-            ok = payload_ok(algo, shift, payload, pcrc, self.chunk)
-        if not ok:
+            if len(payload) != length:
+                raise MediumError(f"{self.name}: chunk {c}: its version in slot {s} is cut short", c * self._per)
+            return self._frames_decoded(c, algo, shift, self._frames(c, s, payload, pcrc, shift), payload, 0,
+                                        start, n)
+        if not payload_ok(algo, shift, payload, pcrc, self.chunk):
             raise MediumError(f"{self.name}: chunk {c}: checksum mismatch in slot {s}", c * self._per)
         try:
-            if framed and n:
-                return self.codec.decode_part(algo, payload, shift, start, n)
             plain = self.codec.decode(algo, payload, shift)
         except Exception as e:   # noqa: BLE001 - a payload whose checksum holds but does not decode
             raise MediumError(f"{self.name}: chunk {c}: {e}", c * self._per) from None
         self._keep(c, plain)
         return plain[start:start + n] if n else plain
 
+    def _frames_decoded(self, c: int, algo: int, shift: int, table: FrameTable, data: Buffer, base: int,
+                        start: int, n: int) -> bytes:
+        try:
+            return self.codec.decode_frames(algo, shift, table, data, base, start, n)
+        except Exception as e:   # noqa: BLE001 - a frame whose checksum fails or that does not decode
+            raise MediumError(f"{self.name}: chunk {c}: {e}", c * self._per) from None
+
     def read_now(self, lba: int, blocks: int) -> Buffer | None:
         """read() in the caller's turn, within one chunk that nobody holds (a write holds its chunk across its
-        awaits; this path has none), from the cache or the device's own fast path; else None."""
+        awaits; this path has none), from the cache or the device's own fast path; else None. Of a framed
+        version it reads the header and table, then only the frames the read covers."""
         per = self._per
         c, off = divmod(lba, per)
         if off + blocks > per or c in self._locks:
@@ -620,13 +650,32 @@ class CompressLayer(Layer):
             self._cache.move_to_end(c)
             return plain[off * bs:(off + blocks) * bs]
         s = int(self.cur[c])
-        if s < 0 or self.algo[c] == ZERO:
+        algo = self.algo[c]
+        if s < 0 or algo == ZERO:
             return bytes(blocks * bs)
         fn = self._below_read_now
-        raw = fn((c * 2 + s) * self.slot // bs, int(self.held[c, s]) // bs) if fn else None
-        if raw is None:
+        if fn is None:
             return None
-        return self._decoded(c, s, raw, off * bs, blocks * bs)
+        at = (c * 2 + s) * self.slot // bs
+        if algo != LZ4F and algo != ZSTDF:
+            raw = fn(at, int(self.held[c, s]) // bs)
+            return None if raw is None else self._decoded(c, s, raw, off * bs, blocks * bs)
+        head = fn(at, self._head_blocks)
+        if head is None:
+            return None
+        algo, length, pcrc, shift = self._head(c, s, head)
+        table = self._frames(c, s, memoryview(head)[HEADER_BYTES:], pcrc, shift)
+        lens, _, starts = table
+        start, n = off * bs, blocks * bs
+        first, last = start >> shift, (start + n - 1) >> shift
+        lo = (HEADER_BYTES + starts[first]) // bs          # the blocks of the version that hold those frames
+        hi = -(-(HEADER_BYTES + starts[last] + lens[last]) // bs)
+        if starts[last] + lens[last] > length:
+            raise MediumError(f"{self.name}: chunk {c}: its table in slot {s} does not fit its payload", lba)
+        body = fn(at + lo, max(1, hi - lo))
+        if body is None:
+            return None
+        return self._frames_decoded(c, algo, shift, table, body, lo * bs - HEADER_BYTES, start, n)
 
     def _keep(self, c: int, plain: bytes) -> None:
         self._cache[c] = plain
@@ -729,15 +778,11 @@ class CompressLayer(Layer):
         s = int(self.cur[c])
         if s >= 0 and self.algo[c] == codec.framed:
             raw = await self.below.read((c * 2 + s) * self.slot // self._bbs, int(self.held[c, s]) // self._bbs)
-            h = read_header(raw, self.chunk, c)
-            if h is None or h[1] != int(self.gen[c]):
-                raise MediumError(f"{self.name}: chunk {c}: its version in slot {s} does not read back", c * self._per)
-            algo, _, length, pcrc, shift = h
+            algo, length, pcrc, shift = self._head(c, s, raw)
             stored = memoryview(raw)[HEADER_BYTES:HEADER_BYTES + length]
-            table = _table(self.chunk >> shift).size
-            if len(stored) != length or crc32c.crc32c(stored[:table]) != pcrc:
-                raise MediumError(f"{self.name}: chunk {c}: checksum mismatch in slot {s}", c * self._per)
-            old = codec.stored_frames(algo, stored, shift)
+            if len(stored) != length:
+                raise MediumError(f"{self.name}: chunk {c}: its version in slot {s} is cut short", c * self._per)
+            old = codec.stored_frames(algo, self._frames(c, s, stored, pcrc, shift), stored, shift)
         if old is None and s >= 0 and self.algo[c] != ZERO:
             old_plain = await self._plain(c)
         frames: list[Frame] = []
