@@ -187,6 +187,31 @@ def test_a_small_write_encodes_only_the_frames_it_touches_and_a_bad_frame_is_not
     asyncio.run(go())
 
 
+def test_a_damaged_frame_is_not_stored_again_as_good_when_the_chunk_goes_raw() -> None:
+    """A write that makes every frame incompressible stores the chunk raw, which decodes every frame: a
+    damaged one copied from the old version is a medium error then, not plain bytes with a good checksum."""
+    async def go() -> None:
+        rnd = random.Random(11)
+        dev = ram()
+        g, layer = await stack(dev, fresh=True, frame=4096)
+        text = (b"a storage administrator expects " * 200)[:4096]
+        await layer.write(0, rnd.randbytes(3 * 4096) + text)
+        await layer.flush()
+        assert int(layer.algo[0]) == C.LZ4F
+        s = int(layer.cur[0])
+        raw = bytearray(await layer.below.read(s * layer.slot // BS, int(layer.held[0, s]) // BS))
+        starts = C.frame_table(memoryview(raw)[C.HEADER_BYTES:], 4)[2]
+        raw[C.HEADER_BYTES + starts[0] + 9] ^= 0x01      # frame 0, stored raw: its checksum no longer holds
+        await layer.below.write(s * layer.slot // BS, bytes(raw))
+        layer._cache.clear()
+        gen = int(layer.gen[0])
+        with pytest.raises(MediumError, match="frame 0"):
+            await layer.write(3 * 8, rnd.randbytes(4096))    # frame 3 incompressible too: the chunk would go raw
+        assert int(layer.gen[0]) == gen and int(layer.algo[0]) == C.LZ4F
+        await g.close()
+    asyncio.run(go())
+
+
 def test_versions_of_another_frame_size_read_and_are_rewritten_in_this_one() -> None:
     async def go() -> None:
         rnd = random.Random(4)

@@ -200,10 +200,13 @@ class _Codec:
         return len(packed), crc32c.crc32c(packed), packed
 
     def plain_of(self, algo: int, f: Frame) -> bytes:
-        """A stored frame back to its plain bytes (`algo`: the version's, LZ4F or ZSTDF)."""
-        n, _, stored = f
+        """A stored frame back to its plain bytes (`algo`: the version's, LZ4F or ZSTDF); ValueError where its
+        checksum fails."""
+        n, crc, stored = f
         if not n:
             return bytes(self.frame)
+        if crc32c.crc32c(stored) != crc:
+            raise ValueError("a frame's checksum does not match")
         if n == self.frame:
             return bytes(stored)
         return self._expand(algo, stored, self.frame)
@@ -766,6 +769,12 @@ class CompressLayer(Layer):
             if fua:
                 await self._durable(c)
 
+    def _frame_plain(self, c: int, i: int, f: Frame) -> bytes:
+        try:
+            return self.codec.plain_of(self.codec.framed, f)
+        except ValueError as e:
+            raise MediumError(f"{self.name}: chunk {c}: frame {i}: {e}", c * self._per) from None
+
     async def _reframed(self, c: int, start: int, n: int, piece: memoryview | None) -> tuple[int, bytes, bytes | None]:
         """(algo, payload, the plain chunk where it was at hand) of chunk c's new version in frames, bytes
         [start, start+n) replaced by piece (None: zeros), its lock held. The frames the range does not touch are
@@ -796,18 +805,15 @@ class CompressLayer(Layer):
             new = piece[lo - start:hi - start] if piece is not None else bytes(hi - lo)
             if hi - lo < fs:     # part of the frame: the rest from the old one
                 if old is not None:
-                    k, crc, kept = old[i]
-                    if k and crc32c.crc32c(kept) != crc:
-                        raise MediumError(f"{self.name}: chunk {c}: frame {i}: checksum mismatch", c * self._per)
-                    base = bytearray(codec.plain_of(codec.framed, old[i]))
+                    base = bytearray(self._frame_plain(c, i, old[i]))
                 else:
                     base = bytearray(old_plain[a:a + fs]) if old_plain else bytearray(fs)
                 base[lo - a:hi - a] = new
                 new = memoryview(base)
             frames.append(codec.frame_of(new))
 
-        def plain() -> bytes:
-            return b"".join(codec.plain_of(codec.framed, f) for f in frames)
+        def plain() -> bytes:     # kept raw: every frame decoded (a copied one checked first)
+            return b"".join(self._frame_plain(c, i, f) for i, f in enumerate(frames))
 
         algo, payload = codec.assemble(frames, plain)
         return algo, payload, (payload if algo == RAW else None)
