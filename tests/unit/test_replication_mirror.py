@@ -462,3 +462,43 @@ def test_write_and_write_soon_together_keep_the_replicas_identical(seed: int) ->
             assert await image(p) == want
         assert not m._ops and not m._busy_grains and not m._large
     asyncio.run(go())
+
+
+def test_a_peer_links_command_closed_unfinished_awaits_nothing() -> None:
+    """A hurried exit (a second SIGTERM) leaves a peer command suspended; when it is closed (GeneratorExit,
+    at garbage collection) it must not await its clean-up, or Python prints 'coroutine ignored GeneratorExit'
+    with a traceback in the node's log. Any other failure still drops the connection."""
+    from openvsan.replication.controller import PeerLink
+
+    class Stuck:
+        lost = False
+        closed = 0
+
+        async def flush(self) -> None:
+            await asyncio.Event().wait()
+
+        async def write(self, lba: int, data: Buffer, *, fua: bool = False) -> None:
+            await asyncio.Event().wait()
+
+        async def close(self) -> None:
+            self.closed += 1
+
+    async def go() -> None:
+        async def nowhere() -> str | None:
+            return None
+
+        link = PeerLink("b", nowhere, "v", "a", 1, RamDevice(64, 512), timeout=1.0)
+        for make in (link.flush, lambda: link.write(0, bytes(512))):
+            dev = link.dev = Stuck()
+            coro = make()
+            coro.send(None)           # suspended in the peer's command
+            coro.close()              # raised RuntimeError('coroutine ignored GeneratorExit') before
+            assert dev.closed == 0
+        dev = link.dev = Stuck()
+        task = asyncio.ensure_future(link.flush())
+        await asyncio.sleep(0)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert dev.closed == 1 and link.dev is None      # a cancelled command still drops the connection
+    asyncio.run(go())

@@ -253,6 +253,8 @@ class PeerLink(BlockDevice):
         try:
             # no wait_for of its own: the initiator's command timeout (= self.timeout) ends a command unanswered
             return await call(self.dev)
+        except GeneratorExit:      # closed unfinished (a hurried exit left it waiting): nothing may be awaited
+            raise
         except BaseException:
             await self._drop()
             raise
@@ -267,6 +269,8 @@ class PeerLink(BlockDevice):
             raise ConnectionError(f"{self.node}'s replica of {self.volume} is not connected")
         try:
             await dev.write(lba, data, fua=fua)
+        except GeneratorExit:
+            raise
         except BaseException:
             await self._drop()
             raise
