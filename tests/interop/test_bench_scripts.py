@@ -135,10 +135,10 @@ def test_compare_crypt_smoke(tmp_path: Path) -> None:
 
 def test_compare_compress_smoke(tmp_path: Path) -> None:
     """Issue 16's compression benchmark: lz4 and zstd volumes beside a plain thin one of the same RAM device,
-    fio's nbd engine on half-compressible data, with an lz4 volume unframed beside them (about 50 s); the
-    space each fill took."""
+    fio's nbd engine on half-compressible data, here in 16 KiB frames with an unframed lz4 volume beside them
+    (about 50 s); the space each fill took."""
     require("fio", "taskset")
-    doc = run_script("compare_compress.py", tmp_path / "compress.json", 300, "--stream")
+    doc = run_script("compare_compress.py", tmp_path / "compress.json", 300, "--frame", "16", "--stream")
     assert [c["case"] for c in doc["cases"]] == ["4k-randwrite-qd32", "4k-randread-qd32", "64k-randwrite-qd8",
                                                  "1m-seqread-qd8", "1m-seqwrite-qd8"]
     for case in doc["cases"]:

@@ -106,7 +106,7 @@ def volume_create(
                                                           "better.")] = None,
     compression_frame: Annotated[str | None, typer.Option("--compression-frame", help="With --compression: each "
                                                           "frame of this size in a chunk is compressed on its own, "
-                                                          "0 (none), 4KiB to 32KiB (default 16KiB); a small read or "
+                                                          "0 (none, the default), 4KiB to 32KiB; a small read or "
                                                           "write then decodes or encodes only its frames.")] = None,
     dry_run: DryRun = False, as_json: JsonOpt = False, data_dir: DataDir = None, config: ConfigOpt = None,
 ) -> None:

@@ -574,9 +574,9 @@ class VolumeSpec:
     # write and read (a whole chunk is read, decompressed and compressed again), larger compresses better.
     # Fixed once the volume holds data
     compression_chunk: Size | None = None
-    # within a chunk, each frame of this size is compressed on its own: 0 (the chunk is one stream), 4, 8, 16
-    # (None: the default, for chunks over 16 KiB) or 32 KiB; a small read decodes only its frames and a small
-    # write encodes only the frames it changes, at a few per cent of the ratio. Changeable: each version
+    # within a chunk, each frame of this size is compressed on its own: 0 (None: the default, the chunk is one
+    # stream), 4, 8, 16 or 32 KiB; a small read decodes only its frames and a small write encodes only the
+    # frames it changes, at a few per cent of the ratio and some large-I/O speed. Changeable: each version
     # written says how it is framed
     compression_frame: SizeOrZero | None = None
 
