@@ -86,10 +86,6 @@ DEFAULT_FRAME = 0
 FRAME_SIZES = (0, 4096, 8192, 16384, 32768)   # 0: the chunk is one stream
 
 
-def default_frame(chunk: int) -> int:
-    return DEFAULT_FRAME if DEFAULT_FRAME < chunk else 0
-
-
 def check_frame(frame: int, chunk: int) -> str | None:
     """Why `frame` cannot be the frame size of `chunk`-byte chunks (one line), or None."""
     if frame not in FRAME_SIZES or (frame and frame >= chunk):
@@ -139,7 +135,7 @@ def _units(n: int) -> int:
 class _Codec:
     """The chunk's bytes to a version's (algo, payload) and back; lz4 and zstd are their C libraries.
 
-    With frames (frame > 0, the default 4 KiB), a version's payload is the chunk's frames each compressed on
+    With frames (frame > 0; 0 is the default), a version's payload is the chunk's frames each compressed on
     its own, after a table of their stored lengths and CRC32Cs (see the module's docstring): a read decodes
     only the frames it covers, and a small write re-encodes only the frames it changes, the others' stored
     bytes copied as they are. Without (frame 0) the chunk is one stream: it compresses a little better."""
@@ -202,17 +198,18 @@ class _Codec:
             packed = bytes(piece)
         return len(packed), crc32c.crc32c(packed), packed
 
-    def plain_of(self, algo: int, f: Frame) -> bytes:
-        """A stored frame back to its plain bytes (`algo`: the version's, LZ4F or ZSTDF); ValueError where its
-        checksum fails."""
+    def plain_of(self, algo: int, f: Frame, size: int = 0) -> bytes:
+        """A stored frame back to its plain bytes (`algo`: the version's, LZ4F or ZSTDF; `size`: its frame size,
+        0 for this codec's); ValueError where its checksum fails or it does not decode."""
+        size = size or self.frame
         n, crc, stored = f
         if not n:
-            return bytes(self.frame)
+            return bytes(size)
         if crc32c.crc32c(stored) != crc:
             raise ValueError("a frame's checksum does not match")
-        if n == self.frame:
+        if n == size:
             return bytes(stored)
-        return self._expand(algo, stored, self.frame)
+        return self._expand(algo, stored, size)
 
     def assemble(self, frames: list[Frame], plain: Callable[[], bytes]) -> tuple[int, bytes]:
         """A version from its frames: ZERO when all are zeros, RAW (plain() the chunk) when the frames would
@@ -252,10 +249,10 @@ class _Codec:
         out = []
         for i in range(first, last + 1):
             k, at = lens[i], starts[i] - base
-            stored = view[at:at + k]
-            if k and crc32c.crc32c(stored) != crcs[i]:
-                raise ValueError(f"frame {i}: checksum mismatch")
-            out.append(bytes(fs) if not k else bytes(stored) if k == fs else self._expand(algo, stored, fs))
+            try:
+                out.append(self.plain_of(algo, (k, crcs[i], view[at:at + k]), fs))
+            except ValueError as e:
+                raise ValueError(f"frame {i}: {e}") from None
         whole = out[0] if len(out) == 1 else b"".join(out)
         skip = start - (first << shift)
         return whole if skip == 0 and len(whole) == n else whole[skip:skip + n]
@@ -376,10 +373,7 @@ class CompressLayer(Layer):
         if UNIT % bbs:
             raise CompressError(f"the device's {bbs}-byte blocks do not divide {UNIT}")
         frame = settings.get("frame_size")
-        self.frame = default_frame(self.chunk) if frame is None else int(frame)
-        why = check_frame(self.frame, self.chunk)
-        if why:
-            raise CompressError(why)
+        self.frame = self._frame_size(None if frame is None else int(frame))
         self.codec = _Codec(algo, level, self.chunk, self.frame)
         self.slot = slot_bytes(self.chunk)
         self._bbs = bbs
@@ -805,15 +799,12 @@ class CompressLayer(Layer):
                               else (0, 0, b""))
                 continue
             lo, hi = max(a, start), min(a + fs, start + n)
-            new = piece[lo - start:hi - start] if piece is not None else bytes(hi - lo)
-            if hi - lo < fs:     # part of the frame: the rest from the old one
-                if old is not None:
-                    base = bytearray(self._frame_plain(c, i, old[i]))
-                else:
-                    base = bytearray(old_plain[a:a + fs]) if old_plain else bytearray(fs)
-                base[lo - a:hi - a] = new
-                new = memoryview(base)
-            frames.append(codec.frame_of(new))
+            was: bytes | None = None                 # part of the frame: the rest from the old one
+            if hi - lo < fs:
+                was = (self._frame_plain(c, i, old[i]) if old is not None else old_plain[a:a + fs] if old_plain
+                       else bytes(fs))
+            part = piece[lo - start:hi - start] if piece is not None else None
+            frames.append(codec.frame_of(_patched(was, lo - a, part, hi - lo)))
 
         def plain() -> bytes:     # kept raw: every frame decoded (a copied one checked first)
             return b"".join(self._frame_plain(c, i, f) for i, f in enumerate(frames))
@@ -913,14 +904,19 @@ class CompressLayer(Layer):
         self.cur, self.dur = fit(self.cur, -1), fit(self.dur, -1)
         self.gen, self.algo, self.held = fit(self.gen, 0), fit(self.algo, ZERO), fit(self.held, 0)
 
+    def _frame_size(self, frame: int | None) -> int:
+        """The frame size asked (None: the default), or CompressError where it does not fit the chunk."""
+        size = DEFAULT_FRAME if frame is None else frame
+        why = check_frame(size, self.chunk)
+        if why:
+            raise CompressError(why)
+        return size
+
     def set_algorithm(self, value: str, frame: int | None = None) -> None:
         """Another algorithm or frame size (None: the default) for the versions written from now on (each
         version says how it was written)."""
         algo, level = parse_compression(value)
-        size = default_frame(self.chunk) if frame is None else frame
-        why = check_frame(size, self.chunk)
-        if why:
-            raise CompressError(why)
+        size = self._frame_size(frame)
         self.codec = _Codec(algo, level, self.chunk, size)
         self.frame = size
         self.settings = {**{k: v for k, v in self.settings.items() if k != "frame_size"}, "algorithm": value,
