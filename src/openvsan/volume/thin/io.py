@@ -110,15 +110,19 @@ class GroupIO(GroupStore):
             at = 0
             segments = list(self._segments(lba, len(view) // bs))
             i = 0
+
+            def in_place(p: int, vc: int) -> bool:
+                return bool(p) and ref[p] == 1 and not pin[p] and vc not in v.provisioning
+
             while i < len(segments):
                 vc, off, n = segments[i]
                 p = int(v.map[vc])
-                if p and ref[p] == 1 and not pin[p] and vc not in v.provisioning:   # in place
+                if in_place(p, vc):
                     # and the clusters after it that go on where it ends, physically too: one device write
                     run, k = [p], i + 1
                     while k < len(segments) and off + n == len(run) * cb:
-                        q, vq = int(v.map[segments[k][0]]), segments[k][0]
-                        if q != run[-1] + 1 or ref[q] != 1 or pin[q] or vq in v.provisioning:
+                        q = int(v.map[segments[k][0]])
+                        if q != run[-1] + 1 or not in_place(q, segments[k][0]):
                             break
                         run.append(q)
                         n += segments[k][2]
