@@ -183,6 +183,57 @@ def test_a_capsule_with_plain_data_is_what_the_general_encoder_makes() -> None:
     assert padded[0][3] == 80 and padded[1] == bytes(8) and padded[2] == data
 
 
+def test_a_write_capsule_in_one_pack_is_what_the_general_encoders_make() -> None:
+    """H.write_capsule (the common header and a Write's SQE in one pack) makes the header capsule_cmd makes of
+    C.write's SQE with the data in the capsule, for LBAs over 32 bits, FUA and the largest block count."""
+    for lba, blocks, fua in ((0, 1, False), (0x1_2345_6789, 8, True), ((1 << 64) - 9, 256, False)):
+        n = blocks * 512
+        hdr, _ = H.capsule_cmd(C.write(0xBEEF, 3, lba, blocks, n, fua=fua, in_capsule=True), b"\0" * n,
+                               hdgst=False, ddgst=False)
+        assert H.write_capsule(0xBEEF, 3, lba, blocks, n, fua) == hdr
+
+
+@pytest.mark.parametrize("hd,dd,cpda", [(False, False, 0), (True, False, 0), (False, True, 0), (False, False, 3)])
+def test_write_then_sends_what_submit_then_sends(hd: bool, dd: bool, cpda: int) -> None:
+    """NvmeQueue.write_then (a replicated write's send) puts on the wire the bytes submit_then puts there for the
+    same Write, with and without digests and CPDA padding; the controller's reader takes them."""
+
+    def sent(use_write_then: bool) -> bytes:
+        async def run() -> bytes:
+            q, _ = _queue_with_reads({})
+            q.hdgst, q.ddgst, q.cpda = hd, dd, cpda
+            wire: list[bytes] = []
+
+            class Wire:
+                def write(self, b: bytes) -> None:
+                    wire.append(bytes(b))
+
+                def writelines(self, parts: list[bytes]) -> None:
+                    wire.extend(bytes(x) for x in parts)
+
+                def is_closing(self) -> bool:
+                    return False
+
+            q._batch.transport = Wire()  # type: ignore[assignment]
+            data = memoryview(bytes(range(256)) * 16)
+            if use_write_then:
+                q.write_then(5, 0x1_0000_0010, 8, data, True, lambda r, e: None)
+            else:
+                q.submit_then(lambda cid: C.write(cid, 5, 0x1_0000_0010, 8, 4096, fua=True, in_capsule=True), data,
+                              True, lambda r, e: None)
+            assert len(q.cmds) == 1
+            q._batch.flush()
+            return b"".join(wire)
+        return asyncio.run(run())
+
+    raw = sent(True)
+    assert raw == sent(False)
+    (pdu,) = controller_reader(hd, dd).receive_data(raw)
+    sqe = Sqe(pdu.header[8:72])
+    assert sqe.nsid == 5 and sqe.cdw10 == 0x10 and sqe.cdw11 == 1 and sqe.cdw12 == 7 | C.FUA
+    assert bytes(pdu.data) == bytes(range(256)) * 16
+
+
 def _queue_with_reads(reads: dict[int, int]) -> tuple[NvmeQueue, dict[int, asyncio.Future[Result]]]:
     """An NvmeQueue with reads of the given lengths outstanding by CID, and their futures."""
     q = NvmeQueue("test", 1)

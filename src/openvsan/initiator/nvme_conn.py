@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from openvsan.initiator.iscsi_conn import ConnectionLost
 from openvsan.initiator.watchdog import CommandWatchdog
 from openvsan.netio import WriteBatcher
+from openvsan.protocol.nvme import host_commands as C
 from openvsan.protocol.nvme_tcp import host_pdus as H
 from openvsan.protocol.nvme_tcp.framing import RESP_PLAIN, Pdu
 from openvsan.protocol.nvme_tcp.pdu import F_LAST_PDU, F_SUCCESS, PduType
@@ -301,6 +302,19 @@ class NvmeQueue(asyncio.Protocol):
         `then(result, None)` once answered, or `then(None, exc)` once it failed (the connection lost), called
         from the receive that ends it."""
         self._enqueue(build, data, 0, in_capsule, None, then)
+
+    def write_then(self, nsid: int, lba: int, blocks: int, mv: memoryview, fua: bool, then: Answer) -> None:
+        """submit_then of a Write with its data (a memoryview of bytes) in the capsule: with no digest and no CPDA
+        padding its header is H.write_capsule's one pack, else capsule_cmd's (the general encoder)."""
+        if self.hdgst or self.ddgst or self.cpda:
+            self._enqueue(lambda cid: C.write(cid, nsid, lba, blocks, len(mv), fua=fua, in_capsule=True), mv, 0, True,
+                          None, then)
+            return
+        if not self.alive:
+            raise ConnectionLost(f"{self.name}: not connected")
+        cid = self._next_cid()
+        self.cmds[cid] = _Cmd(cid, 0, None, None, then, self.loop.time())
+        self._batch.send((H.write_capsule(cid, nsid, lba, blocks, len(mv), fua), mv))
 
     def _enqueue(self, build: Callable[[int], bytes], mv: memoryview | None, read_len: int, in_capsule: bool,
                  fut: asyncio.Future[Result] | None, then: Answer | None) -> None:

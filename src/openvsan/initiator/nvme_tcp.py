@@ -526,7 +526,6 @@ class NvmeTcpInitiator:
         if not slots.try_acquire():
             return False
         inflight = a.inflight
-        nsid = self.nsid
 
         def answered(r: Result | None, e: BaseException | None) -> None:
             inflight[i] -= 1
@@ -538,8 +537,7 @@ class NvmeTcpInitiator:
                 done(status_error(status, f"{self.url} Write") if status else None)
 
         try:
-            a.queues[i].submit_then(lambda cid: C.write(cid, nsid, lba, blocks, n, fua=fua, in_capsule=True),
-                                    mv, True, answered)
+            a.queues[i].write_then(self.nsid, lba, blocks, mv, fua, answered)
         except ConnectionLost:
             slots.release()
             return False

@@ -131,9 +131,14 @@ def read(cid: int, nsid: int, lba: int, blocks: int, nbytes: int) -> bytes:
 def write(cid: int, nsid: int, lba: int, blocks: int, nbytes: int, *, fua: bool, in_capsule: bool) -> bytes:
     """NVM 1.0 §3.2.6. What sqe() makes of it, packed here (a replicated write makes one per peer; the unit tests
     hold it to sqe()'s bytes)."""
-    return SQE.pack(IO_WRITE, PSDT_SGL, cid, nsid, 0, nbytes,
-                    SGL_DATA_BLOCK_OFFSET if in_capsule else SGL_TRANSPORT_DATA_BLOCK, lba & 0xFFFFFFFF,
-                    lba >> 32 & 0xFFFFFFFF, (blocks - 1) | (FUA if fua else 0), 0, 0, 0)
+    return SQE.pack(*write_fields(cid, nsid, lba, blocks, nbytes, fua, in_capsule))
+
+
+def write_fields(cid: int, nsid: int, lba: int, blocks: int, nbytes: int, fua: bool, in_capsule: bool) -> tuple[int, ...]:
+    """A Write's SQE as SQE's fields, in order: what write() packs, and what a capsule packs after its common
+    header in the same call (host_pdus.write_capsule)."""
+    return (IO_WRITE, PSDT_SGL, cid, nsid, 0, nbytes, SGL_DATA_BLOCK_OFFSET if in_capsule else SGL_TRANSPORT_DATA_BLOCK,
+            lba & 0xFFFFFFFF, lba >> 32 & 0xFFFFFFFF, (blocks - 1) | (FUA if fua else 0), 0, 0, 0)
 
 
 def flush(cid: int, nsid: int) -> bytes:

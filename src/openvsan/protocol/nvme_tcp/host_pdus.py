@@ -9,6 +9,8 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 
+from openvsan.protocol.nvme.command import SQE
+from openvsan.protocol.nvme.host_commands import write_fields
 from openvsan.protocol.nvme_tcp.framing import Pdu, digest, digest_bytes
 from openvsan.protocol.nvme_tcp.pdu import (
     CH,
@@ -66,6 +68,18 @@ def _pad_to(n: int, cpda: int) -> int:
 
 _BARE_CAPSULE_CH = CH.pack(PduType.CAPSULE_CMD, 0, 72, 0, 72)
 _CAPSULE_CMD = int(PduType.CAPSULE_CMD)
+
+
+# a CapsuleCmd's header (common header, then the SQE) in one pack: what capsule_cmd makes with no digest or padding
+_CAPSULE_HEADER = struct.Struct(CH.format + SQE.format[1:])
+
+
+def write_capsule(cid: int, nsid: int, lba: int, blocks: int, nbytes: int, fua: bool) -> bytes:
+    """capsule_cmd's header for a Write with its `nbytes` of data in the capsule, no digest and no CPDA padding
+    (PDO 72, the data right after the SQE: a replicated write's capsule), packed in one call; the data follows it
+    as its own part. The unit tests hold it to capsule_cmd(write(...)) byte for byte."""
+    return _CAPSULE_HEADER.pack(_CAPSULE_CMD, 0, 72, 72, 72 + nbytes,
+                                *write_fields(cid, nsid, lba, blocks, nbytes, fua, True))
 
 
 def capsule_cmd(sqe: bytes, data: bytes | bytearray | memoryview = b"", *, hdgst: bool, ddgst: bool,
