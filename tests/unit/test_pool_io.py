@@ -451,7 +451,7 @@ def test_write_now_leaves_the_members_as_write_does(level: int) -> None:
             row = fast.geo.chunk_blocks * fast.geo.data_chunks
             taken = taken_rows = 0
             for _ in range(300):
-                blocks = rng.choice([1, 2, 8, CHUNK // BS, CHUNK // BS + 3, 3 * CHUNK // BS, row, 2 * row + 5])
+                blocks = rng.choice([1, 2, 8, CHUNK // BS, CHUNK // BS + 3, 3 * CHUNK // BS, row, 2 * row + 5, 4 * row])
                 lba = rng.randrange(fast.num_blocks - blocks + 1)
                 data = rng.randbytes(blocks * BS)
                 model[lba * BS:(lba + blocks) * BS] = data

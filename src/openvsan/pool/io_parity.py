@@ -299,9 +299,40 @@ class ParityIO:
         for row in range(first, last + 1):   # every row free before the first is written (_row_now asks too)
             if locks.busy(row) or row in torn:
                 return False
-        for row, rsegs in self._by_row(segs).items():
-            if not self._row_now(row, rsegs, view):
+        rows = list(self._by_row(segs).items())
+        whole = self.k * self.cb
+        # the rows between the first and the last are covered whole; so are the ends when they start and end
+        # on a row's bounds
+        lo = 0 if segs[0].offset == 0 and segs[0].column == 0 else 1
+        hi = len(rows) - (sum(s.blocks for s in rows[-1][1]) != whole)
+        done = range(lo, hi) if lo < hi and self._full_rows_now(rows[lo:hi], view) else range(0)
+        for j, (row, rsegs) in enumerate(rows):
+            if j not in done and not self._row_now(row, rsegs, view):
                 return False
+        return True
+
+    def _full_rows_now(self, rows: list[tuple[int, list[Segment]]], view: memoryview) -> bool:
+        """Consecutive rows a request covers whole, written through one window per member over all of them
+        (RAM members lend their memory: MemberSet.window) rather than a plan and member calls per row: in each
+        row the new data is copied into its members, and its parity computed from that data straight into the
+        parity members (a full stripe, as _row_now makes it; nothing read). False, nothing written: a member
+        lends no window there (then _row_now writes each row)."""
+        ms, geo, bs = self.ms, self.geo, self.bs
+        size = self.cb * bs
+        wins = []
+        for m in range(geo.members):
+            w = ms.window(m, rows[0][0], 0, len(rows) * self.cb)
+            if w is None:
+                return False
+            wins.append(w)
+        encode = self.par.encode_into
+        for j, (row, segs) in enumerate(rows):
+            at = j * size
+            dm = geo.data_members(row)
+            chunks = [view[s.start * bs:s.start * bs + size] for s in segs]   # data index order (segments())
+            for i, c in enumerate(chunks):
+                wins[dm[i]][at:at + size] = c
+            encode(chunks, [wins[p][at:at + size] for p in geo.parity_members(row)])
         return True
 
     def _row_now(self, row: int, segs: list[Segment], view: memoryview) -> bool:
