@@ -4,12 +4,17 @@ is simulated (FakeClock; each request of a Slow device takes a set time), but fo
 
 from __future__ import annotations
 
+import asyncio
+from typing import Any
+
+import pytest
 from fake_clock import FakeClock, Slow
 
 from openvsan.bench.engine import Plan
 from openvsan.bench.profiles import custom_job
 from openvsan.bench.runner import RunResult, run_in_process
 from openvsan.block import FaultDevice, RamDevice
+from openvsan.block.errors import BlockError
 
 
 def simulated(dev: object, plan: Plan, latency: float) -> RunResult:
@@ -50,3 +55,99 @@ def test_rate_paces_requests() -> None:
     plan = Plan("ram", custom_job("randread", "4k", qd=8), duration=0.5, rate=400)
     r = simulated(RamDevice(2048), plan, 0.0001).result
     assert 200 <= r.read.count <= 201, r.read.count
+
+
+class SoonDevice:
+    """A RAM device with read_soon / write_soon (as our NVMe/TCP initiator offers them), each request answered by
+    callback `latency` simulated seconds later; `decline_after` requests taken, it declines the rest, and
+    `fail_every` n-th one fails (the caller must send those again the normal way)."""
+
+    def __init__(self, clock: FakeClock, latency: float, *, decline_after: int | None = None,
+                 fail_every: int = 0) -> None:
+        self.ram, self.clock, self.latency = RamDevice(2048), clock, latency
+        self.decline_after, self.fail_every = decline_after, fail_every
+        self.soon = self.normal = 0
+        self.block_size, self.num_blocks = self.ram.block_size, self.ram.num_blocks
+
+    def _take(self) -> bool:
+        if self.decline_after is not None and self.soon >= self.decline_after:
+            return False
+        self.soon += 1
+        return True
+
+    def _later(self, answer: Any) -> None:
+        async def go() -> None:
+            await self.clock.sleep(self.latency)
+            failed = self.fail_every and self.soon % self.fail_every == 0
+            answer(BlockError("lost") if failed else None)
+        asyncio.ensure_future(go())
+
+    def read_soon(self, lba: int, blocks: int, done: Any) -> bool:
+        if not self._take():
+            return False
+        self._later(lambda e: done(None, e) if e else done(self.ram.read_now(lba, blocks), None))
+        return True
+
+    def write_soon(self, lba: int, data: bytes, fua: bool, done: Any) -> bool:
+        if not self._take():
+            return False
+        self._later(lambda e: done(e) if e else done(None) if self.ram.write_now(lba, data) else None)
+        return True
+
+    async def read(self, lba: int, blocks: int) -> Any:
+        self.normal += 1
+        await self.clock.sleep(self.latency)
+        return self.ram.read_now(lba, blocks)
+
+    async def write(self, lba: int, data: Any, *, fua: bool = False) -> None:
+        self.normal += 1
+        await self.clock.sleep(self.latency)
+        self.ram.write_now(lba, data)
+
+    async def flush(self) -> None:
+        return None
+
+    async def close(self) -> None:
+        return None
+
+
+@pytest.mark.parametrize("kind", ["randread", "randwrite", "randrw"])
+def test_soon_lanes_time_and_count_as_the_coroutine_lanes(kind: str) -> None:
+    """A device with read_soon / write_soon runs on callback lanes: QD 4 at 2 ms a request for 3 simulated
+    seconds gives the coroutine lanes' figures (6,000 requests, each timed at 2 ms, one point a second), every
+    request through the fast path."""
+    clock = FakeClock()
+    dev = SoonDevice(clock, 0.002)
+    plan = Plan("ram", custom_job(kind, "4k", qd=4), duration=3.0)
+    r = run_in_process(dev, plan, clock=clock.ns, sleep=clock.sleep).result  # type: ignore[arg-type]
+    n = r.read.count + r.write.count
+    assert abs(r.elapsed - 3.0) < 0.003 and 6000 <= n <= 6004, (r.elapsed, n)
+    assert (r.read.count == 0) == (kind == "randwrite") and (r.write.count == 0) == (kind == "randread")
+    for h in (r.read, r.write):
+        assert not h.count or (h.min >= 1_999_000 and h.max <= 2_001_000), (h.min, h.max)
+    assert sum(i.reads + i.writes for i in r.intervals) == n and r.io_errors == 0
+    assert dev.normal == 0 and dev.soon >= n
+
+
+def test_soon_lanes_go_on_as_coroutine_lanes_where_declined_or_failed() -> None:
+    """A lane whose fast request is declined (the initiator has no slot free, or no connection) or fails
+    (dropped connection) goes on through read()/write(), which retry and reconnect: the run keeps its queue
+    depth and its length, and the failed requests are sent again, not counted as errors."""
+    for dev_kw in ({"decline_after": 100}, {"fail_every": 7}):
+        clock = FakeClock()
+        dev = SoonDevice(clock, 0.002, **dev_kw)  # type: ignore[arg-type]
+        plan = Plan("ram", custom_job("randrw", "4k", qd=4), duration=3.0)
+        r = run_in_process(dev, plan, clock=clock.ns, sleep=clock.sleep).result  # type: ignore[arg-type]
+        n = r.read.count + r.write.count
+        assert 5990 <= n <= 6004 and r.io_errors == 0, (dev_kw, n, r.io_errors)
+        assert dev.normal > 0 and dev.soon > 0, (dev.normal, dev.soon)
+
+
+def test_verify_and_rate_keep_the_coroutine_lanes() -> None:
+    """--verify (its generations and checks live in _one) and --rate (pacing) do not take the fast path."""
+    for kw in ({"verify": True}, {"rate": 400.0}):
+        clock = FakeClock()
+        dev = SoonDevice(clock, 0.001)
+        plan = Plan("ram", custom_job("randrw", "4k", qd=4), duration=0.5, **kw)  # type: ignore[arg-type]
+        r = run_in_process(dev, plan, clock=clock.ns, sleep=clock.sleep).result  # type: ignore[arg-type]
+        assert r.read.count + r.write.count > 0 and dev.soon == 0 and r.mismatches == 0, kw

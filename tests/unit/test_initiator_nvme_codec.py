@@ -169,6 +169,14 @@ def test_a_write_sqe_is_what_the_general_encoder_makes() -> None:
             data_len=blocks * 512, in_capsule=inc)
 
 
+def test_a_read_sqe_is_what_the_general_encoder_makes() -> None:
+    """C.read packs its SQE itself: the same bytes as sqe() with the Read's fields (SLBA in CDW10-11, NLB 0's
+    based in CDW12, data by C2HData)."""
+    for lba, blocks in ((0, 1), (0x1_2345_6789, 8), ((1 << 64) - 9, 256)):
+        assert C.read(0xBEEF, 3, lba, blocks, blocks * 512) == C.sqe(
+            C.IO_READ, 0xBEEF, 3, cdw10=lba, cdw11=lba >> 32, cdw12=blocks - 1, data_len=blocks * 512)
+
+
 def test_a_capsule_with_plain_data_is_what_the_general_encoder_makes() -> None:
     """capsule_cmd's shortcut for in-capsule data with no digest and no CPDA padding (a replicated write's
     capsule) makes the common header field by field (PDO 72, PLEN 72 + data), the SQE, then the data itself;

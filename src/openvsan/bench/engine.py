@@ -10,6 +10,7 @@ it was sent, not from when it was due (no coordinated-omission correction). Time
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import random
 import time
@@ -196,14 +197,19 @@ class Worker:
             self.busy.discard(slot)
             return
         done = self.clock()
-        ns = done - t
         if gens is not None:
             if write:
                 gens.set(lba, n, gen)
             elif got is not None:
                 self._check(got, lba)
             self.busy.discard(slot)
+        self._record(write, t, done)
+
+    def _record(self, write: bool, t: int, done: int) -> None:
+        """A request sent at `t` and completed at `done` (clock nanoseconds), counted if it completed while
+        measuring: its latency, bytes and time-series point (both kinds of lane)."""
         if self.measuring:
+            ns = done - t
             r = self.result
             (r.write if write else r.read).record(ns)
             if write:
@@ -243,6 +249,86 @@ class Worker:
                 if self._now() >= end:
                     return
             await self._one(wp == 100 or (wp > 0 and self.rng.random() * 100 < wp))
+
+    def _soon_ops(self) -> tuple[Callable[..., bool] | None, Callable[..., bool] | None] | None:
+        """The device's read_soon and write_soon (block/device.py ReadSoon, WriteSoon: our NVMe/TCP initiator)
+        when the job can run on them: no --verify (its bookkeeping stays with _one) and no --rate; None: the
+        coroutine lanes."""
+        if self.plan.verify or self.plan.rate:
+            return None
+        wp = self.job.write_pct
+        rs = getattr(self.dev, "read_soon", None) if wp < 100 else None
+        ws = getattr(self.dev, "write_soon", None) if wp > 0 else None
+        if (wp < 100 and rs is None) or (wp > 0 and ws is None):
+            return None
+        return rs, ws
+
+    async def _soon_lanes(self, end: float, read_soon: Callable[..., bool] | None,
+                          write_soon: Callable[..., bool] | None) -> None:
+        """qd lanes whose requests are sent by the device's read_soon / write_soon, each next one from its
+        predecessor's completion callback: no coroutine, Task or future per request (vsan bench's own cost per
+        request is what limits it against a fast target). Requests are picked, timed and recorded as in _one.
+        A lane whose request is declined or fails goes on as a coroutine lane (_loop), that request sent again
+        the normal way (which retries and reconnects)."""
+        loop = asyncio.get_running_loop()
+        finished: asyncio.Future[None] = loop.create_future()
+        left = [self.job.qd]
+        tasks: list[asyncio.Task[None]] = []
+        stopped = [False]
+        wp, n, payload, clock = self.job.write_pct, self.blocks_per_io, self.payload, self.clock
+
+        def lane_ended() -> None:
+            left[0] -= 1
+            if not left[0] and not finished.done():
+                finished.set_result(None)
+
+        def as_coroutine(write: bool | None) -> None:
+            async def go() -> None:
+                try:
+                    if write is not None:
+                        await self._one(write)
+                    await self._loop(end)
+                finally:
+                    lane_ended()
+            tasks.append(loop.create_task(go()))
+
+        def issue() -> None:
+            if stopped[0] or self._now() >= end:
+                lane_ended()
+                return
+            write = wp == 100 or (wp > 0 and self.rng.random() * 100 < wp)
+            lba = self.first + self._slot() * n
+            t = clock()
+            if write:
+                ok = write_soon(lba, payload, False, functools.partial(wrote, t))  # type: ignore[misc]
+            else:
+                ok = read_soon(lba, n, functools.partial(read, t))  # type: ignore[misc]
+            if not ok:
+                as_coroutine(write)
+
+        def wrote(t: int, e: BaseException | None) -> None:
+            if e is not None:
+                as_coroutine(True)
+                return
+            self._record(True, t, clock())
+            issue()
+
+        def read(t: int, _data: object, e: BaseException | None) -> None:
+            if e is not None:
+                as_coroutine(False)
+                return
+            self._record(False, t, clock())
+            issue()
+
+        for _ in range(self.job.qd):
+            issue()
+        try:
+            await finished
+            await asyncio.gather(*tasks)
+        finally:
+            stopped[0] = True
+            for task in tasks:
+                task.cancel()
 
     # ------------------------------------------------------------------ phases
     async def precondition(self) -> None:
@@ -292,7 +378,9 @@ class Worker:
         now = self._now()
         warm_end = now + plan.warmup
         end = warm_end + plan.duration
-        loops = [asyncio.create_task(self._loop(end)) for _ in range(self.job.qd)]
+        soon = self._soon_ops()
+        loops = ([asyncio.create_task(self._soon_lanes(end, *soon))] if soon is not None
+                 else [asyncio.create_task(self._loop(end)) for _ in range(self.job.qd)])
         if plan.warmup > 0:
             await self.sleep(max(0.0, warm_end - self._now()))
         self.t0 = self._now()

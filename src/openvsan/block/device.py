@@ -66,6 +66,7 @@ class SyncWrite(Protocol):
 
 
 WriteDone = Callable[[BaseException | None], None]
+ReadDone = Callable[[Buffer | None, BaseException | None], None]
 
 
 @runtime_checkable
@@ -78,6 +79,17 @@ class WriteSoon(Protocol):
     states it: a caller asks for the method (Volume.write_soon)."""
 
     def write_soon(self, lba: int, data: Buffer, fua: bool, done: WriteDone) -> bool: ...
+
+
+@runtime_checkable
+class ReadSoon(Protocol):
+    """A device whose reads wait on the network (an initiator) may offer read_soon, the fast path of a read for
+    a caller that keeps no coroutine per request (vsan bench's lanes): sent in the caller's turn;
+    `done(data, None)` is called once with what read() would have returned, `done(None, exc)` once when it
+    failed, with no retry or reconnect (read() does those). False: declined, nothing sent and `done` is never
+    called (use read()). The caller has checked the range."""
+
+    def read_soon(self, lba: int, blocks: int, done: ReadDone) -> bool: ...
 
 
 @runtime_checkable

@@ -14,11 +14,12 @@ import logging
 import socket
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from openvsan.block.capabilities import Capabilities
-from openvsan.block.device import Buffer, WriteDone, check_range
+from openvsan.block.device import Buffer, ReadDone, WriteDone, check_range
 from openvsan.block.errors import BlockError, Busy, DeviceFailed, MediumError, NoSpace, OutOfRange, ReadOnly
 from openvsan.initiator.iscsi_conn import ConnectionLost
 from openvsan.initiator.nvme_conn import NvmeQueue, Result
@@ -471,8 +472,7 @@ class NvmeTcpInitiator:
             return b""
         bs = self.block_size
         if blocks <= self.max_io_blocks:
-            r = await self.io(lambda cid: C.read(cid, self.nsid, lba, blocks, blocks * bs), read_len=blocks * bs,
-                              what="Read")
+            r = await self.io(self._read_cmd(lba, blocks), read_len=blocks * bs, what="Read")
             return r.data
         out = bytearray(blocks * bs)
 
@@ -507,6 +507,52 @@ class NvmeTcpInitiator:
 
         await asyncio.gather(*(part(s, n) for s, n in self._chunks(lba, blocks, self.max_io_blocks)))
 
+    def _read_cmd(self, lba: int, blocks: int) -> Callable[[int], bytes]:
+        """The SQE builder of a Read of `blocks` at `lba` (read() and read_soon())."""
+        nsid, n = self.nsid, blocks * self.block_size
+        return lambda cid: C.read(cid, nsid, lba, blocks, n)
+
+    def _free_queue(self, a: Association) -> int | None:
+        """The least busy queue of `a` with a command slot free now, that slot taken (read_soon, write_soon:
+        they must not wait); None: none free."""
+        i = 0 if len(a.queues) == 1 else min(range(len(a.queues)), key=a.inflight.__getitem__)
+        return i if a.slots[i].try_acquire() else None
+
+    def read_soon(self, lba: int, blocks: int, done: ReadDone) -> bool:
+        """read()'s fast path (block/device.py ReadSoon) for one command on a live association whose least busy
+        queue has a slot free now: read()'s command, sent in this turn, no coroutine. done(data, None) once it
+        is read; done(None, exc) on any failure, with no retry and no reconnect (the caller reads it again with
+        read(), which does both). False: not sent."""
+        a = self.assoc
+        if (a is None or a.dead or blocks <= 0 or blocks > self.max_io_blocks or lba < 0
+                or lba + blocks > self.num_blocks):
+            return False
+        i = self._free_queue(a)
+        if i is None:
+            return False
+        slots, inflight = a.slots[i], a.inflight
+
+        def answered(r: Result | None, e: BaseException | None) -> None:
+            inflight[i] -= 1
+            slots.put_back()
+            if e is not None:
+                done(None, e)
+                return
+            status = r.cqe.status & 0x7FFF  # type: ignore[union-attr]  # a result when no exception (.status)
+            if status:
+                done(None, status_error(status, f"{self.url} Read"))
+            else:
+                done(r.data, None)  # type: ignore[union-attr]
+
+        try:
+            a.queues[i].submit_then(self._read_cmd(lba, blocks), None, False, answered,
+                                    read_len=blocks * self.block_size)
+        except ConnectionLost:
+            slots.release()
+            return False
+        inflight[i] += 1
+        return True
+
     def write_soon(self, lba: int, data: Buffer, fua: bool, done: WriteDone) -> bool:
         """write()'s fast path (block/device.py WriteSoon) for one command with its data in the capsule, on a
         live association whose least busy queue has a slot free now: sent in this turn, no coroutine. done(None)
@@ -521,11 +567,10 @@ class NvmeTcpInitiator:
         blocks = n // bs
         if lba < 0 or lba + blocks > self.num_blocks:
             return False
-        i = 0 if len(a.queues) == 1 else min(range(len(a.queues)), key=a.inflight.__getitem__)
-        slots = a.slots[i]
-        if not slots.try_acquire():
+        i = self._free_queue(a)
+        if i is None:
             return False
-        inflight = a.inflight
+        slots, inflight = a.slots[i], a.inflight
 
         def answered(r: Result | None, e: BaseException | None) -> None:
             inflight[i] -= 1
