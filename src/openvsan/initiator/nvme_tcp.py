@@ -22,7 +22,7 @@ from openvsan.block.capabilities import Capabilities
 from openvsan.block.device import Buffer, ReadDone, WriteDone, check_range
 from openvsan.block.errors import BlockError, Busy, DeviceFailed, MediumError, NoSpace, OutOfRange, ReadOnly
 from openvsan.initiator.iscsi_conn import ConnectionLost
-from openvsan.initiator.nvme_conn import NvmeQueue, Result
+from openvsan.initiator.nvme_conn import Answer, NvmeQueue, Result
 from openvsan.initiator.url import TargetUrl, UrlError, parse_url
 from openvsan.protocol.nvme import auth as A
 from openvsan.protocol.nvme import host_commands as C
@@ -512,46 +512,46 @@ class NvmeTcpInitiator:
         nsid, n = self.nsid, blocks * self.block_size
         return lambda cid: C.read(cid, nsid, lba, blocks, n)
 
-    def _free_queue(self, a: Association) -> int | None:
-        """The least busy queue of `a` with a command slot free now, that slot taken (read_soon, write_soon:
-        they must not wait); None: none free."""
+    def _soon(self, a: Association | None, send: Callable[[NvmeQueue, Answer], None], what: str,
+              then: Answer) -> bool:
+        """One command sent now (read_soon, write_soon: they must not wait) on the least busy queue of a live
+        association, if it has a command slot free: `send(queue, answer)` sends it; `then(result, None)` once it
+        succeeded, `then(None, exc)` once it failed (a status other than success included, as the command's
+        error), its slot given back first. False: nothing sent."""
+        if a is None or a.dead:
+            return False
         i = 0 if len(a.queues) == 1 else min(range(len(a.queues)), key=a.inflight.__getitem__)
-        return i if a.slots[i].try_acquire() else None
+        slots, inflight = a.slots[i], a.inflight
+        if not slots.try_acquire():
+            return False
+
+        def answered(r: Result | None, e: BaseException | None) -> None:
+            inflight[i] -= 1
+            slots.put_back()
+            if e is None:
+                status = r.cqe.status & 0x7FFF  # type: ignore[union-attr]  # a result when no exception
+                if status:
+                    e, r = status_error(status, f"{self.url} {what}"), None
+            then(r, e)
+
+        try:
+            send(a.queues[i], answered)
+        except ConnectionLost:
+            slots.release()
+            return False
+        inflight[i] += 1
+        return True
 
     def read_soon(self, lba: int, blocks: int, done: ReadDone) -> bool:
         """read()'s fast path (block/device.py ReadSoon) for one command on a live association whose least busy
         queue has a slot free now: read()'s command, sent in this turn, no coroutine. done(data, None) once it
         is read; done(None, exc) on any failure, with no retry and no reconnect (the caller reads it again with
         read(), which does both). False: not sent."""
-        a = self.assoc
-        if (a is None or a.dead or blocks <= 0 or blocks > self.max_io_blocks or lba < 0
-                or lba + blocks > self.num_blocks):
+        if blocks <= 0 or blocks > self.max_io_blocks or lba < 0 or lba + blocks > self.num_blocks:
             return False
-        i = self._free_queue(a)
-        if i is None:
-            return False
-        slots, inflight = a.slots[i], a.inflight
-
-        def answered(r: Result | None, e: BaseException | None) -> None:
-            inflight[i] -= 1
-            slots.put_back()
-            if e is not None:
-                done(None, e)
-                return
-            status = r.cqe.status & 0x7FFF  # type: ignore[union-attr]  # a result when no exception (.status)
-            if status:
-                done(None, status_error(status, f"{self.url} Read"))
-            else:
-                done(r.data, None)  # type: ignore[union-attr]
-
-        try:
-            a.queues[i].submit_then(self._read_cmd(lba, blocks), None, False, answered,
-                                    read_len=blocks * self.block_size)
-        except ConnectionLost:
-            slots.release()
-            return False
-        inflight[i] += 1
-        return True
+        build, n = self._read_cmd(lba, blocks), blocks * self.block_size
+        return self._soon(self.assoc, lambda q, answer: q.submit_then(build, None, False, answer, read_len=n),
+                          "Read", lambda r, e: done(None if r is None else r.data, e))
 
     def write_soon(self, lba: int, data: Buffer, fua: bool, done: WriteDone) -> bool:
         """write()'s fast path (block/device.py WriteSoon) for one command with its data in the capsule, on a
@@ -562,32 +562,14 @@ class NvmeTcpInitiator:
         bs = self.block_size
         mv = memoryview(data).cast("B")
         n = len(mv)
-        if a is None or a.dead or not n or n % bs or n > a.in_capsule or n // bs > self.max_io_blocks:
+        if a is None or not n or n % bs or n > a.in_capsule or n // bs > self.max_io_blocks:
             return False
         blocks = n // bs
         if lba < 0 or lba + blocks > self.num_blocks:
             return False
-        i = self._free_queue(a)
-        if i is None:
-            return False
-        slots, inflight = a.slots[i], a.inflight
-
-        def answered(r: Result | None, e: BaseException | None) -> None:
-            inflight[i] -= 1
-            slots.put_back()
-            if e is not None:
-                done(e)
-            else:
-                status = r.cqe.status & 0x7FFF  # type: ignore[union-attr]  # a result when no exception (.status)
-                done(status_error(status, f"{self.url} Write") if status else None)
-
-        try:
-            a.queues[i].write_then(self.nsid, lba, blocks, mv, fua, answered)
-        except ConnectionLost:
-            slots.release()
-            return False
-        inflight[i] += 1
-        return True
+        nsid = self.nsid
+        return self._soon(a, lambda q, answer: q.write_then(nsid, lba, blocks, mv, fua, answer), "Write",
+                          lambda r, e: done(e))
 
     async def flush(self) -> None:
         await self.io(lambda cid: C.flush(cid, self.nsid), what="Flush")
