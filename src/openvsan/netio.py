@@ -132,3 +132,22 @@ def start_then(coro: Coroutine[Any, Any, None], done: Done) -> None:
         done(asyncio.CancelledError() if t.cancelled() else t.exception())
 
     task.add_done_callback(ended)
+
+
+class Slots(asyncio.Semaphore):
+    """An initiator's free command slots (an NVMe/TCP queue's, an iSCSI session's): acquire() waits for one;
+    try_acquire() takes one only if it is free now (read_soon / write_soon, which must not wait)."""
+
+    def try_acquire(self) -> bool:
+        if self._value <= 0 or self._waiters:
+            return False
+        self._value -= 1        # what acquire() does when nothing waits and a slot is free (CPython 3.11-3.13)
+        return True
+
+    def put_back(self) -> None:
+        """release(), without its two calls when nothing waits (then all it does is this)."""
+        if self._waiters:
+            self.release()
+        else:
+            self._value += 1
+

@@ -52,7 +52,7 @@ class Histogram:
         self.counts[bucket_of(ns)] += 1
         if not self.count or ns < self.min:
             self.min = ns
-        if ns > self.max:      # not max(): a builtin call per request (twice: the run's and the second's)
+        if ns > self.max:  # noqa: PLR1730 - not max(): a builtin call per request, twice (the run, the second)
             self.max = ns
         self.count += 1
         self.total += ns

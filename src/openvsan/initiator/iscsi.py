@@ -18,11 +18,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from openvsan.block.capabilities import Capabilities
-from openvsan.block.device import Buffer, check_range
+from openvsan.block.device import Buffer, ReadDone, WriteDone, check_range
 from openvsan.block.errors import BlockError, DeviceFailed
 from openvsan.initiator import scsi as X
-from openvsan.initiator.iscsi_conn import Completion, ConnectionLost, IscsiConnection
+from openvsan.initiator.iscsi_conn import Answer, Completion, ConnectionLost, IscsiConnection
 from openvsan.initiator.url import TargetUrl, UrlError, parse_url
+from openvsan.netio import Slots
 from openvsan.protocol.iscsi.initiator_login import LoginConfig, LoginError
 from openvsan.protocol.iscsi.pdu import encode_lun
 from openvsan.protocol.scsi import sense as S
@@ -74,7 +75,7 @@ class IscsiSession:
         self.isid = bytes((0x80,)) + os.urandom(3) + qualifier.to_bytes(2, "big")
         self.conn: IscsiConnection | None = None
         self._connecting = asyncio.Lock()
-        self._slots = asyncio.Semaphore(opts.queue_depth)
+        self._slots = Slots(opts.queue_depth)
         self.inflight = 0
         self.logins = 0
         self.closed = False
@@ -172,6 +173,32 @@ class IscsiSession:
             self.inflight -= 1
             self._slots.release()
 
+    def execute_soon(self, cdb: bytes, lun: bytes, read_len: int, data: Buffer | None, then: Answer) -> bool:
+        """One command sent now, with no coroutine (read_soon, write_soon: they must not wait), where execute()
+        would send it at once: logged in, the command window open, the transport not asking us to wait, a
+        slot free. `then(completion, None)` once answered (any status: no retry here), `then(None, exc)` once
+        the connection is lost, the slot given back first. False: nothing sent (execute() waits, retries,
+        reconnects)."""
+        conn = self.conn
+        if conn is None or not conn.alive or not conn.window_open() or conn.paused:
+            return False
+        slots = self._slots
+        if not slots.try_acquire():
+            return False
+
+        def answered(c: Completion | None, e: BaseException | None) -> None:
+            self.inflight -= 1
+            slots.put_back()
+            then(c, e)
+
+        try:
+            conn.command_then(cdb, lun, read_len, data, answered)
+        except ConnectionLost:
+            slots.release()
+            return False
+        self.inflight += 1
+        return True
+
     async def close(self) -> None:
         self.closed = True
         if self.conn is not None:
@@ -251,9 +278,9 @@ class IscsiInitiator:
         # straight to the session, not through execute(): one coroutine call less per command (vsan bench is
         # bound by this client's CPU)
         done = await self._session().execute(cdb, self._lun, read_len=read_len, data=data)
-        if done.status != S.GOOD:
-            raise X.status_error(done.status, done.sense, write=write or data is not None,
-                                 what=f"{self.url} opcode {cdb[0]:#04x}")
+        e = self._failure(done, cdb[0], write or data is not None)
+        if e is not None:
+            raise e
         return done.data
 
     def _chunks(self, lba: int, blocks: int, cap: int) -> list[tuple[int, int]]:
@@ -279,9 +306,50 @@ class IscsiInitiator:
         await asyncio.gather(*(part(a, n) for a, n in self._chunks(lba, blocks, self.max_io_blocks)))
         return out
 
+    def read_soon(self, lba: int, blocks: int, done: ReadDone) -> bool:
+        """read()'s fast path (block/device.py ReadSoon) for one command: READ(16) sent now on the least busy
+        session where it can go at once (IscsiSession.execute_soon); done(data, None) once read with GOOD,
+        done(None, exc) for any other status (the error read() raises, unit attentions included: no retry) or
+        a lost connection. False: not sent."""
+        if blocks <= 0 or blocks > self.max_io_blocks or lba < 0 or lba + blocks > self.num_blocks:
+            return False
+        n = blocks * self.block_size
+        cdb = X.read_16(lba, blocks)
+
+        def then(c: Completion | None, e: BaseException | None) -> None:
+            if c is not None:
+                e = self._failure(c, cdb[0], False)
+                if e is None and len(c.data) != n:
+                    e = self._short(c.data, blocks)
+            done(None if e is not None or c is None else c.data, e)
+
+        return self._session().execute_soon(cdb, self._lun, n, None, then)
+
+    def write_soon(self, lba: int, data: Buffer, fua: bool, done: WriteDone) -> bool:
+        """write()'s fast path (block/device.py WriteSoon) for one command: WRITE(16) with its data (immediate,
+        unsolicited or on R2T as the session negotiated) sent now where it can go at once; done(None) once
+        written with GOOD, done(exc) otherwise (no retry). False: not sent."""
+        mv = memoryview(data).cast("B")
+        bs = self.block_size
+        blocks = len(mv) // bs
+        if not blocks or len(mv) % bs or blocks > self.max_io_blocks or lba < 0 or lba + blocks > self.num_blocks:
+            return False
+        cdb = X.write_16(lba, blocks, fua=fua)
+        return self._session().execute_soon(cdb, self._lun, 0, mv, lambda c, e: done(
+            e if c is None else self._failure(c, cdb[0], True)))
+
+    def _failure(self, c: Completion, opcode: int, write: bool) -> BlockError | None:
+        """The typed block error of a status other than GOOD (command() raises the same), else None."""
+        if c.status == S.GOOD:
+            return None
+        return X.status_error(c.status, c.sense, write=write, what=f"{self.url} opcode {opcode:#04x}")
+
+    def _short(self, data: Buffer, blocks: int) -> DeviceFailed:
+        return DeviceFailed(f"{self.url}: read returned {len(data)} bytes, want {blocks * self.block_size}")
+
     def _check_len(self, data: Buffer, blocks: int) -> None:
         if len(data) != blocks * self.block_size:
-            raise DeviceFailed(f"{self.url}: read returned {len(data)} bytes, want {blocks * self.block_size}")
+            raise self._short(data, blocks)
 
     async def write(self, lba: int, data: Buffer, *, fua: bool = False) -> None:
         bs = self.block_size

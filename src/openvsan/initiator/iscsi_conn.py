@@ -46,18 +46,42 @@ class Completion:   # not frozen: a frozen dataclass's __init__ goes through obj
     sense: bytes = b""
 
 
-class _Task:
-    __slots__ = ("buf", "data", "future", "itt", "lun", "read_len", "received", "sent")
+Answer = Callable[["Completion | None", "BaseException | None"], None]
 
-    def __init__(self, lun: bytes, read_len: int, data: memoryview | None, future: asyncio.Future[Any]) -> None:
-        self.sent = future.get_loop().time()
+
+class _Task:
+    """A command sent and not answered: its outcome goes to its future, or to `then` (command_then)."""
+
+    __slots__ = ("buf", "data", "future", "itt", "lun", "read_len", "received", "sent", "then")
+
+    def __init__(self, lun: bytes, read_len: int, data: memoryview | None, future: asyncio.Future[Any] | None,
+                 then: Answer | None, now: float) -> None:
+        self.sent = now
         self.itt = 0
         self.lun = lun
         self.read_len = read_len
         self.data = data
         self.future = future
+        self.then = then
         self.buf: bytearray | None = None   # made at the first Data-In that does not carry the whole read
         self.received = 0
+
+    def answer(self, c: Completion) -> None:
+        """Its outcome, once (later ones are ignored)."""
+        then = self.then
+        if then is not None:
+            self.then = None
+            then(c, None)
+        elif self.future is not None and not self.future.done():
+            self.future.set_result(c)
+
+    def fail(self, e: BaseException) -> None:
+        then = self.then
+        if then is not None:
+            self.then = None
+            then(None, e)
+        elif self.future is not None and not self.future.done():
+            self.future.set_exception(e)
 
 
 class IscsiConnection(asyncio.Protocol):
@@ -101,8 +125,12 @@ class IscsiConnection(asyncio.Protocol):
         self._batch.transport = None
         err = ConnectionLost(f"{self.name}: connection lost" + (f": {exc}" if exc else ""))
         for t in self.tasks.values():
-            if not t.future.done():
-                t.future.set_exception(err)
+            if t.then is not None:
+                # a callback learns it in a later turn, as a future's waiter would: the connection is known
+                # dead by then when it sends the command again
+                self.loop.call_soon(t.fail, err)
+            else:
+                t.fail(err)
         self.tasks.clear()
         for fut in (self._login_fut, self._text_fut, self._logout_fut, self._paused, *self._pings.values()):
             if fut is not None and not fut.done():
@@ -241,8 +269,7 @@ class IscsiConnection(asyncio.Protocol):
             del tasks[itt]
             if view is None:
                 view = memoryview(data)
-            if not t.future.done():
-                t.future.set_result(Completion(status, view[pos + _BHS:pos + _BHS + dsl], b""))
+            t.answer(Completion(status, view[pos + _BHS:pos + _BHS + dsl], b""))
             pos = end
         return data if not pos else (view[pos:] if view is not None else data[pos:])
 
@@ -269,10 +296,10 @@ class IscsiConnection(asyncio.Protocol):
         rsp = Q.ScsiResponse.parse(pdu)
         self._status_sn(rsp.statsn)
         t = self.tasks.pop(rsp.itt, None)
-        if t is None or t.future.done():
+        if t is None:
             return
         if rsp.response != 0:  # §11.4.3: the target failed the command as a transport matter
-            t.future.set_exception(ConnectionLost(f"iSCSI response {rsp.response:#04x}"))
+            t.fail(ConnectionLost(f"iSCSI response {rsp.response:#04x}"))
             return
         self._complete(t, rsp.status, rsp.sense, rsp.residual if rsp.underflow else 0)
 
@@ -293,8 +320,7 @@ class IscsiConnection(asyncio.Protocol):
             # the received bytes, which nothing writes to)
             self._status_sn(statsn)
             del self.tasks[itt]
-            if not t.future.done():
-                t.future.set_result(Completion(status, data, b""))
+            t.answer(Completion(status, data, b""))
             return
         if t.buf is None:
             t.buf = bytearray(t.read_len)
@@ -309,8 +335,7 @@ class IscsiConnection(asyncio.Protocol):
         data: Buf = b""
         if t.buf is not None:
             data = t.buf if not residual else memoryview(t.buf)[:max(0, len(t.buf) - residual)]
-        if not t.future.done():
-            t.future.set_result(Completion(status, data, sense))
+        t.answer(Completion(status, data, sense))
 
     def _r2t(self, pdu: Pdu) -> None:  # §11.8, Data-Out §10.7
         r = Q.R2T.parse(pdu)
@@ -364,8 +389,8 @@ class IscsiConnection(asyncio.Protocol):
         self._status_sn(r.statsn)
         log.warning("%s: target rejected a PDU (reason %#04x)", self.name, r.reason)
         t = self.tasks.pop(r.rejected_itt, None) if r.rejected_itt is not None else None
-        if t is not None and not t.future.done():
-            t.future.set_exception(ConnectionLost(f"target rejected the command (reason {r.reason:#04x})"))
+        if t is not None:
+            t.fail(ConnectionLost(f"target rejected the command (reason {r.reason:#04x})"))
         for fut in (self._text_fut, self._logout_fut):
             if fut is not None and not fut.done():
                 fut.set_exception(ConnectionLost(f"target rejected the request (reason {r.reason:#04x})"))
@@ -396,11 +421,22 @@ class IscsiConnection(asyncio.Protocol):
     def command(self, cdb: bytes, lun: bytes, *, read_len: int = 0,
                 data: Buf | None = None) -> asyncio.Future[Completion]:
         """Send one SCSI command (§11.3) with its immediate and unsolicited data; R2Ts bring the rest."""
+        fut: asyncio.Future[Completion] = self.loop.create_future()
+        self._command(cdb, lun, read_len, data, fut, None)
+        return fut
+
+    def command_then(self, cdb: bytes, lun: bytes, read_len: int, data: Buf | None, then: Answer) -> None:
+        """command() for a caller with no coroutine (a read_soon, a write_soon): `then(completion, None)` once
+        answered, `then(None, exc)` once it failed (the connection lost: in the turn after), called from the
+        receive that ends it."""
+        self._command(cdb, lun, read_len, data, None, then)
+
+    def _command(self, cdb: bytes, lun: bytes, read_len: int, data: Buf | None,
+                 fut: asyncio.Future[Completion] | None, then: Answer | None) -> None:
         if not self.alive:
             raise ConnectionLost(f"{self.name}: not connected")
-        fut: asyncio.Future[Completion] = self.loop.create_future()
         mv = memoryview(data).cast("B") if data is not None else None
-        t = _Task(lun, read_len, mv, fut)
+        t = _Task(lun, read_len, mv, fut, then, self.loop.time())
         t.itt = itt = self._next_itt()
         self.tasks[itt] = t
         cmdsn, self.cmdsn = self.cmdsn, (self.cmdsn + 1) & M32
@@ -408,7 +444,7 @@ class IscsiConnection(asyncio.Protocol):
         if mv is None:
             self._send(self._frame(Q.scsi_command(itt, lun, cdb, read_len, cmdsn, self.expstatsn,
                                                   read=read_len > 0)))
-            return fut
+            return
         n = len(mv)
         imm = min(n, p.first_burst_length, p.send_mrdsl) if p.immediate_data else 0
         unsolicited_end = imm if p.initial_r2t else min(n, p.first_burst_length)  # §13.10, §13.14
@@ -417,7 +453,6 @@ class IscsiConnection(asyncio.Protocol):
         self._send(self._frame(bhs, mv[:imm]))
         if unsolicited_end > imm:
             self._data_out_sequence(t, RESERVED_TAG, imm, unsolicited_end)
-        return fut
 
     def forget(self, fut: asyncio.Future[Completion]) -> None:
         """A caller gave up on a command (timeout): stop routing its responses."""

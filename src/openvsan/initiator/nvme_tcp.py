@@ -24,6 +24,7 @@ from openvsan.block.errors import BlockError, Busy, DeviceFailed, MediumError, N
 from openvsan.initiator.iscsi_conn import ConnectionLost
 from openvsan.initiator.nvme_conn import Answer, NvmeQueue, Result
 from openvsan.initiator.url import TargetUrl, UrlError, parse_url
+from openvsan.netio import Slots
 from openvsan.protocol.nvme import auth as A
 from openvsan.protocol.nvme import host_commands as C
 
@@ -116,24 +117,6 @@ class NvmeOptions:
                    queues=u.opt_int("queues", 1, 1, 64), queue_depth=u.opt_int("queue_depth", 64, 1, 1023),
                    kato_ms=u.opt_int("kato", 10, 0, 3600) * 1000,
                    sq_flow_off=not u.opt_bool("sqflow"))
-
-
-class Slots(asyncio.Semaphore):
-    """An I/O queue's free command slots: acquire() waits for one; try_acquire() takes one only if it is free
-    now (write_soon's fast path, which must not wait)."""
-
-    def try_acquire(self) -> bool:
-        if self._value <= 0 or self._waiters:
-            return False
-        self._value -= 1        # what acquire() does when nothing waits and a slot is free (CPython 3.11-3.13)
-        return True
-
-    def put_back(self) -> None:
-        """release(), without its two calls when nothing waits (then all it does is this)."""
-        if self._waiters:
-            self.release()
-        else:
-            self._value += 1
 
 
 class Association:
