@@ -14,7 +14,7 @@ from openvsan.bench.engine import Plan
 from openvsan.bench.profiles import custom_job
 from openvsan.bench.runner import RunResult, run_in_process
 from openvsan.block import FaultDevice, RamDevice
-from openvsan.block.errors import BlockError
+from openvsan.block.errors import BlockError, MediumError
 
 
 def simulated(dev: object, plan: Plan, latency: float) -> RunResult:
@@ -63,11 +63,12 @@ class SoonDevice:
     `fail_every` n-th one fails (the caller must send those again the normal way)."""
 
     def __init__(self, clock: FakeClock, latency: float, *, decline_after: int | None = None,
-                 fail_every: int = 0) -> None:
+                 fail_every: int = 0, bad: int | None = None) -> None:
         self.ram, self.clock, self.latency = RamDevice(2048), clock, latency
-        self.decline_after, self.fail_every = decline_after, fail_every
+        self.decline_after, self.fail_every, self.bad = decline_after, fail_every, bad
         self.soon = self.normal = 0
         self.block_size, self.num_blocks = self.ram.block_size, self.ram.num_blocks
+        self.reads: list[tuple[str, int]] = []     # (path, lba) of each read, in order
 
     def _take(self) -> bool:
         if self.decline_after is not None and self.soon >= self.decline_after:
@@ -85,6 +86,10 @@ class SoonDevice:
     def read_soon(self, lba: int, blocks: int, done: Any) -> bool:
         if not self._take():
             return False
+        self.reads.append(("soon", lba))
+        if lba == self.bad:
+            self._later(lambda e: done(None, MediumError("bad block", lba)))
+            return True
         self._later(lambda e: done(None, e) if e else done(self.ram.read_now(lba, blocks), None))
         return True
 
@@ -96,7 +101,10 @@ class SoonDevice:
 
     async def read(self, lba: int, blocks: int) -> Any:
         self.normal += 1
+        self.reads.append(("normal", lba))
         await self.clock.sleep(self.latency)
+        if lba == self.bad:
+            raise MediumError("bad block", lba)
         return self.ram.read_now(lba, blocks)
 
     async def write(self, lba: int, data: Any, *, fua: bool = False) -> None:
@@ -151,3 +159,16 @@ def test_verify_and_rate_keep_the_coroutine_lanes() -> None:
         plan = Plan("ram", custom_job("randrw", "4k", qd=4), duration=0.5, **kw)  # type: ignore[arg-type]
         r = run_in_process(dev, plan, clock=clock.ns, sleep=clock.sleep).result  # type: ignore[arg-type]
         assert r.read.count + r.write.count > 0 and dev.soon == 0 and r.mismatches == 0, kw
+
+
+def test_a_fast_request_that_fails_is_sent_again_to_the_same_blocks() -> None:
+    """A read that fails on the fast path is read again, at the same LBA, by read() (which retries and
+    reconnects where it can): an error that stays is counted, as the coroutine lanes count it."""
+    clock = FakeClock()
+    dev = SoonDevice(clock, 0.001, bad=64)
+    plan = Plan("ram", custom_job("read", "4k", qd=1), duration=0.5)   # sequential: LBA 64 once a pass
+    r = run_in_process(dev, plan, clock=clock.ns, sleep=clock.sleep).result  # type: ignore[arg-type]
+    first = dev.reads.index(("soon", 64))
+    assert dev.reads[first + 1] == ("normal", 64)
+    assert r.io_errors == dev.reads.count(("normal", 64)) >= 1
+

@@ -168,8 +168,10 @@ class Worker:
         if len(self.result.problems) < MAX_REPORTED:
             self.result.problems.append(problem.to_dict() if isinstance(problem, Mismatch) else problem)
 
-    async def _one(self, write: bool) -> None:
-        slot = self._slot()
+    async def _one(self, write: bool, slot: int | None = None) -> None:
+        """One request, to `slot` (default: the next one the job's pattern picks), timed and recorded."""
+        if slot is None:
+            slot = self._slot()
         lba = self.first + slot * self.blocks_per_io
         n = self.blocks_per_io
         bs = self.dev.block_size
@@ -269,7 +271,7 @@ class Worker:
         predecessor's completion callback: no coroutine, Task or future per request (vsan bench's own cost per
         request is what limits it against a fast target). Requests are picked, timed and recorded as in _one.
         A lane whose request is declined or fails goes on as a coroutine lane (_loop), that request sent again
-        the normal way (which retries and reconnects)."""
+        to the same blocks the normal way (which retries and reconnects, and counts an error that stays)."""
         loop = asyncio.get_running_loop()
         finished: asyncio.Future[None] = loop.create_future()
         left = [self.job.qd]
@@ -282,11 +284,10 @@ class Worker:
             if not left[0] and not finished.done():
                 finished.set_result(None)
 
-        def as_coroutine(write: bool | None) -> None:
+        def as_coroutine(write: bool, slot: int) -> None:
             async def go() -> None:
                 try:
-                    if write is not None:
-                        await self._one(write)
+                    await self._one(write, slot)
                     await self._loop(end)
                 finally:
                     lane_ended()
@@ -297,25 +298,26 @@ class Worker:
                 lane_ended()
                 return
             write = wp == 100 or (wp > 0 and self.rng.random() * 100 < wp)
-            lba = self.first + self._slot() * n
+            slot = self._slot()
+            lba = self.first + slot * n
             t = clock()
             if write:
-                ok = write_soon(lba, payload, False, functools.partial(wrote, t))  # type: ignore[misc]
+                ok = write_soon(lba, payload, False, functools.partial(wrote, slot, t))  # type: ignore[misc]
             else:
-                ok = read_soon(lba, n, functools.partial(read, t))  # type: ignore[misc]
+                ok = read_soon(lba, n, functools.partial(read, slot, t))  # type: ignore[misc]
             if not ok:
-                as_coroutine(write)
+                as_coroutine(write, slot)
 
-        def wrote(t: int, e: BaseException | None) -> None:
+        def wrote(slot: int, t: int, e: BaseException | None) -> None:
             if e is not None:
-                as_coroutine(True)
+                as_coroutine(True, slot)
                 return
             self._record(True, t, clock())
             issue()
 
-        def read(t: int, _data: object, e: BaseException | None) -> None:
+        def read(slot: int, t: int, _data: object, e: BaseException | None) -> None:
             if e is not None:
-                as_coroutine(False)
+                as_coroutine(False, slot)
                 return
             self._record(False, t, clock())
             issue()
