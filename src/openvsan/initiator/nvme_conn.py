@@ -297,11 +297,15 @@ class NvmeQueue(asyncio.Protocol):
         return fut
 
     def submit_then(self, build: Callable[[int], bytes], data: memoryview | None, in_capsule: bool,
-                    then: Answer, *, read_len: int = 0) -> None:
+                    then: Answer) -> None:
         """submit() for a caller with no coroutine (a write_soon, a read_soon), its data a memoryview of bytes
         (format "B"): `then(result, None)` once answered, or `then(None, exc)` once it failed (the connection
         lost), called from the receive that ends it."""
-        self._enqueue(build, data, read_len, in_capsule, None, then)
+        self._enqueue(build, data, 0, in_capsule, None, then)
+
+    def read_then(self, build: Callable[[int], bytes], n: int, then: Answer) -> None:
+        """submit_then of a Read of `n` bytes whose SQE `build` makes (read_soon)."""
+        self._enqueue(build, None, n, False, None, then)
 
     def write_then(self, nsid: int, lba: int, blocks: int, mv: memoryview, fua: bool, then: Answer) -> None:
         """submit_then of a Write with its data (a memoryview of bytes) in the capsule: with no digest and no CPDA

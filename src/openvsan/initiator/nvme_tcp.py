@@ -22,7 +22,7 @@ from openvsan.block.capabilities import Capabilities
 from openvsan.block.device import Buffer, ReadDone, WriteDone, check_range
 from openvsan.block.errors import BlockError, Busy, DeviceFailed, MediumError, NoSpace, OutOfRange, ReadOnly
 from openvsan.initiator.iscsi_conn import ConnectionLost
-from openvsan.initiator.nvme_conn import Answer, NvmeQueue, Result
+from openvsan.initiator.nvme_conn import NvmeQueue, Result
 from openvsan.initiator.url import TargetUrl, UrlError, parse_url
 from openvsan.netio import Slots
 from openvsan.protocol.nvme import auth as A
@@ -495,12 +495,13 @@ class NvmeTcpInitiator:
         nsid, n = self.nsid, blocks * self.block_size
         return lambda cid: C.read(cid, nsid, lba, blocks, n)
 
-    def _soon(self, a: Association | None, send: Callable[[NvmeQueue, Answer], None], what: str,
-              then: Answer) -> bool:
+    def _soon(self, a: Association | None, what: str, done: Callable[..., None], read: bool,
+              send: Callable[..., None], *args: Any) -> bool:
         """One command sent now (read_soon, write_soon: they must not wait) on the least busy queue of a live
-        association, if it has a command slot free: `send(queue, answer)` sends it; `then(result, None)` once it
-        succeeded, `then(None, exc)` once it failed (a status other than success included, as the command's
-        error), its slot given back first. False: nothing sent."""
+        association, if it has a command slot free: `send(queue, *args, answer)` sends it (a queue's
+        submit_then or write_then). Once answered, its slot given back, `done(data, exc)` for a read,
+        `done(exc)` for a write: exc None when it succeeded, else its failure (a status other than success as
+        the command's error). False: nothing sent."""
         if a is None or a.dead:
             return False
         i = 0 if len(a.queues) == 1 else min(range(len(a.queues)), key=a.inflight.__getitem__)
@@ -514,11 +515,14 @@ class NvmeTcpInitiator:
             if e is None:
                 status = r.cqe.status & 0x7FFF  # type: ignore[union-attr]  # a result when no exception
                 if status:
-                    e, r = status_error(status, f"{self.url} {what}"), None
-            then(r, e)
+                    e = status_error(status, f"{self.url} {what}")
+            if read:
+                done(None if e is not None else r.data, e)  # type: ignore[union-attr]
+            else:
+                done(e)
 
         try:
-            send(a.queues[i], answered)
+            send(a.queues[i], *args, answered)
         except ConnectionLost:
             slots.release()
             return False
@@ -532,9 +536,8 @@ class NvmeTcpInitiator:
         read(), which does both). False: not sent."""
         if blocks <= 0 or blocks > self.max_io_blocks or lba < 0 or lba + blocks > self.num_blocks:
             return False
-        build, n = self._read_cmd(lba, blocks), blocks * self.block_size
-        return self._soon(self.assoc, lambda q, answer: q.submit_then(build, None, False, answer, read_len=n),
-                          "Read", lambda r, e: done(None if r is None else r.data, e))
+        return self._soon(self.assoc, "Read", done, True, NvmeQueue.read_then, self._read_cmd(lba, blocks),
+                          blocks * self.block_size)
 
     def write_soon(self, lba: int, data: Buffer, fua: bool, done: WriteDone) -> bool:
         """write()'s fast path (block/device.py WriteSoon) for one command with its data in the capsule, on a
@@ -550,9 +553,7 @@ class NvmeTcpInitiator:
         blocks = n // bs
         if lba < 0 or lba + blocks > self.num_blocks:
             return False
-        nsid = self.nsid
-        return self._soon(a, lambda q, answer: q.write_then(nsid, lba, blocks, mv, fua, answer), "Write",
-                          lambda r, e: done(e))
+        return self._soon(a, "Write", done, False, NvmeQueue.write_then, self.nsid, lba, blocks, mv, fua)
 
     async def flush(self) -> None:
         await self.io(lambda cid: C.flush(cid, self.nsid), what="Flush")
