@@ -8,6 +8,7 @@ the GPU (CuPy) backend where there is a CUDA GPU; each is skipped elsewhere with
 from __future__ import annotations
 
 import itertools
+import mmap
 import os
 import random
 
@@ -169,6 +170,30 @@ def test_encode_into_writes_what_xor_and_pq_return(par: Parity, n: int, length: 
     assert mem[at + 2 * length + 3:] == b"\xa5" * (len(mem) - at - 2 * length - 3)
 
 
+@SETTINGS
+@given(n=st.integers(1, 16), blocks=st.integers(1, 12), seed=st.integers(0, 2**32), shift=st.sampled_from([0, 0, 8, 32]),
+       data_writable=st.booleans())
+def test_encode_into_members_memory_aligned_or_not(par: Parity, n: int, blocks: int, seed: int, shift: int,
+                                                   data_writable: bool) -> None:
+    """Chunks that all lie in page-aligned memory at multiples of 512 bytes, as RAM members' chunks do (ISA-L
+    takes those to its RAID 6 kernel, pq_gen), give what the reference gives; so do the same chunks shifted off
+    that alignment, and read-only data (ISA-L's general encoder)."""
+    length = 512 * blocks
+    rng = random.Random(seed)
+    data = chunks(rng, n, length)
+    mem = mmap.mmap(-1, (n + 2) * (length + 4096) + 4096)
+    view = memoryview(mem)
+    slots = [view[i * (length + 4096) + shift:i * (length + 4096) + shift + length] for i in range(n + 2)]
+    for slot, d in zip(slots, data, strict=False):
+        slot[:] = d
+    src = slots[:n] if data_writable else data
+    par.encode_into(src, slots[n:])
+    assert (bytes(slots[n]), bytes(slots[n + 1])) == reference_pq(data)
+    par.encode_into(src, slots[n:n + 1])
+    assert bytes(slots[n]) == reference_xor(data)
+    assert [bytes(x) for x in slots[:n]] == data
+
+
 def test_encode_into_errors(par: Parity) -> None:
     out = memoryview(bytearray(3))
     with pytest.raises(ValueError, match="no data"):
@@ -318,6 +343,31 @@ def test_pq_update_equals_recompute(par: Parity, n: int, length: int, seed: int,
     assert (p2, q2) == reference_pq(data)
     p3, q3 = par.pq_update(index, new, new, p2, None)  # RAID 5 form: no Q in, none out
     assert (p3, q3) == (p2, None)
+
+
+@SETTINGS
+@given(n=st.integers(1, 16), length=st.sampled_from([*LENGTHS, 4096, 4100, 65536]), seed=st.integers(0, 2**32),
+       data_=st.data())
+def test_update_into_writes_pq_update_over_p_and_q(par: Parity, n: int, length: int, seed: int,
+                                                   data_: st.DataObject) -> None:
+    """update_into leaves in P's and Q's own memory what pq_update returns (ISA-L takes P and Q as sources and
+    outputs of one call: lengths under its vector width go to its portable code, the rest to its kernels), for
+    RAID 6 and for RAID 5 (no Q); old and new are left as they were."""
+    rng = random.Random(seed)
+    data = chunks(rng, n, length)
+    p, q = par.pq(data)
+    index = data_.draw(st.integers(0, n - 1))
+    old, new = bytearray(data[index]), rng.randbytes(length)
+    want_p, want_q = par.pq_update(index, old, new, p, q)
+    pm, qm = bytearray(p), bytearray(q)
+    par.update_into(index, memoryview(old), new, memoryview(pm), memoryview(qm))
+    assert (bytes(pm), bytes(qm)) == (bytes(want_p), bytes(want_q or b""))
+    assert old == data[index]
+    p5 = bytearray(p)
+    par.update_into(index, old, memoryview(new), p5, None)
+    assert bytes(p5) == bytes(want_p)
+    data[index] = new
+    assert (bytes(pm), bytes(qm)) == reference_pq(data)
 
 
 def test_pq_update_every_index_large(par: Parity) -> None:

@@ -161,7 +161,7 @@ def test_torn_stripe_is_resynced_before_a_member_loss_can_expose_it() -> None:
         for d in ds:
             await d.restart()
         dm, p = state["dm"], state["p"]
-        assert isinstance(dm, list) and isinstance(p, int)
+        assert isinstance(dm, tuple) and isinstance(p, int)
         raw = [bytes(await ds[m].read(HEADER // BS + row * CB, CB)) for m in (*dm, p)]
         assert backend().xor(raw[:3]) != raw[3]  # the hole is there
         pool = await Pool.assemble(ds, **timed(clock))

@@ -419,8 +419,8 @@ class Declining(RamMember):
         return super().write_now(lba, data)
 
     def write_window(self, lba: int, blocks: int) -> memoryview | None:
-        if self.decline or (self.decline_from is not None and lba >= self.decline_from):
-            return None   # where it takes no fast write it lends no memory either
+        if self.decline or (self.decline_from is not None and lba + blocks > self.decline_from):
+            return None   # where it takes no fast write it lends no memory either (nor over a range reaching there)
         return super().write_window(lba, blocks)
 
 

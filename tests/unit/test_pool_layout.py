@@ -42,9 +42,9 @@ def test_raid6_left_symmetric_matches_md() -> None:
     # md raid6 ALGORITHM_LEFT_SYMMETRIC: pd = n-1 - row % n, qd = pd + 1, data from pd + 2
     g = Geometry(Level.RAID6, 5, 8, 16)
     assert g.parity_members(0) == (4, 0)
-    assert g.data_members(0) == [1, 2, 3]
+    assert g.data_members(0) == (1, 2, 3)
     assert g.parity_members(1) == (3, 4)
-    assert g.data_members(1) == [0, 1, 2]
+    assert g.data_members(1) == (0, 1, 2)
     for row in range(10):
         roles = sorted([*g.data_members(row), *g.parity_members(row)])
         assert roles == list(range(5))  # each member holds exactly one chunk of each row

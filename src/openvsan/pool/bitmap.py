@@ -75,14 +75,21 @@ class WriteIntentBitmap:
 
     # --- the write path ---------------------------------------------------------------------------------------
 
-    def begin_now(self, regions: range) -> bool:
-        """begin() for a write done within this turn of the loop: only when every bit is durable already (no
-        bitmap write needed); False, and nothing counted, otherwise. `end` follows as for begin()."""
-        durable = self.durable
+    def wrote_now(self, regions: range) -> bool:
+        """begin() and end() at once, for a write done within this turn of the loop before anything else runs
+        (its count in flight would be back where it was): only when every bit is durable already (no bitmap
+        write needed); then the regions count as written now, as end() counts them. False, nothing counted,
+        otherwise."""
+        durable, bits = self.durable, self.bits
         for r in regions:
             if not durable[r >> 3] & (1 << (r & 7)):
                 return False
-        self._enter(regions)
+        now = self.clock()
+        self._seq += 1
+        mark = (self._seq, now)
+        for r in regions:
+            bits[r >> 3] |= 1 << (r & 7)
+            self._last[r] = mark
         return True
 
     def _enter(self, regions: Iterable[int]) -> set[int]:

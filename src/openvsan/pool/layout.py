@@ -140,11 +140,15 @@ class Geometry:
             return (self._p_member(row) + npar + index) % self.members
         return self.copies(row, index)[0]
 
-    def data_members(self, row: int) -> list[int]:
+    def data_members(self, row: int) -> tuple[int, ...]:
         """Member of each data index of a parity row (RAID 5/6), in data index order."""
+        return self._data_members[row % self.members]
+
+    @cached_property
+    def _data_members(self) -> tuple[tuple[int, ...], ...]:
+        # the placement repeats every `members` rows: each small write asks for it
         n = self.members
-        start = n - 1 - row % n + self._nparity
-        return [(start + i) % n for i in range(self.data_chunks)]
+        return tuple(tuple((n - 1 - r + self._nparity + i) % n for i in range(self.data_chunks)) for r in range(n))
 
     def data_index(self, row: int, member: int) -> int | None:
         """Which data chunk `member` holds in `row` (the pair's index for RAID 10), None for a parity chunk."""

@@ -445,14 +445,9 @@ class Pool:
             return self.io.write_now(lba, data)  # type: ignore[no-any-return]
         rows = self._rows(lba, n // self.block_size)
         regions = bitmap.regions_of(rows[0], rows[-1])
-        if not bitmap.begin_now(regions):
-            return False
-        try:
-            return self.io.write_now(lba, data)  # type: ignore[no-any-return]
-        finally:
-            # counted as written even when declined: a decline after part of a stripe was written leaves it
-            # torn until write() writes it again, and its bit must not be cleared as idle meanwhile
-            bitmap.end(regions)
+        # counted as written even when declined: a decline after part of a stripe was written leaves it torn
+        # until write() writes it again, and its bit must not be cleared as idle meanwhile
+        return bitmap.wrote_now(regions) and self.io.write_now(lba, data)  # type: ignore[no-any-return]
 
     async def write(self, lba: int, data: Buffer, *, fua: bool = False) -> None:
         bs = self.block_size

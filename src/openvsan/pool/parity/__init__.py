@@ -63,6 +63,11 @@ class Parity(Protocol):
         gives None (RAID 5)."""
         ...
 
+    def update_into(self, index: int, old: Buffer, new: Buffer, p: Buffer, q: Buffer | None) -> None:
+        """pq_update's P' and Q' written over P and Q themselves (writable buffers: a RAM member's own memory),
+        so a small write's parity is updated where it lies; `old` and `new` overlap neither."""
+        ...
+
 
 def _numpy() -> Parity:
     from openvsan.pool.parity.cpu import NumpyParity

@@ -65,10 +65,11 @@ def check_update(index: int, old: Buffer, new: Buffer, p: Buffer, q: Buffer | No
     """The chunk length of a read-modify-write, or ValueError."""
     if not 0 <= index < MAX_PQ_DATA:
         raise ValueError(f"data index {index} outside 0..{MAX_PQ_DATA - 1}")
-    lengths = {buffer_length(b) for b in (old, new, p, q) if b is not None}
-    if len(lengths) != 1:
+    n = buffer_length(p)
+    if buffer_length(old) != n or buffer_length(new) != n or (q is not None and buffer_length(q) != n):
+        lengths = {buffer_length(b) for b in (old, new, p, q) if b is not None}
         raise ValueError(f"chunks differ in length: {sorted(lengths)}")
-    return lengths.pop()
+    return n
 
 
 def xor_host(data: Sequence[Buffer], length: int) -> bytearray:
@@ -88,9 +89,15 @@ def xor_host_into(data: Sequence[Buffer], out: Buffer, length: int) -> None:
     if len(data) == 1:
         acc[:] = np.frombuffer(data[0], dtype)
         return
-    np.bitwise_xor(np.frombuffer(data[0], dtype), np.frombuffer(data[1], dtype), acc)
+    # out may be data[0] itself (an update in place: P ^= old ^ new)
+    np.bitwise_xor(acc if data[0] is out else np.frombuffer(data[0], dtype), np.frombuffer(data[1], dtype), acc)
     for d in data[2:]:
         np.bitwise_xor(acc, np.frombuffer(d, dtype), acc)
+
+
+def xor_update_into(index: int, old: Buffer, new: Buffer, p: Buffer) -> None:
+    """RAID 5's update_into on the host (both CPU backends): P ^= old ^ new, in P's own memory."""
+    xor_host_into([p, old, new], p, check_update(index, old, new, p, None))
 
 
 def xor_into(data: Sequence[Buffer], out: Sequence[Buffer]) -> None:
@@ -205,3 +212,10 @@ class ArrayParity(ABC):
         q2 = self._mul(gf_pow2(index), delta)
         self._ixor(q2, self._load(q))
         return self._store(p2), self._store(q2)
+
+    def update_into(self, index: int, old: Buffer, new: Buffer, p: Buffer, q: Buffer | None) -> None:
+        # these backends compute in arrays of their own: pq_update's result is copied over P and Q
+        p2, q2 = self.pq_update(index, old, new, p, q)
+        memoryview(p).cast("B")[:] = memoryview(p2).cast("B")
+        if q is not None and q2 is not None:
+            memoryview(q).cast("B")[:] = memoryview(q2).cast("B")

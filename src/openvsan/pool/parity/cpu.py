@@ -20,7 +20,16 @@ from functools import cache, lru_cache
 import numpy as np
 import numpy.typing as npt
 
-from openvsan.pool.parity.base import Array, ArrayParity, Buffer, check_data, check_update, xor_host, xor_into
+from openvsan.pool.parity.base import (
+    Array,
+    ArrayParity,
+    Buffer,
+    check_data,
+    check_update,
+    xor_host,
+    xor_into,
+    xor_update_into,
+)
 from openvsan.pool.parity.gf import LOG, mul_table
 
 U8 = npt.NDArray[np.uint8]
@@ -152,6 +161,12 @@ class NumpyParity(ArrayParity):
         if q is None:
             return xor_host([p, old, new], check_update(index, old, new, p, q)), None
         return super().pq_update(index, old, new, p, q)
+
+    def update_into(self, index: int, old: Buffer, new: Buffer, p: Buffer, q: Buffer | None) -> None:
+        if q is None:
+            xor_update_into(index, old, new, p)
+        else:
+            super().update_into(index, old, new, p, q)
 
     def _store(self, arr: Array) -> bytes:
         return bytes(arr.tobytes())
