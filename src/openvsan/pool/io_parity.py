@@ -59,6 +59,7 @@ class ParityIO:
         # (14-17 us: its update must make P' and Q' apart from P and Q, then copy them over); wider rows, and
         # RAID 5's XOR, update in place (_chunk_now)
         self._narrow_pq = self.raid6 and self.k <= 4
+        self._data_members = geo.data_member_rows   # a small read looks its member up there, with no call
 
     def _parity(self, chunks: Sequence[Buffer]) -> list[Buffer]:
         if self.raid6:
@@ -98,9 +99,10 @@ class ParityIO:
     def read_now(self, lba: int, blocks: int) -> Buffer | None:
         """read() in the caller's turn where every chunk it needs is on an in-sync member with a fast path
         (a healthy pool of RAM members: no parity involved); None otherwise (read() rebuilds what it must)."""
-        row, column, off = self.geo.locate(lba)
+        chunk, off = divmod(lba, self.cb)
         if off + blocks <= self.cb:  # inside one chunk, as most small reads are: no segment list
-            m = self.geo.data_member(row, column)
+            row, column = divmod(chunk, self.k)
+            m = self._data_members[row % self.geo.members][column]
             return self.ms.read_now(m, row, off, blocks) if self.ms.valid(m, row) else None
         segs = self.geo.segments(lba, blocks)
         if len(segs) == 1:
@@ -286,9 +288,10 @@ class ParityIO:
             self.torn.discard(row)
 
     def write_now(self, lba: int, data: Buffer) -> bool:
-        """A write of a healthy pool whose members have the fast path (RAM), done in the caller's turn, row by
-        row with the same plan, reads, parity and writes as `_write_row` (a row the request covers whole is a
-        full stripe: parity from the new data, nothing read); False where it cannot be (a member out of sync
+        """A write of a healthy pool whose members have the fast path (RAM), done in the caller's turn: through
+        the members' own memory where they lend it (_chunk_now, _rows_now), else row by row with the same plan,
+        reads, parity and writes as `_write_row` (a row the request covers whole is a full stripe: parity from
+        the new data, nothing read); False where it cannot be (a member out of sync
         or without the fast path, a row held by a request or rebuild in flight, or a row a fast-path write left
         torn): then write() writes the whole request, the rows this wrote before declining included, which is
         harmless (the same data again). A member that declines after others took their part of a row (a file
@@ -297,15 +300,15 @@ class ParityIO:
             return False
         view = memoryview(data).cast("B")
         blocks = len(view) // self.bs
-        geo, locks, torn = self.geo, self.locks, self.torn
-        row, column, off = geo.locate(lba)
+        locks, torn = self.locks, self.torn
+        chunk, off = divmod(lba, self.cb)
         if off + blocks <= self.cb:   # inside one chunk, as most small writes are: no segment list
+            row, column = divmod(chunk, self.k)
             if locks.busy(row) or row in torn:
                 return False
-            segs = [Segment(row, column, off, blocks, 0)]
-            done = self._rows_now([(row, segs)], view) if self._narrow_pq else self._chunk_now(row, column, off, view)
-            return done or self._row_now(row, segs, view)
-        segs = geo.segments(lba, blocks)
+            return self._chunk_now(row, column, off, view) or self._row_now(row, [Segment(row, column, off, blocks, 0)],
+                                                                          view)
+        segs = self.geo.segments(lba, blocks)
         for row in range(segs[0].row, segs[-1].row + 1):   # every row free before the first is written
             if locks.busy(row) or row in torn:
                 return False
@@ -318,16 +321,28 @@ class ParityIO:
         return True
 
     def _chunk_now(self, row: int, column: int, off: int, view: memoryview) -> bool:
-        """A write inside one data chunk, through its member's and the parity members' own memory (RAM members
-        lend it: MemberSet.window): a read-modify-write done where the chunks lie, P ^= old ^ new (and Q ^=
-        g^i (old ^ new)) from the data member's memory before the new data is copied over it. Of the row's
-        members it touches only those it writes, where a reconstruct-write would read every other data member
-        too (cold memory, for a random write). The row is in sync and not torn (write_now asked): its parity
-        can be trusted. False, nothing written: a member lends no window (then _row_now writes it)."""
+        """A write inside one data chunk, through the row's members' own memory (RAM members lend it:
+        MemberSet.window). The row is in sync and not torn (write_now asked): its parity can be trusted.
+        - RAID 5, and RAID 6 rows of more than 4 data chunks: a read-modify-write done where the chunks lie,
+          P ^= old ^ new (and Q ^= g^i (old ^ new)) from the data member's memory before the new data is copied
+          over it. Of the row's members it touches only those it writes, where a reconstruct-write would read
+          every other data member too (cold memory, for a random write).
+        - RAID 6 rows of up to 4 data chunks (_narrow_pq): the new data copied in, then P and Q encoded again
+          over the part of the row it covers, from the data members' memory (a reconstruct-write).
+        False, nothing written: a member lends no window (then _row_now writes it)."""
         ms, geo = self.ms, self.geo
         blocks = len(view) // self.bs
         pm = geo.parity_members(row)
-        d = ms.window(geo.data_member(row, column), row, off, blocks)
+        dm = self._data_members[row % geo.members]
+        if self._narrow_pq:
+            lent = [ms.window(m, row, off, blocks) for m in (*dm, *pm)]
+            wins = [w for w in lent if w is not None]
+            if len(wins) < len(lent):
+                return False
+            wins[column][:] = view
+            self.par.encode_into(wins[:self.k], wins[self.k:])
+            return True
+        d = ms.window(dm[column], row, off, blocks)
         p = ms.window(pm[0], row, off, blocks)
         q = ms.window(pm[1], row, off, blocks) if self.raid6 else None
         if d is None or p is None or (self.raid6 and q is None):

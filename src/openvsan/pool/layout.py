@@ -142,11 +142,12 @@ class Geometry:
 
     def data_members(self, row: int) -> tuple[int, ...]:
         """Member of each data index of a parity row (RAID 5/6), in data index order."""
-        return self._data_members[row % self.members]
+        return self.data_member_rows[row % self.members]
 
     @cached_property
-    def _data_members(self) -> tuple[tuple[int, ...], ...]:
-        # the placement repeats every `members` rows: each small write asks for it
+    def data_member_rows(self) -> tuple[tuple[int, ...], ...]:
+        """data_members(row) of rows 0 .. members - 1: the placement repeats every `members` rows (a small
+        request looks it up rather than computing it)."""
         n = self.members
         return tuple(tuple((n - 1 - r + self._nparity + i) % n for i in range(self.data_chunks)) for r in range(n))
 

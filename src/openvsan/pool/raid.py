@@ -86,6 +86,7 @@ class Pool:
         self.chunk_size = base.chunk_size
         self.block_size = base.block_size
         self.geo = geo
+        self._row_blocks = geo.chunk_blocks * geo.data_chunks   # logical blocks of a stripe row
         self.num_blocks = geo.num_blocks
         # a write without FUA may sit in a member's cache until flush; a fixed size. Reads and writes have the
         # fast path (read_now, write_now) where the members do, and the pool is healthy (they decline otherwise)
@@ -402,7 +403,7 @@ class Pool:
             raise DeviceFailed(self._failure_text())
 
     def _rows(self, lba: int, blocks: int) -> range:
-        per_row = self.geo.chunk_blocks * self.geo.data_chunks
+        per_row = self._row_blocks
         return range(lba // per_row, (lba + blocks - 1) // per_row + 1)
 
     async def _retrying(self, op: Any) -> Any:
@@ -443,8 +444,8 @@ class Pool:
         bitmap = self.bitmap
         if bitmap is None:
             return self.io.write_now(lba, data)  # type: ignore[no-any-return]
-        rows = self._rows(lba, n // self.block_size)
-        regions = bitmap.regions_of(rows[0], rows[-1])
+        per_row = self._row_blocks
+        regions = bitmap.regions_of(lba // per_row, (lba + n // self.block_size - 1) // per_row)
         # counted as written even when declined: a decline after part of a stripe was written leaves it torn
         # until write() writes it again, and its bit must not be cleared as idle meanwhile
         return bitmap.wrote_now(regions) and self.io.write_now(lba, data)  # type: ignore[no-any-return]
