@@ -29,7 +29,6 @@ from openvsan.pool.layout import Geometry, Level, Segment
 from openvsan.pool.locks import StripeLocks
 from openvsan.pool.members import MemberSet
 from openvsan.pool.parity import backend
-from openvsan.pool.parity.base import xor_host_into
 from openvsan.pool.scrub import RowCheck
 
 FULL, RMW, RCW = 0, 1, 2   # how a row's parity is made for a write (ParityIO._how)
@@ -375,9 +374,7 @@ class ParityIO:
             if w is None:
                 return False
             wins.append(w)
-        # the parity of each row: RAID 5's XOR straight from the host's encoder (the chunks are slices of one
-        # span, of one length by construction: nothing to check), RAID 6's P and Q from the backend
-        encode = self.par.encode_into if self.raid6 else None
+        stripes = []
         for j, (row, segs) in enumerate(rows):
             at = (j * cb - base) * bs
             dm = geo.data_members(row)
@@ -385,11 +382,8 @@ class ParityIO:
                 a = at + s.offset * bs
                 wins[dm[s.column]][a:a + s.blocks * bs] = view[s.start * bs:(s.start + s.blocks) * bs]
             lo, hi = spans[j]
-            a, b = at + lo * bs, at + hi * bs
-            if encode is None:
-                xor_host_into([wins[m][a:b] for m in dm], wins[geo.parity_members(row)[0]][a:b], b - a)
-            else:
-                encode([wins[m][a:b] for m in dm], [wins[p][a:b] for p in geo.parity_members(row)])
+            stripes.append((dm, geo.parity_members(row), at + lo * bs, (hi - lo) * bs))
+        self.par.encode_stripes_into(wins, stripes)   # each row's parity from its members' memory, data and all
         return True
 
     def _row_now(self, row: int, segs: list[Segment], view: memoryview) -> bool:

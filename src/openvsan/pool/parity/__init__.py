@@ -19,10 +19,13 @@ from typing import Protocol, runtime_checkable
 from openvsan.pool.parity.gf import gf_inv, gf_mul, gf_pow2, reference_pq, reference_xor
 
 Buffer = bytes | bytearray | memoryview
+# (indices of the data chunks' buffers, indices of the parity chunks' buffers, byte offset, length in bytes)
+Stripe = tuple[Sequence[int], Sequence[int], int, int]
 
 __all__ = [
     "Buffer",
     "Parity",
+    "Stripe",
     "available",
     "backend",
     "gf_inv",
@@ -48,6 +51,14 @@ class Parity(Protocol):
     def encode_into(self, data: Sequence[Buffer], out: Sequence[Buffer]) -> None:
         """What xor() (one output) or pq() (two: P, Q) returns, written into `out`: writable buffers of the
         chunks' length, such as a RAM member's own memory, so the parity is not made elsewhere and copied."""
+        ...
+
+    def encode_stripes_into(self, spans: Sequence[Buffer], stripes: Sequence[Stripe]) -> None:
+        """encode_into for several stripes whose chunks lie in a few writable buffers (each member's memory over
+        the rows a request spans): stripe (data, parity, start, length) is encode_into of spans[i][start:start +
+        length] for i in data into the same range of spans[j] for j in parity. One call for a request's rows,
+        so a backend that calls into C takes each buffer's address once. ValueError for a stripe outside its
+        buffers."""
         ...
 
     def recover(self, data: Sequence[Buffer | None], p: Buffer | None, q: Buffer | None) -> list[bytes]:

@@ -9,11 +9,12 @@ syndromes P ^ Pxy and Q ^ Qxy, where Pxy/Qxy are P/Q over the surviving data.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
+from openvsan.pool.parity import Stripe
 from openvsan.pool.parity.gf import gf_pow2, raid6_two_data_coefficients
 
 Buffer = bytes | bytearray | memoryview
@@ -107,6 +108,27 @@ def xor_into(data: Sequence[Buffer], out: Sequence[Buffer]) -> None:
     xor_host_into(data, out[0], length)
 
 
+def stripe_views(spans: Sequence[Buffer], stripe: Stripe
+                 ) -> tuple[list[memoryview], list[memoryview]]:
+    """A stripe's data and parity chunks as views of the buffers they lie in (encode_stripes_into), or
+    ValueError when it reaches outside them."""
+    data, parity, start, length = stripe
+    views = []
+    for i in (*data, *parity):
+        view = memoryview(spans[i]).cast("B")
+        if start < 0 or start + length > view.nbytes:
+            raise ValueError(f"stripe [{start}, {start + length}) outside a buffer of {view.nbytes} bytes")
+        views.append(view[start:start + length])
+    return views[:len(data)], views[len(data):]
+
+
+def encode_stripes(encode_into: Callable[[Sequence[Buffer], Sequence[Buffer]], None], spans: Sequence[Buffer],
+                   stripes: Sequence[Stripe]) -> None:
+    """encode_stripes_into as one encode_into per stripe."""
+    for stripe in stripes:
+        encode_into(*stripe_views(spans, stripe))
+
+
 def check_out(out: Sequence[Buffer], length: int) -> None:
     """encode_into's outputs: P, or P and Q, writable buffers of the chunks' length, or ValueError."""
     if len(out) not in (1, 2):
@@ -168,6 +190,10 @@ class ArrayParity(ABC):
         got = [self.xor(data)] if len(out) == 1 else self.pq(data)
         for o, g in zip(out, got, strict=True):
             memoryview(o).cast("B")[:] = memoryview(g).cast("B")
+
+    def encode_stripes_into(self, spans: Sequence[Buffer],
+                            stripes: Sequence[Stripe]) -> None:
+        encode_stripes(self.encode_into, spans, stripes)
 
     def recover(self, data: Sequence[Buffer | None], p: Buffer | None, q: Buffer | None) -> list[bytes]:
         missing, length = check_recover(data, p, q)

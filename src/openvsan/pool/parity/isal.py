@@ -19,12 +19,15 @@ from typing import Any
 
 import numpy as np
 
+from openvsan.pool.parity import Stripe
 from openvsan.pool.parity.base import (
     Buffer,
     check_data,
     check_out,
     check_recover,
     check_update,
+    encode_stripes,
+    stripe_views,
     xor_host,
     xor_into,
     xor_update_into,
@@ -45,8 +48,9 @@ def _library() -> Any:
         raise ValueError(f"parity backend 'isal' is unavailable: {e} (Debian: apt-get install libisal2)") from None
     encode.restype = None
     init.restype = None
-    lib.pq_gen.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
-    lib.pq_gen.restype = ctypes.c_int
+    for gen in (lib.xor_gen, lib.pq_gen):
+        gen.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
+        gen.restype = ctypes.c_int
     return lib
 
 
@@ -80,7 +84,7 @@ def _pointer(buf: Buffer, keep: list[object]) -> bytes | int:
     return int(np_view.ctypes.data)
 
 
-# pq_gen wants every pointer and the length aligned to its vector (32 bytes for AVX2; 64 taken, for AVX-512);
+# xor_gen and pq_gen want every pointer and the length aligned to its vector (32 bytes for AVX2; 64 taken, for AVX-512);
 # a RAM member's memory at a block boundary is
 ALIGN = 64
 
@@ -161,6 +165,28 @@ class IsalParity:
             if at is not None and self._lib.pq_gen(len(at), length, _addresses(len(at))(*at)) == 0:
                 return
         self._combine_into(data, _pq_rows(len(data)), length, out)
+
+    def encode_stripes_into(self, spans: Sequence[Buffer], stripes: Sequence[Stripe]) -> None:
+        """Where every buffer is writable memory on ALIGN (members' memory), each buffer's address taken once
+        and each stripe one call of ISA-L's RAID kernel, xor_gen (P) or pq_gen (P and Q), over addresses in
+        them (a 1 MiB RAID 5 write: 197 us against 225-229 through encode_into per row, the glue around each
+        call being most of a call's cost); elsewhere encode_into per stripe."""
+        keep: list[object] = []
+        at = _aligned(spans, keep)
+        if at is None:
+            encode_stripes(self.encode_into, spans, stripes)
+            return
+        within = min(memoryview(b).nbytes for b in spans)   # a stripe ending past it goes the checked way
+        xor_gen, pq_gen = self._lib.xor_gen, self._lib.pq_gen
+        for stripe in stripes:
+            data, parity, start, length = stripe
+            chunks = (*data, *parity)
+            n = len(chunks)
+            gen = pq_gen if len(parity) == 2 else xor_gen
+            if (len(data) < 2 or len(parity) not in (1, 2) or start < 0 or start + length > within or not length
+                    or start % ALIGN or length % ALIGN or length > _MAX_LEN
+                    or gen(n, length, _addresses(n)(*[at[i] + start for i in chunks])) != 0):
+                self.encode_into(*stripe_views(spans, stripe))
 
     def xor(self, data: Sequence[Buffer]) -> bytearray:
         return xor_host(data, check_data(data, pq=False))  # faster than ec_encode_data's GF multiply by one
