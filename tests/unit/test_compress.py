@@ -418,6 +418,54 @@ def test_the_fast_path_reads_the_bytes_the_normal_path_reads(frame: int) -> None
     asyncio.run(go())
 
 
+def test_a_framed_version_s_table_is_read_once_and_never_for_a_later_version() -> None:
+    """read_now of a framed version reads its header and table from the device once (kept in _tables), then
+    only the frames a read covers; a rewrite of the chunk (a new generation, in the same slot before a flush
+    and in the other after it) makes it read the new version's table, and the bytes follow every write."""
+    async def go() -> None:
+        dev = ram()
+        g, layer = await stack(dev, fresh=True, frame=4096)
+        rng = random.Random(3)
+        model = bytearray(b"".join(rng.randbytes(256) + bytes(256) for _ in range(CB)))   # half-compressible
+        await layer.write(0, bytes(model))
+        reads: list[tuple[int, int]] = []
+        below = layer._below_read_now
+        assert below is not None
+
+        def counted(lba: int, blocks: int) -> object:
+            reads.append((lba, blocks))
+            return below(lba, blocks)
+        layer._below_read_now = counted
+
+        def read(lba: int) -> tuple[bytes, int]:
+            layer._cache.clear()
+            reads.clear()
+            got = layer.read_now(lba, 8)
+            assert got is not None
+            return bytes(got), len(reads)
+
+        assert read(0) == (bytes(model[:8 * BS]), 2)            # header and table, then the frame
+        assert read(8) == (bytes(model[8 * BS:16 * BS]), 1)     # the frame alone
+        assert read(24) == (bytes(model[24 * BS:32 * BS]), 1)
+        slots = []
+        for round_ in range(3):
+            gen = layer._tables[0][0]
+            new = rng.randbytes(4096)
+            await layer.write(16, new)
+            model[16 * BS:16 * BS + 4096] = new
+            if round_ == 1:
+                await layer.flush()
+            assert read(16) == (new, 2)                          # the new version's table, read anew
+            assert read(8) == (bytes(model[8 * BS:16 * BS]), 1)
+            assert layer._tables[0][0] > gen
+            slots.append(layer._tables[0][1])
+        assert len(set(slots)) == 2, slots                       # the same slot and the other both met
+        layer._cache.clear()
+        assert bytes(await layer.read(0, CB)) == bytes(model)
+        await g.close()
+    asyncio.run(go())
+
+
 def test_half_compressible_data_takes_about_half_the_space_and_the_ratio_is_reported() -> None:
     async def go() -> None:
         dev = ram()

@@ -70,6 +70,7 @@ DEFAULT_CHUNK = 64 << 10
 CHUNKS = (16 << 10, 32 << 10, 64 << 10, 128 << 10)
 UNIT = 4096                   # a version takes whole units of the slot; the slot is one unit more than a chunk
 CACHE_CHUNKS = 64             # plain chunks kept in memory (a partial write reads none back; reads hit it)
+TABLE_CHUNKS = 16384          # framed versions whose header and frame table read_now keeps (about 0.3 KiB each)
 SCAN_CHUNKS = 16              # chunks read per request while opening
 
 MAGIC = b"VSZC"
@@ -399,6 +400,10 @@ class CompressLayer(Layer):
         self._locks: dict[int, list[Any]] = {}   # chunk -> [lock, users]
         self._flushes: list[_Flush] = []         # flushes under way
         self._cache: OrderedDict[int, bytes] = OrderedDict()
+        # chunk -> (generation, slot, algo, payload length, frame shift, table) of a framed version read_now
+        # read, its table's checksum checked: a small read of it then reads only its frames. A later version has
+        # another generation, so an entry is only ever used for the version it was read from.
+        self._tables: OrderedDict[int, tuple[int, int, int, int, int, FrameTable]] = OrderedDict()
         self.bytes_in = self.bytes_out = 0             # plain and stored bytes written since open (for stats)
         self._foreign = self._noise = 0                # what load() found that is not of this layout
 
@@ -639,7 +644,8 @@ class CompressLayer(Layer):
     def read_now(self, lba: int, blocks: int) -> Buffer | None:
         """read() in the caller's turn, within one chunk that nobody holds (a write holds its chunk across its
         awaits; this path has none), from the cache or the device's own fast path; else None. Of a framed
-        version it reads the header and table, then only the frames the read covers."""
+        version it reads the header and table (kept for the next read of that version: _tables), then only the
+        frames the read covers."""
         per = self._per
         c, off = divmod(lba, per)
         if off + blocks > per or c in self._locks:
@@ -660,11 +666,20 @@ class CompressLayer(Layer):
         if algo != LZ4F and algo != ZSTDF:
             raw = fn(at, int(self.held[c, s]) // bs)
             return None if raw is None else self._decoded(c, s, raw, off * bs, blocks * bs)
-        head = fn(at, self._head_blocks)
-        if head is None:
-            return None
-        algo, length, pcrc, shift = self._head(c, s, head)
-        table = self._frames(c, s, memoryview(head)[HEADER_BYTES:], pcrc, shift)
+        gen = int(self.gen[c])
+        known = self._tables.get(c)
+        if known is not None and known[0] == gen and known[1] == s:
+            _, _, algo, length, shift, table = known
+            self._tables.move_to_end(c)
+        else:
+            head = fn(at, self._head_blocks)
+            if head is None:
+                return None
+            algo, length, pcrc, shift = self._head(c, s, head)
+            table = self._frames(c, s, memoryview(head)[HEADER_BYTES:], pcrc, shift)
+            self._tables[c] = (gen, s, algo, length, shift, table)
+            if len(self._tables) > TABLE_CHUNKS:
+                self._tables.popitem(last=False)
         lens, _, starts = table
         start, n = off * bs, blocks * bs
         first, last = start >> shift, (start + n - 1) >> shift
