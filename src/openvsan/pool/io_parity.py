@@ -98,9 +98,8 @@ class ParityIO:
     def read_now(self, lba: int, blocks: int) -> Buffer | None:
         """read() in the caller's turn where every chunk it needs is on an in-sync member with a fast path
         (a healthy pool of RAM members: no parity involved); None otherwise (read() rebuilds what it must)."""
-        chunk, off = divmod(lba, self.cb)
+        row, column, off = self.geo.locate(lba)
         if off + blocks <= self.cb:  # inside one chunk, as most small reads are: no segment list
-            row, column = divmod(chunk, self.k)
             m = self._data_members[row % self.geo.members][column]
             return self.ms.read_now(m, row, off, blocks) if self.ms.valid(m, row) else None
         segs = self.geo.segments(lba, blocks)
@@ -300,9 +299,8 @@ class ParityIO:
         view = memoryview(data).cast("B")
         blocks = len(view) // self.bs
         locks, torn = self.locks, self.torn
-        chunk, off = divmod(lba, self.cb)
+        row, column, off = self.geo.locate(lba)
         if off + blocks <= self.cb:   # inside one chunk, as most small writes are: no segment list
-            row, column = divmod(chunk, self.k)
             if locks.busy(row) or row in torn:
                 return False
             return self._chunk_now(row, column, off, view) or self._row_now(row, [Segment(row, column, off, blocks, 0)],

@@ -166,7 +166,7 @@ class Geometry:
 
     def locate(self, lba: int) -> tuple[int, int, int]:
         """(row, data index, block offset in the chunk) of a logical block: the first segment of a request that
-        starts there, without the list (a small read's shortcut)."""
+        starts there, without the list (a small read's or write's shortcut)."""
         chunk, off = divmod(lba, self.chunk_blocks)
         row, index = divmod(chunk, self.data_chunks)
         return row, index, off

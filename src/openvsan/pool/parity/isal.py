@@ -76,10 +76,10 @@ def _pointer(buf: Buffer, keep: list[object]) -> bytes | int:
     (the object that owns the address goes into `keep` until the call returns)."""
     if type(buf) is bytes:
         return buf
-    view = memoryview(buf)
-    if not view.readonly:
-        return _address(view, keep)
-    np_view = np.frombuffer(view, dtype=np.uint8)
+    at = _address(buf, keep)
+    if at is not None:
+        return at
+    np_view = np.frombuffer(memoryview(buf), dtype=np.uint8)   # read-only (or empty)
     keep.append(np_view)
     return int(np_view.ctypes.data)
 
@@ -94,24 +94,21 @@ def _aligned(bufs: Sequence[Buffer], keep: list[object]) -> list[int] | None:
     aligned); each buffer is held in `keep` until the call returns."""
     out = []
     for b in bufs:
-        try:
-            first = ctypes.c_char.from_buffer(b)
-        except (TypeError, ValueError):
+        at = _address(b, keep)
+        if at is None or at % ALIGN:
             return None
-        at = ctypes.addressof(first)
-        if at % ALIGN:
-            return None
-        keep.append(first)
         out.append(at)
     return out
 
 
-def _address(view: memoryview, keep: list[object]) -> int:
-    """The address of a writable buffer's first byte: a one-byte ctypes object over it (half the cost of an
-    array type of the buffer's length), kept in `keep`, which holds the buffer until the call returns."""
-    if not view.nbytes:
-        return 0
-    first = ctypes.c_char.from_buffer(view)
+def _address(buf: Buffer, keep: list[object]) -> int | None:
+    """The address of a writable buffer's first byte, or None (read-only, or empty): a one-byte ctypes object
+    over it (half the cost of an array type of the buffer's length), kept in `keep`, which holds the buffer
+    until the call returns."""
+    try:
+        first = ctypes.c_char.from_buffer(buf)
+    except (TypeError, ValueError):
+        return None
     keep.append(first)
     return ctypes.addressof(first)
 
@@ -148,7 +145,7 @@ class IsalParity:
         pointers = [s if type(s) is bytes else _pointer(s, keep) for s in sources]
         src = _pointers(len(sources))(*pointers)  # type: ignore[misc]  # c_char_p slots take bytes or addresses
         dst = _addresses(len(rows))(*[ctypes.addressof(o) if isinstance(o, ctypes.Array)
-                                      else _address(memoryview(o), keep) for o in outs])
+                                      else _address(o, keep) or 0 for o in outs])
         self._encode(length, len(sources), len(rows), _tables(rows), src, dst)
 
     def encode_into(self, data: Sequence[Buffer], out: Sequence[Buffer]) -> None:
