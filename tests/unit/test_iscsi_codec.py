@@ -137,3 +137,83 @@ def test_write_transfer_flags_bad_datasn():
     t.data_out(r.ttt, 1, 0, memoryview(bytes(4096)), False)  # DataSN should be 0
     t.data_out(r.ttt, 1, 4096, memoryview(bytes(4096)), True)
     assert t.complete and t.error is not None and t.error.asc == 0x4B00
+
+
+def data_out_pdu(itt: int, ttt: int, datasn: int, offset: int, data: bytes, final: bool = True) -> bytes:
+    rest = struct.pack(">II", ttt, 0) + bytes(8) + struct.pack(">II", datasn, offset)   # bytes 20..43
+    return b"".join(frame(bhs(P.Op.DATA_OUT, flags=0x80 if final else 0, dsl=len(data), itt=itt, rest=rest), data))
+
+
+def read_in(reader: PduReader, wire: bytes, cuts: list[int]) -> list[P.Pdu]:
+    got: list[P.Pdu] = []
+    at = 0
+    for cut in [*cuts, len(wire)]:
+        got += reader.receive_data(wire[at:cut])
+        at = cut
+    return got
+
+
+def test_reader_places_a_straddling_data_out_where_place_says_and_its_bytes_equal_the_join():
+    """The shortcut's PDUs equal the joining reader's, byte for byte; a straddling Data-Out's payload lands in
+    the memory `place` gave (its data is that memory); PDUs inside one receive, a PDU behind another in the
+    same batch, and other opcodes are not offered to `place`."""
+    pay1, pay2 = bytes(range(256)) * 40, b"\x5a" * 9000
+    wire = (data_out_pdu(7, 100, 0, 0, pay1) + b"".join(frame(bhs(P.Op.NOP_OUT, dsl=5), b"hello"))
+            + data_out_pdu(7, 100, 1, len(pay1), pay2))
+    cuts = [1000, 20000, 20100]   # the first Data-Out straddles; the NOP and the second one follow in one batch
+    target = bytearray(len(pay1) + len(pay2))
+    asked: list[tuple[int, int]] = []
+
+    def place(head: memoryview, dsl: int) -> memoryview | None:
+        offset = struct.unpack_from(">I", head, 40)[0]
+        asked.append((offset, dsl))
+        return memoryview(target)[offset:offset + dsl]
+
+    plain = read_in(PduReader(), wire, cuts)
+    r = PduReader()
+    r.place = place
+    placed = read_in(r, wire, cuts)
+    assert [(bytes(p.bhs), bytes(p.ahs), bytes(p.data)) for p in placed] == \
+        [(bytes(p.bhs), bytes(p.ahs), bytes(p.data)) for p in plain]
+    assert asked == [(0, len(pay1))]                    # the second Data-Out came behind the NOP in its batch
+    assert placed[0].data.obj is target and bytes(target[:len(pay1)]) == pay1
+    assert placed[2].data.obj is not target
+
+    # the second one alone, split: placed too; a None from place is the join as before
+    r2 = PduReader()
+    r2.place = place
+    (p2,) = read_in(r2, data_out_pdu(7, 100, 1, len(pay1), pay2), [3000])
+    assert p2.data.obj is target and bytes(target[len(pay1):]) == pay2
+    r3 = PduReader()
+    r3.place = lambda head, dsl: None
+    (p3,) = read_in(r3, data_out_pdu(7, 100, 1, 0, pay2), [3000])
+    assert bytes(p3.data) == pay2
+
+
+def test_reader_does_not_place_with_data_digests():
+    r = PduReader()
+    r.data_digest = True
+    r.place = lambda head, dsl: pytest.fail("placed with a data digest")  # type: ignore[no-any-return]
+    rest = struct.pack(">II", 100, 0) + bytes(8) + struct.pack(">II", 0, 0)
+    wire = b"".join(frame(bhs(P.Op.DATA_OUT, dsl=6000, rest=rest), b"q" * 6000, data_digest=True))
+    (pdu,) = read_in(r, wire, [2000])
+    assert bytes(pdu.data) == b"q" * 6000 and pdu.digest_ok
+
+
+def test_write_transfer_takes_placed_data_without_copying_and_still_judges_it():
+    p = Params(max_burst_length=16384)
+    t = WriteTransfer.start(16384, 16384, memoryview(b""), final=True, params=p)
+    (r,) = t.r2ts(iter(range(5)))
+    spot = t.placed(0, 8192)
+    assert spot is not None and t.placed(12288, 8192) is None     # beyond the buffer
+    spot[:] = b"p" * 8192
+    t.data_out(r.ttt, 0, 0, spot, False)
+    t.data_out(r.ttt, 1, 8192, memoryview(b"n" * 8192), True)
+    assert t.complete and t.error is None and bytes(t.buffer) == b"p" * 8192 + b"n" * 8192
+    # placed data for an unknown TTT fails the transfer like any other, and nothing more is placed after it
+    t2 = WriteTransfer.start(8192, 8192, memoryview(b""), final=True, params=p)
+    t2.r2ts(iter(range(5)))
+    spot2 = t2.placed(0, 8192)
+    assert spot2 is not None
+    t2.data_out(0x1234, 0, 0, spot2, True)
+    assert t2.error is not None and t2.error.asc == 0x4B01 and t2.placed(0, 4096) is None

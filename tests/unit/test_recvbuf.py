@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from openvsan.protocol.recvbuf import RecvBuffer
 
 
@@ -131,3 +133,17 @@ def test_the_pdu_readers_leave_no_pin_on_a_receive() -> None:
     chunk = icreq + capsule * ((256 * 1024) // len(capsule)) + capsule[:50]
     q.receive_data(chunk)
     assert q.reader.buffered == 50 and all(len(c.obj) < 16384 for c in q.reader._buf._chunks)
+
+
+def test_copy_into_reads_across_chunks_without_joining_and_contiguous_says_where_peek_would_copy() -> None:
+    b = RecvBuffer()
+    for part in (b"abcd", b"efgh", b"ijklmnop"):
+        b.append(part)
+    assert b.contiguous(4) and not b.contiguous(5)
+    out = bytearray(9)
+    b.copy_into(2, memoryview(out))
+    assert bytes(out) == b"cdefghijk"
+    assert b.size == 16 and bytes(b.peek(4)) == b"abcd"    # nothing consumed, nothing joined
+    assert b.contiguous(4)
+    with pytest.raises(ValueError):
+        b.copy_into(10, memoryview(bytearray(7)))

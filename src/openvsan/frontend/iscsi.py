@@ -416,6 +416,8 @@ class Connection(BatchedConnection):
             s = self.session
             assert s is not None
             self._lane = not (self.hd or self.dd or s.discovery)
+            if not s.discovery:
+                self.reader.place = self._place
             self.logged_in()
             self.settle()
             log.info("%s: %s session tsih=%d for %s%s", self.peer, "discovery" if s.discovery else "normal",
@@ -734,6 +736,16 @@ class Connection(BatchedConnection):
         for r in task.transfer.r2ts(self._ttt):
             self.send(P.r2t(task.itt, r.ttt & 0xFFFFFFFF, task.lun_raw, self.statsn, s.exp_cmdsn, s.max_cmdsn,
                             r.r2tsn, r.offset, r.length))
+
+    def _place(self, bhs: memoryview, dsl: int) -> memoryview | None:
+        """framing.PduReader.place: where a Data-Out that straddles receives is copied to, its command's buffer
+        at its Buffer Offset; None where _data_out would drop it (no such task, or one running already: its
+        buffer is being written) or its transfer has no room for it. _data_out then judges it as any other."""
+        s = self.session
+        task = s.tasks.get(_U32.unpack_from(bhs, 16)[0]) if s is not None else None
+        if task is None or task.transfer is None or task.running:
+            return None
+        return task.transfer.placed(_U32.unpack_from(bhs, 40)[0], dsl)
 
     def _data_out(self, pdu: P.Pdu) -> None:
         s = self.session

@@ -71,6 +71,28 @@ class RecvBuffer:
         chunks.appendleft(joined)
         return joined
 
+    def contiguous(self, n: int) -> bool:
+        """Whether the first n bytes (n <= size) lie in one received chunk: peek(n) would copy nothing."""
+        return not n or n <= len(self._chunks[0])
+
+    def copy_into(self, start: int, target: memoryview) -> None:
+        """Copy len(target) bytes from `start` on (start + len(target) <= size) into `target`, chunk by chunk,
+        joining nothing; nothing is consumed."""
+        n = len(target)
+        pos = 0
+        for c in self._chunks:
+            if pos == n:
+                return
+            if start >= len(c):
+                start -= len(c)
+                continue
+            take = min(len(c) - start, n - pos)
+            target[pos:pos + take] = c[start:start + take]
+            pos += take
+            start = 0
+        if pos != n:
+            raise ValueError(f"copy_into: {n} bytes asked, {pos} held from there")
+
     def consume(self, n: int) -> None:
         """Drop the first n bytes (at most size)."""
         self.size -= n

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NoReturn
 
 from crc32c import crc32c
 
-from openvsan.protocol.iscsi.pdu import BHS_LEN, Pdu, data_segment_length, pad4, total_ahs_length
+from openvsan.protocol.iscsi.pdu import BHS_LEN, Op, Pdu, data_segment_length, pad4, total_ahs_length
 from openvsan.protocol.recvbuf import RecvBuffer
 
 # What the format itself allows: DataSegmentLength is 24 bits, TotalAHSLength 8 bits of 4-byte words (§11.2.1)
@@ -17,6 +17,11 @@ HARD_MAX_AHS = 255 * 4
 LOGIN_MAX_DSL = 8192   # §13.12: MaxRecvDataSegmentLength is 8192 until the login negotiates it (§6.1, §7.2)
 _PADS = (b"", b"\0\0\0", b"\0\0", b"\0")
 _U32 = struct.Struct(">I")
+
+# Where a Data-Out's payload goes (PduReader.place): given the PDU's BHS and DataSegmentLength, the memory the
+# payload belongs in (the command's buffer at the PDU's Buffer Offset), or None
+Placer = Callable[[memoryview, int], memoryview | None]
+_DATA_OUT = int(Op.DATA_OUT)
 
 
 class FramingError(Exception):
@@ -51,6 +56,12 @@ class PduReader:
     `max_dsl` and `max_ahs` are what the current phase allows (the target sets LOGIN_MAX_DSL and no AHS
     before login, then the MaxRecvDataSegmentLength it declared): a header declaring more raises LengthError
     as soon as the header is in, so what is held never exceeds one header plus one PDU of that size.
+
+    `place` (a target sets it): a SCSI Data-Out PDU that straddles reads is not joined where `place` gives
+    memory for its payload: the payload is copied from the reads straight there (one copy instead of the join
+    and the copy into the command's buffer), and the PDU's `data` is that memory. It is asked only when no PDU
+    is waiting ahead of it in the same batch (so what it sees is current: every PDU before this one was
+    handed on), and never with data digests (the digest is checked over the received bytes).
     """
 
     def __init__(self) -> None:
@@ -58,6 +69,7 @@ class PduReader:
         self.data_digest = False
         self.max_dsl = HARD_MAX_DSL
         self.max_ahs = HARD_MAX_AHS
+        self.place: Placer | None = None
         self._buf = RecvBuffer()
 
     @property
@@ -101,10 +113,21 @@ class PduReader:
                 self._refuse(bhs, ahs_len, dsl)
             dd = 4 if (self.data_digest and dsl) else 0
             total = hlen + hd + dsl + pad4(dsl) + dd
+            dstart = hlen + hd
+            if (self.place is not None and not out and not dd and bhs[0] & 0x3F == _DATA_OUT
+                    and buf.size >= total and not buf.contiguous(total)):
+                target = self.place(bhs, dsl)
+                if target is not None:
+                    held = buf.peek(hlen)
+                    assert held is not None   # hlen < total <= size
+                    head = memoryview(bytes(held))
+                    buf.copy_into(dstart, target)
+                    out.append(Pdu(head[:BHS_LEN], head[BHS_LEN:hlen], target))
+                    buf.consume(total)
+                    continue
             view = buf.peek(total)
             if view is None:
                 break
-            dstart = hlen + hd
             pdu = Pdu(view[:BHS_LEN], view[BHS_LEN:hlen], view[dstart:dstart + dsl])
             if dd:
                 padded = dsl + pad4(dsl)

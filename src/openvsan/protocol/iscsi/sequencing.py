@@ -89,7 +89,10 @@ class WriteTransfer:
         return out
 
     def data_out(self, ttt: int, datasn: int, offset: int, data: memoryview, final: bool) -> None:
-        """Place one Data-Out PDU (§11.7). Errors are remembered; the transfer still runs to its end."""
+        """Place one Data-Out PDU (§11.7). Errors are remembered; the transfer still runs to its end. `data` may
+        already lie in place, a view of this transfer's buffer at `offset` (placed(): the reader received it
+        there): then it is not copied. Placed data that this finds wrong has landed in the buffer all the
+        same; the error fails the command, so the buffer is never written anywhere."""
         n = len(data)
         if ttt == 0xFFFFFFFF:
             if not self.unsolicited_expected:
@@ -100,7 +103,7 @@ class WriteTransfer:
             self.unsolicited_datasn += 1
             if offset + n > self.unsolicited_end:
                 self._fail(DataOutError(ASC_TOO_MUCH_WRITE_DATA, "unsolicited data beyond FirstBurstLength"))
-            elif self.error is None:
+            elif self.error is None and data.obj is not self.buffer:
                 self.buffer[offset:offset + n] = data
             if final:
                 self.unsolicited_expected = False
@@ -114,11 +117,19 @@ class WriteTransfer:
         r.next_datasn += 1
         if offset < r.offset or offset + n > r.offset + r.length:
             self._fail(DataOutError(ASC_DATA_OFFSET_ERROR, "Data-Out outside its R2T"))
-        elif self.error is None:
+        elif self.error is None and data.obj is not self.buffer:
             self.buffer[offset:offset + n] = data
         r.received += n
         if final:
             del self.outstanding[ttt]
+
+    def placed(self, offset: int, n: int) -> memoryview | None:
+        """Where a Data-Out's n bytes at `offset` go, for the reader to receive them straight there
+        (framing.PduReader.place), or None: not while an error is recorded, nor beyond the buffer. data_out
+        still judges the PDU as it judges any."""
+        if self.error is not None or offset + n > len(self.buffer):
+            return None
+        return memoryview(self.buffer)[offset:offset + n]
 
     def _fail(self, e: DataOutError) -> None:
         if self.error is None:
