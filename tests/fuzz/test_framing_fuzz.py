@@ -50,9 +50,13 @@ def feed(reader: PduReader, chunks: list[bytes]) -> tuple[list[Expected], Framin
     return got, None
 
 
-def random_pdu(rng: random.Random, *, hd: bool, dd: bool, corrupt_data_digest: bool = False) -> tuple[bytes, Expected]:
-    """One well-formed PDU with random fields, and what the reader must return for it."""
+def random_pdu(rng: random.Random, *, hd: bool, dd: bool, corrupt_data_digest: bool = False,
+               data_out: bool = False) -> tuple[bytes, Expected]:
+    """One well-formed PDU with random fields (a SCSI Data-Out's opcode where `data_out`), and what the reader
+    must return for it."""
     bhs = bytearray(rng.randbytes(pdus.BHS_LEN))
+    if data_out:
+        bhs[0] = (bhs[0] & 0xC0) | 0x05
     ahs = rng.randbytes(4 * rng.choice((0, 0, 0, 1, 2, rng.randrange(256))))
     n = rng.choice((0, 0, 1, 2, 3, 4, 5, 48, 511, 512, 8192, rng.randrange(20000)))
     data = rng.randbytes(n)
@@ -71,9 +75,23 @@ def random_pdu(rng: random.Random, *, hd: bool, dd: bool, corrupt_data_digest: b
     return wire, (bytes(bhs), ahs, data, ok)
 
 
-def reader(hd: bool, dd: bool) -> PduReader:
+PLACED = [0]   # Data-Out payloads a placing reader put where its `place` said (the shortcut was taken)
+
+
+def reader(hd: bool, dd: bool, place: random.Random | None = None) -> PduReader:
+    """A reader; with `place`, one that places straddling Data-Outs (framing.PduReader.place) into memory of
+    its own most of the time and declines the rest (then it joins, as without)."""
     r = PduReader()
     r.header_digest, r.data_digest = hd, dd
+    if place is not None:
+        rng = place
+
+        def placer(bhs: memoryview, dsl: int) -> memoryview | None:
+            if rng.random() < 0.2:
+                return None
+            PLACED[0] += 1
+            return memoryview(bytearray(dsl))
+        r.place = placer
     return r
 
 
@@ -82,16 +100,19 @@ def test_well_formed_streams_frame_exactly(seed: int) -> None:
     rng = random.Random(seed)
     for i in range(1000):
         hd, dd = rng.random() < 0.5, rng.random() < 0.5
+        place = random.Random(rng.random()) if rng.random() < 0.5 else None   # the Data-Out shortcut: same PDUs
         stream, want = b"", []
         for _ in range(rng.randrange(1, 6)):
-            wire, exp = random_pdu(rng, hd=hd, dd=dd, corrupt_data_digest=rng.random() < 0.1)
+            wire, exp = random_pdu(rng, hd=hd, dd=dd, corrupt_data_digest=rng.random() < 0.1,
+                                   data_out=place is not None and rng.random() < 0.5)
             stream += wire
             want.append(exp)
         tail = rng.randbytes(rng.randrange(pdus.BHS_LEN)) if rng.random() < 0.3 else b""
-        got, err = feed(reader(hd, dd), cut(stream + tail, rng))
+        got, err = feed(reader(hd, dd, place), cut(stream + tail, rng))
         assert err is None, f"seed {seed} input {i}: {err}"
         assert got == want, f"seed {seed} input {i}"
         budget.count()
+    assert PLACED[0], "no Data-Out was ever placed: the shortcut went untested"
 
 
 @pytest.mark.parametrize("seed", budget.SEEDS)
@@ -120,6 +141,9 @@ def check_any_stream(chunks: list[bytes], hd: bool, dd: bool) -> None:
     parts, parts_err = feed(reader(hd, dd), chunks)
     assert parts == whole
     assert (whole_err is None) == (parts_err is None)
+    placed, placed_err = feed(reader(hd, dd, random.Random(len(chunks))), chunks)   # the Data-Out shortcut
+    assert placed == parts
+    assert (placed_err is None) == (parts_err is None)
 
 
 @pytest.mark.parametrize("seed", budget.SEEDS)

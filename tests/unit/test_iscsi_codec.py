@@ -155,12 +155,12 @@ def read_in(reader: PduReader, wire: bytes, cuts: list[int]) -> list[P.Pdu]:
 
 def test_reader_places_a_straddling_data_out_where_place_says_and_its_bytes_equal_the_join():
     """The shortcut's PDUs equal the joining reader's, byte for byte; a straddling Data-Out's payload lands in
-    the memory `place` gave (its data is that memory); PDUs inside one receive, a PDU behind another in the
-    same batch, and other opcodes are not offered to `place`."""
+    the memory `place` gave (its data is that memory); PDUs inside one receive and other opcodes are not
+    offered to `place`."""
     pay1, pay2 = bytes(range(256)) * 40, b"\x5a" * 9000
     wire = (data_out_pdu(7, 100, 0, 0, pay1) + b"".join(frame(bhs(P.Op.NOP_OUT, dsl=5), b"hello"))
             + data_out_pdu(7, 100, 1, len(pay1), pay2))
-    cuts = [1000, 20000, 20100]   # the first Data-Out straddles; the NOP and the second one follow in one batch
+    cuts = [1000, 20000, 20100]   # the first Data-Out straddles; the NOP and the second one lie in one receive
     target = bytearray(len(pay1) + len(pay2))
     asked: list[tuple[int, int]] = []
 
@@ -175,7 +175,7 @@ def test_reader_places_a_straddling_data_out_where_place_says_and_its_bytes_equa
     placed = read_in(r, wire, cuts)
     assert [(bytes(p.bhs), bytes(p.ahs), bytes(p.data)) for p in placed] == \
         [(bytes(p.bhs), bytes(p.ahs), bytes(p.data)) for p in plain]
-    assert asked == [(0, len(pay1))]                    # the second Data-Out came behind the NOP in its batch
+    assert asked == [(0, len(pay1))]                    # the second Data-Out lay inside one receive
     assert placed[0].data.obj is target and bytes(target[:len(pay1)]) == pay1
     assert placed[2].data.obj is not target
 

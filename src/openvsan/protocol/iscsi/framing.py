@@ -59,9 +59,11 @@ class PduReader:
 
     `place` (a target sets it): a SCSI Data-Out PDU that straddles reads is not joined where `place` gives
     memory for its payload: the payload is copied from the reads straight there (one copy instead of the join
-    and the copy into the command's buffer), and the PDU's `data` is that memory. It is asked only when no PDU
-    is waiting ahead of it in the same batch (so what it sees is current: every PDU before this one was
-    handed on), and never with data digests (the digest is checked over the received bytes).
+    and the copy into the command's buffer), and the PDU's `data` is that memory. What `place` sees must be
+    current, every PDU before this one handed on: a PDU that straddles reads is always the first one a call
+    completes (every whole PDU held from before was returned by an earlier call), and the reader checks that
+    nothing is waiting ahead of it all the same. Never with data digests (the digest is checked over the
+    received bytes).
     """
 
     def __init__(self) -> None:
