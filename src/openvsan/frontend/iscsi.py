@@ -578,6 +578,7 @@ class Connection(BatchedConnection):
         self.reader.header_digest, self.reader.data_digest = self.hd, self.dd
         self.reader.max_dsl = params.target_mrdsl
         self.reader.max_ahs = HARD_MAX_AHS
+        self.reader.place = self._place
         self._lane = not (self.hd or self.dd)
         self.logged_in()
         log.info("%s: normal session tsih=%d for %s on %s: moved here with its volume", self.peer, tsih,
