@@ -410,6 +410,56 @@ def test_write_soon_fails_as_write_would_once_a_new_primary_was_elected() -> Non
     asyncio.run(go())
 
 
+class SoonPeer(RamDevice):
+    """A peer with a fast send (WriteSoon), as our NVMe/TCP initiator is: its answer comes in a later turn; the
+    ones in `lose` fail, as a send on a connection that dropped does (the initiator never retries them)."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(BLOCKS, BS, name=name)
+        self.lose = 0
+        self.soon_sent = self.writes = 0
+
+    def write_soon(self, lba: int, data: Buffer, fua: bool, done: Any) -> bool:
+        self.soon_sent += 1
+        if self.lose:
+            self.lose -= 1
+            asyncio.get_running_loop().call_soon(done, ConnectionError("lost with the connection"))
+            return True
+        self._put(lba, data)
+        asyncio.get_running_loop().call_soon(done, None)
+        return True
+
+    async def write(self, lba: int, data: Buffer, *, fua: bool = False) -> None:
+        self.writes += 1
+        await asyncio.sleep(0)
+        self._put(lba, data)
+
+
+@pytest.mark.parametrize("nodes", [("a", "b"), ("a", "b", "c")])
+def test_write_soon_sends_again_the_normal_way_what_a_fast_send_lost(nodes: tuple[str, ...]) -> None:
+    """A peer's fast send that fails is not a peer failure: the write goes to it again through write() (which
+    retries and reconnects), and is done once every replica has it, no peer marked out of sync."""
+    async def go() -> None:
+        clock = Clock()
+        store = MemoryStateStore(MemoryState(clock=clock))
+        await R.create(store, "v", nodes)
+        view = await R.claim_primary(store, "v", "a", await store.grant_lease(5))
+        local = RamDevice(BLOCKS, BS, name="a")
+        peers = {n: SoonPeer(n) for n in nodes if n != "a"}
+        m = MirrorLayer(local, me="a", view=view, store=store, peers=peers, region_size=REGION)
+        await m.write(0, b"x" * BS)                      # the epoch's first write, recorded by write()
+        last = peers[nodes[-1]]
+        last.lose = 1
+        assert await soon(m, 64, b"s" * 4096)
+        for d in (local, *peers.values()):
+            assert bytes(await d.read(64, 8)) == b"s" * 4096
+        assert last.writes == 2 and all(p.writes == 1 for p in peers.values() if p is not last)  # one resend
+        assert not (await R.load(store, "v")).out_of_sync and not m.dirty and not m._ops
+        assert await soon(m, 72, b"t" * 4096)            # and the next write takes the fast send again
+        assert all(p.soon_sent == 2 for p in peers.values()) and last.writes == 2
+    asyncio.run(go())
+
+
 def test_write_soon_declines_a_write_that_overlaps_one_in_flight() -> None:
     async def go() -> None:
         _, _, _, _, m = await cluster(("a", "b"), rng=random.Random(3))
