@@ -645,11 +645,11 @@ class MirrorLayer(Layer):
                 "out_of_sync": {n: len(d) for n, d in self.dirty.items()}, "fenced": self.fenced}
 
 
-
 class _SoonWrite:
     """One write on MirrorLayer.write_soon's path, from its send to its acknowledgement: what the answers need,
-    in one slotted object (a closure over these with its cells, made per write, cost about a quarter of the
-    primary's CPU per replicated 4K write in bench/mirror_cpu.py). `answered(i, peer, e)`: the local write (i
+    in one slotted object. (The closure it replaced referred to itself for the resend, so every write left a
+    reference cycle for the garbage collector: about a quarter of the CPU per replicated 4K write in
+    bench/mirror_cpu.py.) `answered(i, peer, e)`: the local write (i
     0, at once) or peer i's answer; a fast send that failed (peer given) is sent again the normal way, which
     retries, reconnects or fails as for any write; the last answer settles the write (_settled_now, else
     _settle) and calls `done`."""
