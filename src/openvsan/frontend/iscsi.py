@@ -738,23 +738,30 @@ class Connection(BatchedConnection):
             self.send(P.r2t(task.itt, r.ttt & 0xFFFFFFFF, task.lun_raw, self.statsn, s.exp_cmdsn, s.max_cmdsn,
                             r.r2tsn, r.offset, r.length))
 
-    def _place(self, bhs: memoryview, dsl: int) -> memoryview | None:
-        """framing.PduReader.place: where a Data-Out that straddles receives is copied to, its command's buffer
-        at its Buffer Offset; None where _data_out would drop it (no such task, or one running already: its
-        buffer is being written) or its transfer has no room for it. _data_out then judges it as any other."""
+    def _receiving(self, itt: int) -> Task | None:
+        """The task whose Data-Out this is, while it still takes data; None for a task already ended (aborted,
+        or failed early) or running (its buffer is being written): its data is dropped quietly."""
         s = self.session
-        task = s.tasks.get(_U32.unpack_from(bhs, 16)[0]) if s is not None else None
+        task = s.tasks.get(itt) if s is not None else None
         if task is None or task.transfer is None or task.running:
             return None
+        return task
+
+    def _place(self, bhs: memoryview, dsl: int) -> memoryview | None:
+        """framing.PduReader.place: where a Data-Out that straddles receives is copied to, its command's buffer
+        at its Buffer Offset; None where _data_out would drop it (_receiving) or its transfer has no room for
+        it. _data_out then judges it as any other."""
+        task = self._receiving(_U32.unpack_from(bhs, 16)[0])
+        if task is None:
+            return None
+        assert task.transfer is not None   # _receiving: a task taking data
         return task.transfer.placed(_U32.unpack_from(bhs, 40)[0], dsl)
 
     def _data_out(self, pdu: P.Pdu) -> None:
-        s = self.session
-        assert s is not None
-        task = s.tasks.get(pdu.itt)
-        if task is None or task.transfer is None or task.running:
-            # Data for a task already ended (aborted, or failed early): drop it quietly.
+        task = self._receiving(pdu.itt)
+        if task is None:
             return
+        assert task.transfer is not None   # _receiving: a task taking data
         t = task.transfer
         t.data_out(pdu.u32(20), pdu.u32(36), pdu.u32(40), pdu.data, bool(pdu.flags & P.F_FINAL))
         if t.error is None:
