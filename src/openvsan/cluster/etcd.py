@@ -66,8 +66,15 @@ CHANNEL_OPTIONS = {
 # anything, instead of letting it wait for a timeout; on a watch stream it cancels the stream when the
 # member loses its leader, so the watch moves to a member that still has one.
 REQUIRE_LEADER = (("hasleader", "true"),)
-# UNAVAILABLE answers etcd gives before it has proposed anything: safe to retry a write on the next member
-_NOT_APPLIED = ("etcdserver: no leader", "etcdserver: too many requests", "etcdserver: not capable")
+# UNAVAILABLE answers given before anything was proposed: safe to retry a write on the next member. etcd's
+# own refusals, and gRPC's when it had no connection to send the request on: the member died between our
+# channel check (ready) and the call, and the reconnect was refused ("failed to connect to all addresses").
+_NOT_APPLIED = (
+    "etcdserver: no leader",
+    "etcdserver: too many requests",
+    "etcdserver: not capable",
+    "failed to connect to all addresses",
+)
 
 _UNAVAILABLE = {rpc.StatusCode.UNAVAILABLE, rpc.StatusCode.DEADLINE_EXCEEDED, rpc.StatusCode.CANCELLED}
 
