@@ -52,7 +52,8 @@ def rw(op: int, lba: int, n: int, flags: int = 0) -> bytes:
     return struct.pack(">BBQIBB", op, flags, lba, n, 0, 0)
 
 
-async def run(device: Any, stream: list[bytes], *, setup: Any = None) -> tuple[bytes, Connection]:
+def connect(device: Any, *, setup: Any = None) -> tuple[Connection, Wire]:
+    """A target Connection in full feature phase (logged in to IQN, LUN 0 on `device`) over a Wire."""
     unit = Lun(Volume(device, name="d", uuid=uuid.UUID(int=1), serial="s"))
     t = IscsiTargetConfig(IQN, ScsiTarget(IQN, {0: unit}), [("127.0.0.1", 3260)])
     srv = IscsiServer([t])
@@ -67,6 +68,11 @@ async def run(device: Any, stream: list[bytes], *, setup: Any = None) -> tuple[b
     c._lane = True
     if setup is not None:
         setup(unit, c)
+    return c, wire
+
+
+async def run(device: Any, stream: list[bytes], *, setup: Any = None) -> tuple[bytes, Connection]:
+    c, wire = connect(device, setup=setup)
     for chunk in stream:
         c.data_received(chunk)
         for _ in range(4):

@@ -44,6 +44,9 @@ ASC_DATA_PHASE_ERROR = 0x4B00
 ASC_INVALID_TTT = 0x4B01
 ASC_TOO_MUCH_WRITE_DATA = 0x4B02
 ASC_DATA_OFFSET_ERROR = 0x4B05
+# RFC 7143 §11.4.7.2: the iSCSI conditions a write ends with (ABORTED COMMAND, WRITE ERROR)
+ASC_UNEXPECTED_UNSOLICITED_DATA = 0x0C0C
+ASC_INCORRECT_AMOUNT_OF_DATA = 0x0C0D
 
 
 @dataclass(slots=True)
@@ -57,6 +60,7 @@ class WriteTransfer:
     unsolicited_expected: bool = False
     unsolicited_end: int = 0        # immediate + unsolicited data cover [0, unsolicited_end)
     unsolicited_datasn: int = 0
+    unsolicited_received: int = 0   # immediate data and unsolicited Data-Out bytes so far
     next_r2t_offset: int = 0
     r2tsn: int = 0
     outstanding: dict[int, R2TState] = field(default_factory=dict)
@@ -68,6 +72,7 @@ class WriteTransfer:
         n = len(immediate)
         if n:
             t.buffer[:n] = immediate
+        t.unsolicited_received = n
         if not final and not params.initial_r2t:
             t.unsolicited_expected = True
             t.unsolicited_end = min(params.first_burst_length, edtl)
@@ -92,21 +97,32 @@ class WriteTransfer:
         """Place one Data-Out PDU (§11.7). Errors are remembered; the transfer still runs to its end. `data` may
         already lie in place, a view of this transfer's buffer at `offset` (placed(): the reader received it
         there): then it is not copied. Placed data that this finds wrong has landed in the buffer all the
-        same; the error fails the command, so the buffer is never written anywhere."""
+        same; the error fails the command, so the buffer is never written anywhere.
+
+        A sequence that ends (F bit) short of what it owed fails the command too (RFC 7143 §11.4.7.2, "incorrect
+        amount of data": unsolicited data other than FirstBurstLength, or than the whole transfer when that is
+        shorter, and an answer to an R2T other than its Desired Data Transfer Length), so the bytes the
+        initiator never sent are never written over what the volume holds."""
         n = len(data)
         if ttt == 0xFFFFFFFF:
             if not self.unsolicited_expected:
-                self._fail(DataOutError(ASC_INVALID_TTT, "unsolicited Data-Out not expected"))
+                self._fail(DataOutError(ASC_UNEXPECTED_UNSOLICITED_DATA, "unsolicited Data-Out not expected"))
                 return
             if datasn != self.unsolicited_datasn:
                 self._fail(DataOutError(ASC_DATA_PHASE_ERROR, f"DataSN {datasn} != {self.unsolicited_datasn}"))
             self.unsolicited_datasn += 1
+            at, self.unsolicited_received = self.unsolicited_received, self.unsolicited_received + n
             if offset + n > self.unsolicited_end:
                 self._fail(DataOutError(ASC_TOO_MUCH_WRITE_DATA, "unsolicited data beyond FirstBurstLength"))
+            elif offset != at and self.params.data_pdu_in_order:
+                self._fail(DataOutError(ASC_DATA_OFFSET_ERROR, f"unsolicited Data-Out at {offset}, not at {at}"))
             elif self.error is None and data.obj is not self.buffer:
                 self.buffer[offset:offset + n] = data
             if final:
                 self.unsolicited_expected = False
+                if self.unsolicited_received != self.unsolicited_end:
+                    self._fail(DataOutError(ASC_INCORRECT_AMOUNT_OF_DATA, f"unsolicited data ended at "
+                                            f"{self.unsolicited_received} bytes of {self.unsolicited_end}"))
             return
         r = self.outstanding.get(ttt)
         if r is None:
@@ -117,11 +133,18 @@ class WriteTransfer:
         r.next_datasn += 1
         if offset < r.offset or offset + n > r.offset + r.length:
             self._fail(DataOutError(ASC_DATA_OFFSET_ERROR, "Data-Out outside its R2T"))
+        elif offset != r.offset + r.received and self.params.data_pdu_in_order:
+            # §13.18 DataPDUInOrder=Yes: a sequence's PDUs at continuously increasing offsets, no gap, no overlay
+            self._fail(DataOutError(ASC_DATA_OFFSET_ERROR, f"Data-Out at {offset}, its sequence is at "
+                                    f"{r.offset + r.received}"))
         elif self.error is None and data.obj is not self.buffer:
             self.buffer[offset:offset + n] = data
         r.received += n
         if final:
             del self.outstanding[ttt]
+            if r.received != r.length:
+                self._fail(DataOutError(ASC_INCORRECT_AMOUNT_OF_DATA, f"R2T 0x{ttt:08x} answered with "
+                                        f"{r.received} bytes of {r.length}"))
 
     def placed(self, offset: int, n: int) -> memoryview | None:
         """Where a Data-Out's n bytes at `offset` go, for the reader to receive them straight there
@@ -137,7 +160,11 @@ class WriteTransfer:
 
     @property
     def complete(self) -> bool:
-        return not self.unsolicited_expected and not self.outstanding and self.next_r2t_offset >= self.want
+        """Every sequence owed has ended: the command can run (or fail, with `error`). After an error no more
+        R2Ts are sent (the frontend stops asking), so the transfer ends with the sequences already asked for."""
+        if self.unsolicited_expected or self.outstanding:
+            return False
+        return self.error is not None or self.next_r2t_offset >= self.want
 
 
 def data_in_segments(length: int, params: Params) -> list[tuple[int, int, bool]]:
