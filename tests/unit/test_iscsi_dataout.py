@@ -11,7 +11,8 @@ import asyncio
 import struct
 from typing import Any
 
-from test_iscsi_fastpath import connect, rw
+from test_iscsi_codec import data_out_pdu as data_out
+from test_iscsi_fastpath import cmd, connect, rw
 
 from openvsan.block.ram import RamDevice
 
@@ -23,24 +24,7 @@ NO_TTT = 0xFFFFFFFF
 
 def write10(itt: int, cmdsn: int, blocks: int, data: bytes = b"", final: bool = True) -> bytes:
     """WRITE(10) at LBA 0 for `blocks` blocks, EDTL to match, `data` as immediate data."""
-    b = bytearray(48)
-    b[0] = 0x01
-    b[1] = (0x80 if final else 0) | 0x20
-    b[5:8] = len(data).to_bytes(3, "big")
-    struct.pack_into(">III", b, 16, itt, blocks * BS, cmdsn)
-    cdb = rw(0x2A, 0, blocks)
-    b[32:32 + len(cdb)] = cdb
-    return bytes(b) + data + bytes(-len(data) % 4)
-
-
-def data_out(itt: int, ttt: int, datasn: int, offset: int, data: bytes, final: bool) -> bytes:
-    b = bytearray(48)
-    b[0] = 0x05
-    b[1] = 0x80 if final else 0
-    b[5:8] = len(data).to_bytes(3, "big")
-    struct.pack_into(">II", b, 16, itt, ttt)
-    struct.pack_into(">II", b, 36, datasn, offset)
-    return bytes(b) + data + bytes(-len(data) % 4)
+    return cmd(itt, cmdsn, rw(0x2A, 0, blocks), write=True, edtl=blocks * BS, data=data, final=final)
 
 
 def pdus(wire: bytes) -> list[tuple[bytes, bytes]]:
@@ -85,9 +69,15 @@ def r2ts(got: list[tuple[bytes, bytes]]) -> list[tuple[int, int, int]]:
     return [struct.unpack_from(">I", h, 20) + struct.unpack_from(">II", h, 40) for h, _ in got if h[0] & 0x3F == 0x31]
 
 
+def response(got: list[tuple[bytes, bytes]]) -> tuple[bytes, bytes]:
+    """The one SCSI Response among `got`."""
+    (h, d), = [(h, d) for h, d in got if h[0] & 0x3F == 0x21]
+    return h, d
+
+
 def check_condition(got: list[tuple[bytes, bytes]]) -> tuple[int, int, int]:
     """The one SCSI Response: CHECK CONDITION, and (sense key, ASC, ASCQ) of its sense data."""
-    (h, d), = [(h, d) for h, d in got if h[0] & 0x3F == 0x21]
+    h, d = response(got)
     assert h[3] == 0x02, f"status {h[3]:#x}, not CHECK CONDITION"
     sense = d[2:]
     return sense[2] & 0x0F, sense[12], sense[13]
@@ -154,6 +144,6 @@ def test_an_error_in_the_first_of_several_r2ts_still_answers_the_command() -> No
         # and the connection goes on: the next write, sent whole, lands
         ((ttt, _, n),) = r2ts(await x.send(write10(2, 2, 8)))
         got = await x.send(data_out(2, ttt, 0, 0, b"w" * 4096, final=True))
-        (h, _), = [(h, d) for h, d in got if h[0] & 0x3F == 0x21]
+        h, _ = response(got)
         assert h[3] == 0 and bytes(x.ram.read_now(0, 8) or b"") == b"w" * 4096
     asyncio.run(go())

@@ -27,10 +27,11 @@ BLOCKS = 4096
 
 
 def cmd(itt: int, cmdsn: int, cdb: bytes, *, read: bool = False, write: bool = False, edtl: int = 0,
-        data: bytes = b"", immediate: bool = False, lun: int = 0) -> bytes:
+        data: bytes = b"", immediate: bool = False, lun: int = 0, final: bool = True) -> bytes:
+    """A SCSI Command PDU; final=False: unsolicited Data-Out PDUs follow (§11.3.1)."""
     b = bytearray(48)
     b[0] = 0x01 | (0x40 if immediate else 0)
-    b[1] = 0x80 | (0x40 if read else 0) | (0x20 if write else 0)
+    b[1] = (0x80 if final else 0) | (0x40 if read else 0) | (0x20 if write else 0)
     b[5:8] = len(data).to_bytes(3, "big")
     b[8:10] = lun.to_bytes(2, "big")
     struct.pack_into(">III", b, 16, itt, edtl, cmdsn)
