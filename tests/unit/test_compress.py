@@ -509,6 +509,48 @@ def test_a_torn_newer_version_gives_way_to_the_older_durable_one() -> None:
     asyncio.run(go())
 
 
+def test_a_write_while_a_flush_makes_its_chunks_durable_keeps_the_flushed_version() -> None:
+    """A flush that completed below then makes each chunk it covers durable one by one, yielding at each
+    unmap; a write meanwhile to a chunk it has not reached yet must go to the other slot, not over the
+    version that flush made durable: torn by a crash, the flushed data would be gone."""
+    async def go() -> None:
+        dev = ram()
+        g, layer = await stack(dev, fresh=True)
+        rng = random.Random(1)
+        await layer.write(0, rng.randbytes(CB * BS))
+        await layer.flush()
+        await layer.write(0, rng.randbytes(CB * BS))    # chunk 0: a newer version, its old slot to go at the flush
+        flushed = rng.randbytes(CB * BS)
+        await layer.write(CB, flushed)                   # chunk 1: its first version, made durable by the flush
+        gate, entered = asyncio.Event(), asyncio.Event()
+        unmap = layer.below.unmap
+
+        async def held_unmap(lba: int, blocks: int) -> None:
+            entered.set()
+            await gate.wait()
+            await unmap(lba, blocks)
+        layer.below.unmap = held_unmap  # type: ignore[method-assign]
+        flush = asyncio.ensure_future(layer.flush())
+        await entered.wait()          # done below; chunk 0's old slot going, chunk 1 not reached yet
+        assert not layer._flushes and 1 in layer._written
+        s = int(layer.cur[1])
+        await layer.write(CB, rng.randbytes(CB * BS))
+        assert int(layer.cur[1]) != s
+        gate.set()
+        await flush
+        lv = layer.below                 # the newer version torn by a crash: the flushed one is served
+        at = (2 + int(layer.cur[1])) * layer.slot // BS
+        raw = bytearray(await lv.read(at, 1))
+        raw[C.HEADER_BYTES + 3] ^= 1
+        await lv.write(at, raw)
+        await lv.flush()
+        g2 = await VolumeGroup.open(dev)
+        layer2 = await open_compress({"type": "compress", "chunk_size": CHUNK}, g2.volume("v"))
+        assert bytes(await layer2.read(CB, CB)) == flushed
+        await g.close()
+    asyncio.run(go())
+
+
 # ---- power cuts
 
 

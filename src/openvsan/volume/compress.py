@@ -397,6 +397,7 @@ class CompressLayer(Layer):
         self._written: dict[int, int] = {}             # chunk -> write sequence of its newest version, not durable
         self._zeroed: dict[int, int] = {}              # chunk -> sequence at which its old slot's unmap was issued
         self._seq = 0
+        self._flushed = 0                        # the write sequence the last completed flush covered
         self._locks: dict[int, list[Any]] = {}   # chunk -> [lock, users]
         self._flushes: list[_Flush] = []         # flushes under way
         self._cache: OrderedDict[int, bytes] = OrderedDict()
@@ -847,9 +848,15 @@ class CompressLayer(Layer):
     async def _settle(self, c: int) -> None:
         """Before a new version of chunk c (its lock held): if a flush under way covers its newest version, that
         version is durable once the flush is done below, and must not be overwritten in place; wait for it and
-        make it the durable one, so the new version goes to the other slot."""
+        make it the durable one, so the new version goes to the other slot. Likewise where a flush that completed
+        covers it and has not made it durable yet (_flushed)."""
         seq = self._written.get(c)
         if seq is None:
+            return
+        if seq <= self._flushed:
+            # a flush that completed covers it, and its own pass over the chunks has not come here yet (it
+            # yields at each unmap): durable now, as that pass would make it
+            await self._durable(c)
             return
         for f in list(self._flushes):
             if f.cut >= seq:
@@ -864,6 +871,7 @@ class CompressLayer(Layer):
         try:
             await self.below.flush()
             f.ok = True
+            self._flushed = max(self._flushed, f.cut)
         finally:
             f.done.set()
             self._flushes.remove(f)
