@@ -283,10 +283,12 @@ def test_compression_needs_a_thin_volume_below() -> None:
     asyncio.run(go())
 
 
-Op = tuple  # ("write", lba, n, fua) | ("zero", lba, n) | ("unmap", lba, n) | ("flush",)
+Op = tuple  # ("write", lba, n, fua) | ("zero", lba, n) | ("unmap", lba, n) | ("flush",) | ("commit",)
 
 
-def workload(seed: int, length: int) -> list[Op]:
+def workload(seed: int, length: int, commits: bool = False) -> list[Op]:
+    """With `commits`, some flushes are the thin group's own commit instead (its timer's: mappings made durable
+    with no flush of the layer), after which the layer's fast path may write in place."""
     rnd = random.Random(seed)
     ops: list[Op] = []
     for _ in range(length):
@@ -304,7 +306,7 @@ def workload(seed: int, length: int) -> list[Op]:
         elif r < 0.8:
             ops.append(("unmap", lba, n))
         else:
-            ops.append(("flush",))
+            ops.append(("commit",) if commits and r < 0.9 else ("flush",))
     return ops
 
 
@@ -312,11 +314,13 @@ class Run:
     """Runs ops on the layer and keeps the model: cur (what each block holds now) and, per block, what else it
     may hold after a power cut (values written since the last durable point)."""
 
-    def __init__(self, layer: CompressLayer) -> None:
+    def __init__(self, layer: CompressLayer, fast: bool = False) -> None:
         self.layer = layer
+        self.fast = fast          # writes try write_now first, as the frontends do; one it takes is durable
         self.cur = [0] * BLOCKS
         self.maybe: list[set[int]] = [set() for _ in range(BLOCKS)]
         self.tag = 0
+        self.fast_writes = 0
 
     async def step(self, op: Op) -> None:
         kind = op[0]
@@ -324,6 +328,9 @@ class Run:
             await self.layer.flush()
             for s in self.maybe:
                 s.clear()
+            return
+        if kind == "commit":
+            await self.layer.below.group.commit()  # type: ignore[attr-defined]
             return
         _, lba, n = op[:3]
         if kind == "write":
@@ -334,15 +341,21 @@ class Run:
             new = [0] * n
         for i, b in enumerate(range(lba, lba + n)):
             self.maybe[b] |= {self.cur[b], new[i]}
+        durable = False
         if kind == "write":
-            await self.layer.write(lba, data, fua=op[3])
+            durable = op[3]
+            if self.fast and self.layer.write_now(lba, data):
+                durable = True
+                self.fast_writes += 1
+            else:
+                await self.layer.write(lba, data, fua=op[3])
         elif kind == "zero":
             await self.layer.write_zeroes(lba, n)
         else:
             await self.layer.unmap(lba, n)
         for i, b in enumerate(range(lba, lba + n)):
             self.cur[b] = new[i]
-            if kind == "write" and op[3]:
+            if durable:
                 self.maybe[b].clear()
 
 
@@ -415,6 +428,59 @@ def test_the_fast_path_reads_the_bytes_the_normal_path_reads(frame: int) -> None
             if raw is not None:
                 assert bytes(raw) == bytes(await lv.read(lba, 24)), lba
         await g.close()
+    asyncio.run(go())
+
+
+@pytest.mark.parametrize("frame", [0, 4096])
+def test_write_now_stores_the_versions_write_stores(frame: int) -> None:
+    """The same workload on two stacks, writes through write_now first on one (as the frontends do) and through
+    write() alone on the other: every chunk's newest version holds the same bytes (algorithm, generation,
+    payload), only its slot may differ; both read the same; write_now declines across chunks, on a chunk a write
+    holds, during a flush, and where the slot's clusters are not committed yet."""
+    async def go() -> None:
+        stacks = [await stack(ram(), fresh=True, frame=frame) for _ in range(2)]
+        runs = [Run(stacks[0][1], fast=True), Run(stacks[1][1])]
+        for op in workload(7, 300, commits=True):
+            for run in runs:
+                await run.step(op)
+        assert runs[0].fast_writes > 20, runs[0].fast_writes
+        versions = []
+        for _, layer in stacks:
+            got = []
+            for c in range(CHUNKS):
+                s = int(layer.cur[c])
+                if s < 0:
+                    got.append(None)
+                    continue
+                raw = bytes(await layer.below.read((c * 2 + s) * layer.slot // BS, int(layer.held[c, s]) // BS))
+                h = C.read_header(raw, CHUNK, c)
+                assert h is not None
+                got.append((h[0], h[1], raw[C.HEADER_BYTES:C.HEADER_BYTES + h[2]]))
+            versions.append(got)
+        assert versions[0] == versions[1]
+        assert await read_all(stacks[0][1]) == await read_all(stacks[1][1]) == runs[0].cur
+        g, layer = await stack(ram(), fresh=True, frame=frame)
+        data = block(5000, 0) + block(5000, 1)
+        await layer.write(0, b"".join(block(5001, b) for b in range(2 * CB)))
+        await g.commit()
+        assert layer.write_now(CB - 1, data) is False                # across two chunks
+        async with layer._chunk(0):
+            assert layer.write_now(0, data) is False                 # a write holds it
+        layer._flushes.append(C._Flush(0))
+        assert layer.write_now(0, data) is False                     # a flush under way
+        layer._flushes.clear()
+        await layer.write(0, b"".join(block(5001, b) for b in range(CB)))
+        await layer.flush()
+        await layer.write(0, data)                                   # to the other slot: fresh clusters
+        assert layer.write_now(0, data) is False
+        await g.commit()
+        assert layer.write_now(0, data) is True
+        await layer.write(2 * CB, b"".join(block(5002, b) for b in range(CB)))
+        await g.commit()
+        s = int(layer.cur[2])
+        assert layer.write_now(2 * CB, data) is True                 # a chunk never flushed: in place
+        assert int(layer.cur[2]) == s == int(layer.dur[2])           # and durable
+        assert bytes(await layer.read(0, 2)) == bytes(await layer.read(2 * CB, 2)) == data
     asyncio.run(go())
 
 
@@ -557,12 +623,13 @@ def test_a_write_while_a_flush_makes_its_chunks_durable_keeps_the_flushed_versio
 SURVIVE = (0.0, 0.0, 0.25, 0.5, 0.75, 1.0)
 
 
-async def cut_at(ops: list[Op], k: int, survive: float, rng: random.Random, frame: int) -> str | None | bool:
+async def cut_at(ops: list[Op], k: int, survive: float, rng: random.Random, frame: int,
+                 fast: bool = False) -> str | None | bool:
     """Run ops with the power cut after the stack's k-th write; False if they ended first, else what the
-    checker found wrong (None: nothing)."""
-    dev = PowerCut(ram(), survive, rng)
+    checker found wrong (None: nothing). `fast`: the device has a fast path and writes try write_now first."""
+    dev = PowerCut(ram(), survive, rng, sync=fast)
     g, layer = await stack(dev, fresh=True, frame=frame)
-    run = Run(layer)
+    run = Run(layer, fast)
     dev.crash_after_writes = dev.writes + k
     at = None
     for i, op in enumerate(ops):
@@ -573,6 +640,7 @@ async def cut_at(ops: list[Op], k: int, survive: float, rng: random.Random, fram
                 raise
             at = i
             break
+    FAST_WRITES[0] += run.fast_writes
     if at is None:
         return False
     await dev.restart()
@@ -610,16 +678,19 @@ async def cut_at(ops: list[Op], k: int, survive: float, rng: random.Random, fram
     return None
 
 
-async def sweep(seeds: range, length: int, frame: int = FRAME) -> tuple[int, list[str]]:
+FAST_WRITES = [0]    # writes write_now took in the cuts run so far (a fast sweep must have some)
+
+
+async def sweep(seeds: range, length: int, frame: int = FRAME, fast: bool = False) -> tuple[int, list[str]]:
     points = 0
     failures: list[str] = []
     for seed in seeds:
-        ops = workload(seed, length)
+        ops = workload(seed, length, commits=fast)
         rng = random.Random(seed * 7919)
         k = 1
         while True:
             survive = rng.choice(SURVIVE)
-            found = await cut_at(ops, k, survive, random.Random(rng.random()), frame)
+            found = await cut_at(ops, k, survive, random.Random(rng.random()), frame, fast)
             if found is False:
                 break
             points += 1
@@ -640,6 +711,20 @@ def test_power_cuts_at_every_write_lose_nothing_durable(batch: int, frame: int) 
     assert points > 100
 
 
+@pytest.mark.parametrize("frame", [0, 4096])
+@pytest.mark.parametrize("batch", range(2))
+def test_power_cuts_with_the_fast_path_lose_nothing_durable(batch: int, frame: int) -> None:
+    """The same cuts with each write tried through write_now first, over a device with a fast path, and the thin
+    group committing its mappings between the layer's flushes (its timer's commits), so that write_now takes
+    writes: one it took is durable at once (the checker allows nothing older for its blocks after a cut)."""
+    before = FAST_WRITES[0]
+    points, failures = asyncio.run(sweep(range(100 + batch * 4, 100 + batch * 4 + 4), 40, frame, fast=True))
+    print(f"{points} crash points, {FAST_WRITES[0] - before} writes through write_now")
+    assert not failures, "\n".join(failures)
+    assert points > 100
+    assert FAST_WRITES[0] - before > 50
+
+
 SEEDS = int(os.environ.get("COMPRESS_CRASH_SEEDS", "0"))
 
 
@@ -648,6 +733,9 @@ SEEDS = int(os.environ.get("COMPRESS_CRASH_SEEDS", "0"))
 def test_power_cuts_soak() -> None:
     points, failures = asyncio.run(sweep(range(1000, 1000 + SEEDS), 120))
     print(f"{points} crash points")
+    assert not failures, "\n".join(failures)
+    points, failures = asyncio.run(sweep(range(2000, 2000 + SEEDS), 120, fast=True))
+    print(f"{points} crash points with the fast path")
     assert not failures, "\n".join(failures)
 
 

@@ -492,17 +492,46 @@ async def test_read_now_and_write_now_agree_with_read_and_write() -> None:
     await lv.flush()
     assert lv.write_now(3, data(2, 2, 3))
     assert lv.read_now(0, 8) == await read(lv, 0, 8) == data(1, 3) + data(2, 2, 3) + data(1, 3, 5)
-    # across clusters: a read over physically consecutive ones at once, a write not
-    assert lv.read_now(6, 4) == await read(lv, 6, 4) and not lv.write_now(6, data(3, 4, 6))
+    # across clusters: a read and a write over physically consecutive ones at once
+    assert lv.read_now(6, 4) == await read(lv, 6, 4)
+    assert lv.write_now(6, data(3, 4, 6))
+    assert lv.read_now(6, 4) == await read(lv, 6, 4) == data(3, 4, 6)
+    await lv.write(6, data(1, 4, 6))
     await g.snapshot("a", "s")
     assert not lv.write_now(0, data(3, 1))                  # shared with the snapshot
+    assert not lv.write_now(6, data(3, 4, 6))               # both clusters shared
     assert g.volume("s").read_now(0, 8) == data(1, 3) + data(2, 2, 3) + data(1, 3, 5)
     await lv.write(0, data(3, 1))
     await lv.flush()
     assert lv.write_now(1, data(4, 1, 1))
     assert lv.read_now(0, 3) == data(3, 1) + data(4, 1, 1) + data(1, 1, 2)
     assert lv.read_now(6, 4) is None          # cluster 0 copied on write: no longer beside cluster 1
+    assert not lv.write_now(6, data(5, 4, 6))  # nor a write over both
+    assert lv.read_now(0, 3) == data(3, 1) + data(4, 1, 1) + data(1, 1, 2)
     assert g.volume("s").read_now(0, 3) == await read(g.volume("s"), 0, 3) == data(1, 3)
+
+
+@aio
+async def test_a_cluster_provisioned_after_a_mapped_one_goes_right_after_it_where_that_is_free() -> None:
+    """The allocator takes the physical cluster after the one the virtual cluster before maps, and each cluster of
+    a run after the one before it, where those are free (committed free): the fast paths read and write over
+    physically consecutive clusters only."""
+    _, g = await new_group()
+    lv = await g.create("a", MiB)
+    other = await g.create("b", MiB)
+    await lv.write(0, data(1, 4 * CB))                 # clusters 0-3
+    await other.write(0, data(2, CB))                  # the allocator's cursor moves past them
+    await lv.flush()
+    await lv.unmap(CB, 3 * CB)                         # 1-3 free again, behind the cursor
+    await lv.flush()
+    await lv.flush()
+    await lv.write(CB, data(3, CB, CB))                # cluster 1 alone
+    await lv.write(2 * CB, data(4, 2 * CB, 2 * CB))    # clusters 2-3 as one run
+    m = lv.vol.map
+    assert [m[i] for i in range(4)] == [m[0] + i for i in range(4)], [m[i] for i in range(4)]
+    await lv.flush()
+    assert lv.read_now(0, 4 * CB) == await read(lv, 0, 4 * CB) == data(1, CB) + data(3, CB, CB) + data(4, 2 * CB, 2 * CB)
+    assert lv.write_now(CB // 2, data(5, 3 * CB, CB // 2))
 
 
 @aio

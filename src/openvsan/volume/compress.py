@@ -215,13 +215,19 @@ class _Codec:
     def assemble(self, frames: list[Frame], plain: Callable[[], bytes]) -> tuple[int, bytes]:
         """A version from its frames: ZERO when all are zeros, RAW (plain() the chunk) when the frames would
         take as many units as the chunk raw, else the table and the frames."""
-        if not any(f[0] for f in frames):
+        return self.assemble_parts([f[0] for f in frames], [f[1] for f in frames], [f[2] for f in frames], plain)
+
+    def assemble_parts(self, lens: list[int], crcs: list[int], parts: list[Buffer],
+                       plain: Callable[[], bytes]) -> tuple[int, bytes]:
+        """assemble() from the frames' lengths and checksums and their stored bytes in order, in `parts` (a part
+        may hold several frames: a run copied from an older version)."""
+        if not any(lens):
             return ZERO, b""
-        table = self.table.pack(*(f[0] for f in frames), *(f[1] for f in frames))  # type: ignore[union-attr]
-        size = len(table) + sum(f[0] for f in frames)
+        table = self.table.pack(*lens, *crcs)  # type: ignore[union-attr]
+        size = len(table) + sum(lens)
         if _units(HEADER_BYTES + size) >= _units(HEADER_BYTES + self.chunk):
             return RAW, plain()
-        return self.framed, b"".join([table, *(f[2] for f in frames)])
+        return self.framed, b"".join([table, *parts])
 
     def decode(self, algo: int, payload: Buffer, shift: int = 0) -> bytes:
         """The plain chunk (bytes of its own: `payload` may be a view of the device's memory)."""
@@ -257,15 +263,6 @@ class _Codec:
         whole = out[0] if len(out) == 1 else b"".join(out)
         skip = start - (first << shift)
         return whole if skip == 0 and len(whole) == n else whole[skip:skip + n]
-
-    def stored_frames(self, algo: int, table: FrameTable, payload: Buffer, shift: int) -> list[Frame] | None:
-        """A framed version's frames as they are stored, for a new version to copy those it does not change;
-        None where they cannot be copied (another codec or frame size than this one writes)."""
-        if algo != self.framed or shift != self.shift:
-            return None
-        lens, crcs, starts = table
-        view = memoryview(payload)
-        return [(k, crcs[i], view[starts[i]:starts[i] + k]) for i, k in enumerate(lens)]
 
 
 Frame = tuple[int, int, Buffer]     # a frame as stored: (length, CRC32C, bytes)
@@ -310,9 +307,19 @@ class _Flush:
         self.cut, self.ok, self.done = cut, False, asyncio.Event()
 
 
+_ZEROS: dict[int, bytes] = {}
+
+
 def _zero(buf: Buffer) -> bool:
-    """All zeros (a chunk or a slot: whole 8-byte words), in C."""
-    return not np.frombuffer(buf, dtype=np.uint64).any()
+    """All zeros: compared with as many zero bytes (memcmp; a frame, a chunk or a slot: few sizes)."""
+    view = memoryview(buf)
+    if view.format != "B":
+        view = view.cast("B")
+    n = view.nbytes
+    zeros = _ZEROS.get(n)
+    if zeros is None:
+        zeros = _ZEROS[n] = bytes(n)
+    return view == zeros
 
 
 def pack_header(algo: int, chunk: int, index: int, gen: int, payload: bytes, shift: int = 0) -> bytes:
@@ -382,6 +389,10 @@ class CompressLayer(Layer):
         # over a snapshot (served read-only): read as it is, stale versions left where they are
         self.read_only = read_only_stack(below)
         self._below_read_now = getattr(below, "read_now", None) if below.capabilities.sync_read else None
+        self._below_write_now = getattr(below, "write_now", None) if below.capabilities.sync_write else None
+        # where the device can say beforehand whether write_now would write (a thin volume), write_now asks it
+        # before it encodes
+        self._below_can_write_now = getattr(below, "can_write_now", None)
         # the blocks a framed version's header and table take at most (4 KiB frames)
         self._head_blocks = -(-(HEADER_BYTES + _table(self.chunk // FRAME_SIZES[1]).size) // bbs)
         self._fresh()
@@ -398,6 +409,8 @@ class CompressLayer(Layer):
         self._zeroed: dict[int, int] = {}              # chunk -> sequence at which its old slot's unmap was issued
         self._seq = 0
         self._flushed = 0                        # the write sequence the last completed flush covered
+        self._tidy: dict[int, int] = {}   # chunk -> bytes of the durable version write_now wrote: at the next
+                                          # flush its other slot goes, and its own clusters past those bytes
         self._locks: dict[int, list[Any]] = {}   # chunk -> [lock, users]
         self._flushes: list[_Flush] = []         # flushes under way
         self._cache: OrderedDict[int, bytes] = OrderedDict()
@@ -421,7 +434,7 @@ class CompressLayer(Layer):
     @property
     def capabilities(self) -> Capabilities:
         caps = self.below.capabilities
-        return caps.but(sync_write=False, write_window=False, unmap_reads_zero=True,
+        return caps.but(sync_write=self._below_write_now is not None, write_window=False, unmap_reads_zero=True,
                         write_zeroes=True, extents=True, thin=True, volatile_cache=True,
                         atomic_write=0)
 
@@ -678,9 +691,7 @@ class CompressLayer(Layer):
                 return None
             algo, length, pcrc, shift = self._head(c, s, head)
             table = self._frames(c, s, memoryview(head)[HEADER_BYTES:], pcrc, shift)
-            self._tables[c] = (gen, s, algo, length, shift, table)
-            if len(self._tables) > TABLE_CHUNKS:
-                self._tables.popitem(last=False)
+            self._table_kept(c, (gen, s, algo, length, shift, table))
         lens, _, starts = table
         start, n = off * bs, blocks * bs
         first, last = start >> shift, (start + n - 1) >> shift
@@ -692,6 +703,12 @@ class CompressLayer(Layer):
         if body is None:
             return None
         return self._frames_decoded(c, algo, shift, table, body, lo * bs - HEADER_BYTES, start, n)
+
+    def _table_kept(self, c: int, entry: tuple[int, int, int, int, int, FrameTable]) -> None:
+        self._tables[c] = entry
+        self._tables.move_to_end(c)
+        if len(self._tables) > TABLE_CHUNKS:
+            self._tables.popitem(last=False)
 
     def _keep(self, c: int, plain: bytes) -> None:
         self._cache[c] = plain
@@ -747,40 +764,144 @@ class CompressLayer(Layer):
         whole = off == 0 and n == self._per
         async with self._chunk(c):
             await self._settle(c)
-            plain: bytes | None
-            if self.codec.frame and not whole:
-                algo, payload, plain = await self._reframed(c, off * bs, n * bs, piece)
-                if self.cur[c] < 0 and algo == ZERO:
-                    return     # zeros over zeros: nothing to store
-            else:
-                plain = _patched(None if whole else await self._plain(c), off * bs, piece, n * bs)
-                if self.cur[c] < 0 and _zero(plain):
-                    return
-                algo, payload = self.codec.encode(plain)
-            d = int(self.dur[c])
-            t = 1 - d if d >= 0 else max(0, int(self.cur[c]))
-            gen = int(self.gen[c]) + 1
-            body = pack_header(algo, self.chunk, c, gen, payload, self.codec.shift if algo in (LZ4F, ZSTDF) else 0)
-            body += payload
-            size = _units(len(body))
+            s = int(self.cur[c])
+            stored: Buffer | None = None          # the newest version as stored, where it is in this codec's frames
+            old: bytes | None = None              # else the chunk in plain, where the new version needs it
+            if self.codec.frame and not whole and s >= 0 and self.algo[c] == self.codec.framed:
+                stored = await self.below.read((c * 2 + s) * self.slot // bs, int(self.held[c, s]) // bs)
+            elif not whole:
+                old = await self._plain(c)
+            algo, payload, plain = self._encoded(c, s, off * bs, n * bs, piece, stored, old)
+            if s < 0 and algo == ZERO:
+                return     # zeros over zeros: nothing to store
+            t = self._target(c)
+            gen, body = self._version(c, algo, payload)
+            size = len(body)
             at = (c * 2 + t) * self.slot
             self._cache.pop(c, None)
             before = int(self.held[c, t])
+            if size > before > 0:
+                # longer than what the slot holds: its clusters go first, so that the thin volume provisions the
+                # version as one run (write_now writes over physically consecutive clusters only); what the slot
+                # held is never the chunk's durable version
+                await self.below.unmap(at // bs, before // bs)
+                self.held[c, t] = before = 0
             self.held[c, t] = max(before, size)     # a write that fails may have taken clusters: unmapped later
-            await self.below.write(at // bs, body.ljust(size, b"\0"), fua=fua)
+            await self.below.write(at // bs, body, fua=fua)
             if before > size:     # what an older, longer version left past it
                 await self.below.unmap((at + size) // bs, (before - size) // bs)
             self.held[c, t] = size
-            self.cur[c], self.gen[c], self.algo[c] = t, gen, algo
-            if plain is not None:
-                self._keep(c, plain)
-            self._seq += 1
-            self._written[c] = self._seq
-            self._zeroed.pop(c, None)
-            self.bytes_in += self.chunk
-            self.bytes_out += size
+            self._tidy.pop(c, None)
+            self._installed(c, t, gen, algo, size, plain)
             if fua:
                 await self._durable(c)
+
+    def write_now(self, lba: int, data: Buffer) -> bool:
+        """write() in the caller's turn, durable on return (block/device.py SyncWrite), or False with nothing
+        written. It takes a write within one chunk that nobody holds, while no flush is under way, where the slot
+        its new version goes to (never the one of its newest durable version) still holds clusters enough for
+        it, which the device below writes at once and durably (the thin volume's own fast path: clusters it
+        alone holds, their mapping committed). That version is then the chunk's durable one, so the next write
+        of the chunk goes to the other slot: between flushes a chunk written again and again alternates between
+        its two slots, each write in place over the older version. What a version written here leaves (the
+        other slot's, and its own slot's clusters past it) goes at the next flush (_tidy), as a version made
+        durable by a flush gives its other slot back. The encoding is write()'s (_encoded, _version, _installed);
+        the old version comes from the plain-chunk cache or the device's own fast path."""
+        bs, per = self._bbs, self._per
+        c, off = divmod(lba, per)
+        view = memoryview(data).cast("B") if isinstance(data, memoryview) and data.format != "B" else memoryview(data)
+        n = len(view) // bs
+        write, read = self._below_write_now, self._below_read_now
+        if off + n > per or write is None or read is None or c in self._locks or self._flushes or self.read_only:
+            return False
+        s = int(self.cur[c])
+        seq = self._written.get(c)
+        if s < 0 or (seq is not None and seq <= self._flushed):
+            return False    # nothing stored yet, or a completed flush covers it and must settle it first
+        t = self._target(c)
+        room = int(self.held[c, t])
+        at = (c * 2 + t) * self.slot // bs
+        if not room or (self._below_can_write_now is not None and not self._below_can_write_now(at, room // bs)):
+            return False    # the slot's clusters are to be provisioned, or their mapping committed: write()
+        whole = off == 0 and n == per
+        stored: Buffer | None = None
+        old: bytes | None = None
+        try:
+            if self.codec.frame and not whole and self.algo[c] == self.codec.framed:
+                stored = read((c * 2 + s) * self.slot // bs, int(self.held[c, s]) // bs)
+                if stored is None:
+                    return False
+            elif not whole:
+                old = self._plain_now(c)
+                if old is None:
+                    return False
+            algo, payload, plain = self._encoded(c, s, off * bs, n * bs, view, stored, old)
+        except MediumError:
+            return False    # write() meets it again and reports it
+        if algo == ZERO:
+            return False    # a chunk of zeros: write() stores it and gives its slots back
+        gen, body = self._version(c, algo, payload)
+        size = len(body)
+        if size > room or not write(at, body):
+            return False
+        self._cache.pop(c, None)
+        self._installed(c, t, gen, algo, size, plain, durable=True)
+        self._tidy[c] = size
+        return True
+
+    def _target(self, c: int) -> int:
+        """The slot chunk c's next version goes to: not the one of its newest durable version."""
+        d = int(self.dur[c])
+        return 1 - d if d >= 0 else max(0, int(self.cur[c]))
+
+    def _encoded(self, c: int, s: int, start: int, n: int, piece: memoryview | None, stored: Buffer | None,
+                 old: bytes | None) -> tuple[int, bytes, bytes | None]:
+        """(algo, payload, the plain chunk where it is at hand) of chunk c's new version: bytes [start, start+n)
+        replaced by piece (None: zeros), over its newest version in slot s as stored (`stored`, where that is in
+        this codec's frames) or in plain (`old`; None for a write of the whole chunk, or nothing stored)."""
+        if self.codec.frame and n < self.chunk:
+            return self._reframed(c, s, start, n, piece, stored, old)
+        plain = _patched(old if n < self.chunk else None, start, piece, n)
+        algo, payload = self.codec.encode(plain)
+        return algo, payload, plain
+
+    def _version(self, c: int, algo: int, payload: bytes) -> tuple[int, bytes]:
+        """(generation, bytes in whole units) of chunk c's next version."""
+        gen = int(self.gen[c]) + 1
+        head = pack_header(algo, self.chunk, c, gen, payload, self.codec.shift if algo in (LZ4F, ZSTDF) else 0)
+        n = HEADER_BYTES + len(payload)
+        return gen, b"".join([head, payload, _ZEROS.get(_units(n) - n) or bytes(_units(n) - n)])
+
+    def _installed(self, c: int, t: int, gen: int, algo: int, size: int, plain: bytes | None,
+                   durable: bool = False) -> None:
+        """Chunk c's newest version is now the one written to slot t (durable, or not yet). (A framed version's
+        table is not kept for the next read here: measured, keeping it cost writes more than it saved.)"""
+        self.cur[c], self.gen[c], self.algo[c] = t, gen, algo
+        if plain is not None:
+            self._keep(c, plain)
+        self._seq += 1
+        if durable:
+            self.dur[c] = t
+            self._written.pop(c, None)
+        else:
+            self._written[c] = self._seq
+        self._zeroed.pop(c, None)
+        self.bytes_in += self.chunk
+        self.bytes_out += size
+
+    def _plain_now(self, c: int) -> bytes | None:
+        """_plain() in the caller's turn: from the cache or the device's fast path; None where neither answers."""
+        hit = self._cache.get(c)
+        if hit is not None:
+            self._cache.move_to_end(c)
+            return hit
+        s = int(self.cur[c])
+        if s < 0 or self.algo[c] == ZERO:
+            return bytes(self.chunk)
+        if self._below_read_now is None:
+            return None
+        raw = self._below_read_now((c * 2 + s) * self.slot // self._bbs, int(self.held[c, s]) // self._bbs)
+        return None if raw is None else self._decoded(c, s, raw)
 
     def _frame_plain(self, c: int, i: int, f: Frame) -> bytes:
         try:
@@ -788,45 +909,82 @@ class CompressLayer(Layer):
         except ValueError as e:
             raise MediumError(f"{self.name}: chunk {c}: frame {i}: {e}", c * self._per) from None
 
-    async def _reframed(self, c: int, start: int, n: int, piece: memoryview | None) -> tuple[int, bytes, bytes | None]:
+    def _reframed(self, c: int, s: int, start: int, n: int, piece: memoryview | None, stored: Buffer | None,
+                  old_plain: bytes | None) -> tuple[int, bytes, bytes | None]:
         """(algo, payload, the plain chunk where it was at hand) of chunk c's new version in frames, bytes
-        [start, start+n) replaced by piece (None: zeros), its lock held. The frames the range does not touch are
-        copied as stored (with their checksums) from a version in this codec's frames; only the frames it
-        touches are encoded, after decoding the old frame where the range covers part of it."""
+        [start, start+n) replaced by piece (None: zeros). The frames the range does not touch are copied as
+        stored (with their checksums) from its newest version in slot s where that is in this codec's frames
+        (`stored`, as read): the runs of them before and after the range, each in one piece. Only the frames it
+        touches are encoded, after decoding the old frame where the range covers part of it. `old_plain`: the
+        chunk in plain where its version is not in these frames."""
         codec = self.codec
         fs, first, last = codec.frame, start // codec.frame, (start + n - 1) // codec.frame
-        old: list[Frame] | None = None
-        old_plain: bytes | None = None
-        s = int(self.cur[c])
-        if s >= 0 and self.algo[c] == codec.framed:
-            raw = await self.below.read((c * 2 + s) * self.slot // self._bbs, int(self.held[c, s]) // self._bbs)
-            algo, length, pcrc, shift = self._head(c, s, raw)
-            stored = memoryview(raw)[HEADER_BYTES:HEADER_BYTES + length]
-            if len(stored) != length:
-                raise MediumError(f"{self.name}: chunk {c}: its version in slot {s} is cut short", c * self._per)
-            old = codec.stored_frames(algo, self._frames(c, s, stored, pcrc, shift), stored, shift)
-        if old is None and s >= 0 and self.algo[c] != ZERO:
-            old_plain = await self._plain(c)
+        lens: list[int]
+        crcs: list[int]
+        if stored is not None:
+            algo, length, shift, table = self._table_of(c, s, stored)
+            if algo == codec.framed and shift == codec.shift:
+                kept = memoryview(stored)[HEADER_BYTES:HEADER_BYTES + length]
+                was_lens, was_crcs, starts = table
+                lens, crcs = list(was_lens), list(was_crcs)
+                fresh = []
+                for i in range(first, last + 1):
+                    f = self._frame_over(c, i, start, n, piece,
+                                         (was_lens[i], was_crcs[i], kept[starts[i]:starts[i] + was_lens[i]]))
+                    lens[i], crcs[i] = f[0], f[1]
+                    fresh.append(f[2])
+                parts = [kept[starts[0]:starts[first]], *fresh, kept[starts[last] + was_lens[last]:]]
+
+                def spliced() -> bytes:   # kept raw: every frame decoded (a copied one checked first)
+                    return b"".join(
+                        self._frame_plain(c, i, (lens[i], crcs[i], fresh[i - first] if first <= i <= last
+                                                 else kept[starts[i]:starts[i] + lens[i]]))
+                        for i in range(codec.frames))
+
+                algo, payload = codec.assemble_parts(lens, crcs, parts, spliced)
+                return algo, payload, (payload if algo == RAW else None)
+            old_plain = self._decoded(c, s, stored)
         frames: list[Frame] = []
         for i in range(codec.frames):
             a = i * fs
             if i < first or i > last:
-                frames.append(old[i] if old is not None else codec.frame_of(old_plain[a:a + fs]) if old_plain
-                              else (0, 0, b""))
+                frames.append(codec.frame_of(old_plain[a:a + fs]) if old_plain else (0, 0, b""))
                 continue
-            lo, hi = max(a, start), min(a + fs, start + n)
-            was: bytes | None = None                 # part of the frame: the rest from the old one
-            if hi - lo < fs:
-                was = (self._frame_plain(c, i, old[i]) if old is not None else old_plain[a:a + fs] if old_plain
-                       else bytes(fs))
-            part = piece[lo - start:hi - start] if piece is not None else None
-            frames.append(codec.frame_of(_patched(was, lo - a, part, hi - lo)))
+            frames.append(self._frame_over(c, i, start, n, piece, old_plain[a:a + fs] if old_plain else None))
 
-        def plain() -> bytes:     # kept raw: every frame decoded (a copied one checked first)
+        def plain() -> bytes:     # kept raw: every frame decoded
             return b"".join(self._frame_plain(c, i, f) for i, f in enumerate(frames))
 
         algo, payload = codec.assemble(frames, plain)
         return algo, payload, (payload if algo == RAW else None)
+
+    def _frame_over(self, c: int, i: int, start: int, n: int, piece: memoryview | None,
+                    was: Frame | bytes | None) -> Frame:
+        """Frame i of the new version, the range [start, start+n) (piece, None: zeros) over the old frame `was`
+        (as stored, decoded only where the range covers part of the frame; or in plain; None: zeros)."""
+        fs = self.codec.frame
+        a = i * fs
+        lo, hi = max(a, start), min(a + fs, start + n)
+        part = piece[lo - start:hi - start] if piece is not None else None
+        old: bytes | None = None
+        if hi - lo < fs:
+            old = bytes(fs) if was is None else self._frame_plain(c, i, was) if isinstance(was, tuple) else was
+        return self.codec.frame_of(_patched(old, lo - a, part, hi - lo))
+
+    def _table_of(self, c: int, s: int, stored: Buffer) -> tuple[int, int, int, FrameTable]:
+        """(algo, payload length, frame shift, frame table: a framed version's, else empty) of chunk c's newest
+        version as read whole from slot s: from _tables where read_now (or a write) kept them for this version,
+        else from its header and table (checked: MediumError)."""
+        known = self._tables.get(c)
+        if known is not None and known[0] == int(self.gen[c]) and known[1] == s:
+            return known[2], known[3], known[4], known[5]
+        algo, length, pcrc, shift = self._head(c, s, stored)
+        if len(stored) < HEADER_BYTES + length:
+            raise MediumError(f"{self.name}: chunk {c}: its version in slot {s} is cut short", c * self._per)
+        if algo not in (LZ4F, ZSTDF):
+            return algo, length, shift, ((), (), [])
+        return algo, length, shift, self._frames(c, s, memoryview(stored)[HEADER_BYTES:HEADER_BYTES + length], pcrc,
+                                                 shift)
 
     async def _durable(self, c: int) -> None:
         """The chunk's newest version is durable (its lock held): the other slot's version goes."""
@@ -843,7 +1001,7 @@ class CompressLayer(Layer):
     async def _unmap_slot(self, c: int, s: int, keep: int) -> None:
         at = (c * 2 + s) * self.slot + keep
         await self.below.unmap(at // self._bbs, (self.slot - keep) // self._bbs)
-        self.held[c, s] = 0
+        self.held[c, s] = keep
 
     async def _settle(self, c: int) -> None:
         """Before a new version of chunk c (its lock held): if a flush under way covers its newest version, that
@@ -889,6 +1047,16 @@ class CompressLayer(Layer):
             async with self._chunk(c):
                 if self._written.get(c, cut + 1) <= cut:
                     await self._durable(c)
+        for c in list(self._tidy):          # what durable versions write_now wrote left behind
+            async with self._chunk(c):
+                size = self._tidy.pop(c, None)
+                d = int(self.dur[c])
+                if size is None or d < 0 or int(self.cur[c]) != d:
+                    continue
+                if self.held[c, 1 - d]:
+                    await self._unmap_slot(c, 1 - d, 0)
+                if self.held[c, d] > size:
+                    await self._unmap_slot(c, d, size)
 
     async def lba_status(self, lba: int, blocks: int) -> list[tuple[int, int, int]]:
         """(lba, blocks, 0 mapped | 1 deallocated) runs, a chunk at a time (zeros are deallocated)."""

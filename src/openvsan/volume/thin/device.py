@@ -1,10 +1,10 @@
 """LogicalVolume: one volume (or snapshot) of a volume group as a block device (group.py and io.py do the work).
 
-Reads and writes that stay in one cluster take the device's fast path when the device below has one: a read
-looks its cluster up and reads there in the caller's turn; a write goes in place when its cluster is mapped,
-owned by this volume alone and its mapping already committed, its references too (then it is as durable on
-return as a FUA write). Anything else (a cluster to allocate or copy, a mapping not yet committed) declines to
-the normal path.
+Reads and writes that stay in one cluster, or whose clusters are physically consecutive, take the device's
+fast path when the device below has one: a read looks its clusters up and reads there in the caller's turn; a
+write goes in place when its clusters are mapped, owned by this volume alone and their mappings already
+committed, their references too (then it is as durable on return as a FUA write). Anything else (a cluster
+to allocate or copy, a mapping not yet committed) declines to the normal path.
 """
 
 from __future__ import annotations
@@ -105,17 +105,31 @@ class LogicalVolume:
         # the send is done): the bytes go out as a copy
         return bytes(data) if isinstance(data, memoryview) else data
 
-    def write_now(self, lba: int, data: Buffer) -> bool:
+    def can_write_now(self, lba: int, blocks: int) -> bool:
+        """write_now of these blocks would write (the device has a fast path; within a cluster, or over
+        clusters physically consecutive, each of which may be written in place (io.py in_place) and whose
+        mapping is committed): a caller with work to do before its write asks first."""
         g = self.group
         v = self.vol
+        if self._write_now is None or v.hold is not None or not v.writable:
+            return False
         cb = g.cluster_blocks
         vc, off = divmod(lba, cb)
-        if off + len(data) // self.block_size > cb or self._write_now is None or v.hold is not None:
+        k = max(1, (off + blocks - 1) // cb + 1)
+        m, fresh = v.map, g._fresh
+        p = m[vc]
+        if k > 1 and m[vc:vc + k].tolist() != list(range(p, p + k)):
             return False
-        p = v.map[vc]
-        if not p or g.ref[p] != 1 or g._pin[p] or p in g._fresh or vc in v.provisioning or not v.writable:
+        return g.in_place(v, vc, p, k) and not (fresh and any(q in fresh for q in range(p, p + k)))
+
+    def write_now(self, lba: int, data: Buffer) -> bool:
+        """At once where can_write_now says so, as durable on return as a FUA write; else False."""
+        write = self._write_now
+        if write is None or not self.can_write_now(lba, len(data) // self.block_size):
             return False
-        return bool(self._write_now(g.lba0 + p * cb + off, data))
+        g = self.group
+        return bool(write(g.lba0 + int(self.vol.map[lba // g.cluster_blocks]) * g.cluster_blocks
+                                    + lba % g.cluster_blocks, data))
 
     async def close(self) -> None:
         """The volume stays in its group; the group closes with the node."""

@@ -32,6 +32,16 @@ class GroupIO(GroupStore):
         else:
             del self._io[p]
 
+    def in_place(self, v: _Vol, vc: int, p: int, k: int = 1) -> bool:
+        """A write to virtual cluster vc of v, mapped to physical cluster p, may go in place: p is mapped, v alone
+        holds it, with no reference change pending commit, and no provisioning of vc under way (both write paths
+        ask this). With k: the same of the k clusters from vc on, mapped to p, p+1, ... (the caller saw to that)."""
+        if k == 1:
+            return bool(p) and self.ref[p] == 1 and not self._pin[p] and vc not in v.provisioning
+        prov = v.provisioning
+        return (bool(p) and self.ref[p:p + k].count(1) == k and self._pin.count(0, p, p + k) == k
+                and not (prov and any(vc + i in prov for i in range(k))))
+
     @staticmethod
     def _refused(v: _Vol) -> BlockError:
         if v.deleted:
@@ -106,23 +116,19 @@ class GroupIO(GroupStore):
         try:
             bs = self.block_size
             view = memoryview(data).cast("B") if not isinstance(data, memoryview) else data
-            cb, dlba, ref, pin = self.cluster_blocks, self.lba0, self.ref, self._pin
+            cb, dlba, in_place = self.cluster_blocks, self.lba0, self.in_place
             at = 0
             segments = list(self._segments(lba, len(view) // bs))
             i = 0
-
-            def in_place(p: int, vc: int) -> bool:
-                return bool(p) and ref[p] == 1 and not pin[p] and vc not in v.provisioning
-
             while i < len(segments):
                 vc, off, n = segments[i]
                 p = int(v.map[vc])
-                if in_place(p, vc):
+                if in_place(v, vc, p):
                     # and the clusters after it that go on where it ends, physically too: one device write
                     run, k = [p], i + 1
                     while k < len(segments) and off + n == len(run) * cb:
                         q = int(v.map[segments[k][0]])
-                        if q != run[-1] + 1 or not in_place(q, segments[k][0]):
+                        if q != run[-1] + 1 or not in_place(v, segments[k][0], q):
                             break
                         run.append(q)
                         n += segments[k][2]
@@ -188,7 +194,7 @@ class GroupIO(GroupStore):
         bs, cb, dlba = self.block_size, self.cluster_blocks, self.lba0
         old = v.map[vc]
         self._admit(2)
-        new = self._alloc()
+        new = self._alloc(int(v.map[vc - 1]) if vc else 0)    # right after the cluster before, where free
         zeroed = self.alloc_zeroed
         self._reserved += 2
         # an Event, not a future: each waiter gets a future of its own (two writes started eagerly in one turn,
@@ -235,8 +241,12 @@ class GroupIO(GroupStore):
         self._reserved += 2 * k
         made: list[int] = []
         try:
+            # each one right after the one before it where that is free: the run, and the cluster mapped just
+            # before it, physically consecutive (one device write; the fast paths read and write such runs)
+            near = int(v.map[vc0 - 1]) if vc0 else 0
             for _ in range(k):
-                news.append(self._alloc())
+                near = self._alloc(near)
+                news.append(near)
             for i in range(k):
                 v.provisioning[vc0 + i] = asyncio.Event()
                 made.append(vc0 + i)

@@ -327,8 +327,16 @@ class GroupState:
         """Clusters that could be handed out now."""
         return self.clusters - self.used - len(self._busy)
 
-    def _alloc(self) -> int:
+    def _alloc(self, after: int = 0) -> int:
+        """A free cluster, taken (busy until mapped): the one after `after` where that is free, else the next
+        candidate."""
         ref, busy = self.ref, self._busy
+        p = after + 1
+        if after and p <= self.clusters and ref[p] == 0 and p not in busy:
+            busy.add(p)
+            self.alloc_zeroed = bool(self._zeroed[p])
+            self._zeroed[p] = 0
+            return p
         while True:
             while self._cands:
                 p = self._cands.popleft()
