@@ -562,17 +562,23 @@ def test_a_torn_newer_version_gives_way_to_the_older_durable_one() -> None:
         new = b"".join(block(2, b) for b in range(CB))
         await layer.write(0, new)       # not flushed: in the other slot
         s = int(layer.cur[0])
-        lv = layer.below
-        at = s * layer.slot // BS       # a byte of the new version's payload (after its header), flipped
-        raw = bytearray(await lv.read(at, 1))
-        raw[C.HEADER_BYTES + 3] ^= 1
-        await lv.write(at, raw)
-        await lv.flush()
-        g2 = await VolumeGroup.open(dev)
-        layer2 = await open_compress({"type": "compress", "chunk_size": CHUNK}, g2.volume("v"))
+        layer2 = await torn_and_reopened(dev, layer, 0)
         assert bytes(await layer2.read(0, CB)) == old
         assert int(layer2.cur[0]) != s
     asyncio.run(go())
+
+
+async def torn_and_reopened(dev: BlockDevice, layer: CompressLayer, c: int) -> CompressLayer:
+    """Chunk c's newest version torn (a byte of its payload, after its header, flipped), as by a crash in the
+    middle of its write; then the stack opened again over the device."""
+    lv = layer.below
+    at = (c * 2 + int(layer.cur[c])) * layer.slot // BS
+    raw = bytearray(await lv.read(at, 1))
+    raw[C.HEADER_BYTES + 3] ^= 1
+    await lv.write(at, raw)
+    await lv.flush()
+    g2 = await VolumeGroup.open(dev)
+    return await open_compress({"type": "compress", "chunk_size": CHUNK}, g2.volume("v"))
 
 
 def test_a_write_while_a_flush_makes_its_chunks_durable_keeps_the_flushed_version() -> None:
@@ -604,14 +610,7 @@ def test_a_write_while_a_flush_makes_its_chunks_durable_keeps_the_flushed_versio
         assert int(layer.cur[1]) != s
         gate.set()
         await flush
-        lv = layer.below                 # the newer version torn by a crash: the flushed one is served
-        at = (2 + int(layer.cur[1])) * layer.slot // BS
-        raw = bytearray(await lv.read(at, 1))
-        raw[C.HEADER_BYTES + 3] ^= 1
-        await lv.write(at, raw)
-        await lv.flush()
-        g2 = await VolumeGroup.open(dev)
-        layer2 = await open_compress({"type": "compress", "chunk_size": CHUNK}, g2.volume("v"))
+        layer2 = await torn_and_reopened(dev, layer, 1)    # the newer version torn: the flushed one is served
         assert bytes(await layer2.read(CB, CB)) == flushed
         await g.close()
     asyncio.run(go())

@@ -598,17 +598,23 @@ class CompressLayer(Layer):
             lba, blocks = lba + n, blocks - n
         return out
 
-    async def _plain(self, c: int) -> bytes:
-        """The chunk's newest version in plain (its lock held)."""
+    def _plain_known(self, c: int) -> bytes | None:
+        """The chunk in plain where no read is needed (the cache, or a chunk of zeros); else None."""
         hit = self._cache.get(c)
         if hit is not None:
             self._cache.move_to_end(c)
             return hit
-        s = int(self.cur[c])
-        if s < 0 or self.algo[c] == ZERO:
+        if self.cur[c] < 0 or self.algo[c] == ZERO:
             return bytes(self.chunk)
-        held = int(self.held[c, s])
-        raw = await self.below.read((c * 2 + s) * self.slot // self._bbs, held // self._bbs)
+        return None
+
+    async def _plain(self, c: int) -> bytes:
+        """The chunk's newest version in plain (its lock held)."""
+        known = self._plain_known(c)
+        if known is not None:
+            return known
+        s = int(self.cur[c])
+        raw = await self.below.read((c * 2 + s) * self.slot // self._bbs, int(self.held[c, s]) // self._bbs)
         return self._decoded(c, s, raw)
 
     def _head(self, c: int, s: int, raw: Buffer) -> tuple[int, int, int, int]:
@@ -891,15 +897,10 @@ class CompressLayer(Layer):
 
     def _plain_now(self, c: int) -> bytes | None:
         """_plain() in the caller's turn: from the cache or the device's fast path; None where neither answers."""
-        hit = self._cache.get(c)
-        if hit is not None:
-            self._cache.move_to_end(c)
-            return hit
+        known = self._plain_known(c)
+        if known is not None or self._below_read_now is None:
+            return known
         s = int(self.cur[c])
-        if s < 0 or self.algo[c] == ZERO:
-            return bytes(self.chunk)
-        if self._below_read_now is None:
-            return None
         raw = self._below_read_now((c * 2 + s) * self.slot // self._bbs, int(self.held[c, s]) // self._bbs)
         return None if raw is None else self._decoded(c, s, raw)
 
