@@ -138,7 +138,10 @@ class ControlServer:
         finally:
             self._clients.discard(task)
             writer.close()
-            with contextlib.suppress(Exception):
+            # a second cancel (a second SIGTERM cancels the node's stop, and the stop's gather cancels this
+            # again) lands here: the task must still end normally, since asyncio's streams ask a cancelled
+            # client task for its exception, which raises in their callback (a Traceback in the log)
+            with contextlib.suppress(Exception, asyncio.CancelledError):
                 await writer.wait_closed()
 
     async def _answer(self, line: bytes) -> dict[str, Any]:
