@@ -598,6 +598,10 @@ class CompressLayer(Layer):
             lba, blocks = lba + n, blocks - n
         return out
 
+    def _span(self, c: int, s: int) -> tuple[int, int]:
+        """(lba, blocks) of what slot s of chunk c holds mapped, on the device below."""
+        return (c * 2 + s) * self.slot // self._bbs, int(self.held[c, s]) // self._bbs
+
     def _plain_known(self, c: int) -> bytes | None:
         """The chunk in plain where no read is needed (the cache, or a chunk of zeros); else None."""
         hit = self._cache.get(c)
@@ -614,7 +618,7 @@ class CompressLayer(Layer):
         if known is not None:
             return known
         s = int(self.cur[c])
-        raw = await self.below.read((c * 2 + s) * self.slot // self._bbs, int(self.held[c, s]) // self._bbs)
+        raw = await self.below.read(*self._span(c, s))
         return self._decoded(c, s, raw)
 
     def _head(self, c: int, s: int, raw: Buffer) -> tuple[int, int, int, int]:
@@ -697,7 +701,9 @@ class CompressLayer(Layer):
                 return None
             algo, length, pcrc, shift = self._head(c, s, head)
             table = self._frames(c, s, memoryview(head)[HEADER_BYTES:], pcrc, shift)
-            self._table_kept(c, (gen, s, algo, length, shift, table))
+            self._tables[c] = (gen, s, algo, length, shift, table)
+            if len(self._tables) > TABLE_CHUNKS:
+                self._tables.popitem(last=False)
         lens, _, starts = table
         start, n = off * bs, blocks * bs
         first, last = start >> shift, (start + n - 1) >> shift
@@ -709,12 +715,6 @@ class CompressLayer(Layer):
         if body is None:
             return None
         return self._frames_decoded(c, algo, shift, table, body, lo * bs - HEADER_BYTES, start, n)
-
-    def _table_kept(self, c: int, entry: tuple[int, int, int, int, int, FrameTable]) -> None:
-        self._tables[c] = entry
-        self._tables.move_to_end(c)
-        if len(self._tables) > TABLE_CHUNKS:
-            self._tables.popitem(last=False)
 
     def _keep(self, c: int, plain: bytes) -> None:
         self._cache[c] = plain
@@ -774,7 +774,7 @@ class CompressLayer(Layer):
             stored: Buffer | None = None          # the newest version as stored, where it is in this codec's frames
             old: bytes | None = None              # else the chunk in plain, where the new version needs it
             if self.codec.frame and not whole and s >= 0 and self.algo[c] == self.codec.framed:
-                stored = await self.below.read((c * 2 + s) * self.slot // bs, int(self.held[c, s]) // bs)
+                stored = await self.below.read(*self._span(c, s))
             elif not whole:
                 old = await self._plain(c)
             algo, payload, plain = self._encoded(c, s, off * bs, n * bs, piece, stored, old)
@@ -834,7 +834,7 @@ class CompressLayer(Layer):
         old: bytes | None = None
         try:
             if self.codec.frame and not whole and self.algo[c] == self.codec.framed:
-                stored = read((c * 2 + s) * self.slot // bs, int(self.held[c, s]) // bs)
+                stored = read(*self._span(c, s))
                 if stored is None:
                     return False
             elif not whole:
@@ -901,7 +901,7 @@ class CompressLayer(Layer):
         if known is not None or self._below_read_now is None:
             return known
         s = int(self.cur[c])
-        raw = self._below_read_now((c * 2 + s) * self.slot // self._bbs, int(self.held[c, s]) // self._bbs)
+        raw = self._below_read_now(*self._span(c, s))
         return None if raw is None else self._decoded(c, s, raw)
 
     def _frame_plain(self, c: int, i: int, f: Frame) -> bytes:
@@ -974,8 +974,8 @@ class CompressLayer(Layer):
 
     def _table_of(self, c: int, s: int, stored: Buffer) -> tuple[int, int, int, FrameTable]:
         """(algo, payload length, frame shift, frame table: a framed version's, else empty) of chunk c's newest
-        version as read whole from slot s: from _tables where read_now (or a write) kept them for this version,
-        else from its header and table (checked: MediumError)."""
+        version as read whole from slot s: from _tables where read_now kept them for this version, else from its
+        header and table (checked: MediumError)."""
         known = self._tables.get(c)
         if known is not None and known[0] == int(self.gen[c]) and known[1] == s:
             return known[2], known[3], known[4], known[5]

@@ -333,23 +333,23 @@ class GroupState:
         ref, busy = self.ref, self._busy
         p = after + 1
         if after and p <= self.clusters and ref[p] == 0 and p not in busy:
-            busy.add(p)
-            self.alloc_zeroed = bool(self._zeroed[p])
-            self._zeroed[p] = 0
-            return p
+            return self._take(p)
         while True:
             while self._cands:
                 p = self._cands.popleft()
                 if ref[p] == 0 and p not in busy:
-                    busy.add(p)
-                    # whoever takes it may write any part of it: it is known zero no more (the taker reads
-                    # alloc_zeroed, in the same turn, to skip zeroing it)
-                    self.alloc_zeroed = bool(self._zeroed[p])
-                    self._zeroed[p] = 0
-                    return p
+                    return self._take(p)
             if not self._refill():
                 raise NoSpace(f"volume group {self.sb.name or self.sb.uuid}: no free cluster "
                               f"({self.used} of {self.clusters} in use)")
+
+    def _take(self, p: int) -> int:
+        """Free cluster p, taken: busy until mapped. Whoever takes it may write any part of it: it is known zero
+        no more (the taker reads alloc_zeroed, in the same turn, to skip zeroing it)."""
+        self._busy.add(p)
+        self.alloc_zeroed = bool(self._zeroed[p])
+        self._zeroed[p] = 0
+        return p
 
     def _refill(self) -> bool:
         """Candidates for _alloc: free clusters from the cursor on (wrapping round), busy ones left out."""
