@@ -34,6 +34,7 @@ class WorkerNode:
     backing: str = "file"          # or "ram": memory the supervisor keeps across a worker's restart
     node_extra: tuple[str, ...] = ()   # more [node] lines, e.g. 'worker_balance_interval = 10'
     nbd_extra: tuple[str, ...] = ()    # more [nbd] lines, e.g. 'tls = { cert = ..., key = ... }'
+    compression: str = ""              # each volume carved from its device, compressed so ("lz4"), 4 KiB clusters
     proc: subprocess.Popen[bytes] | None = None
     ports: dict[str, int] = field(default_factory=dict)
 
@@ -46,6 +47,12 @@ class WorkerNode:
         lines = ["[node]", 'name = "workers"', f"workers = {self.workers}", *self.node_extra, ""]
         for v in self.volumes:
             where = [f'path = "{self.image(v)}"'] if self.backing == "file" else []
+            if self.compression:
+                lines += ["[[devices]]", f'name = "d{v}"', f'type = "{self.backing}"', *where,
+                          f'size = "{2 * self.size_mib + 16}MiB"', 'cluster = "4KiB"', "", "[[volumes]]",
+                          f'name = "{v}"', f'device = "d{v}"', f'size = "{self.size_mib}MiB"',
+                          f'compression = "{self.compression}"', ""]
+                continue
             lines += ["[[devices]]", f'name = "d{v}"', f'type = "{self.backing}"', *where,
                       f'size = "{self.size_mib}MiB"', "", "[[volumes]]", f'name = "{v}"', f'device = "d{v}"', ""]
         lines += ["[iscsi]", f'portals = ["127.0.0.1:{self.ports["iscsi"]}"]', ""]

@@ -258,7 +258,9 @@ FRAME = 4096              # the tests' chunks are framed unless a test says 0 (o
 
 
 async def stack(dev: BlockDevice, *, fresh: bool, algorithm: str = "lz4",
-                frame: int = FRAME) -> tuple[VolumeGroup, CompressLayer]:
+                frame: int = FRAME, cache: int = 0) -> tuple[VolumeGroup, CompressLayer]:
+    """The layer over a thin volume of `dev`; without a write cache unless `cache` (bytes) says (the tests of
+    the versions below it see every write reach them)."""
     if fresh:
         g = await VolumeGroup.format(dev, cluster_size=CS, metadata_size=META)
         g.commit_interval = 1e9
@@ -267,8 +269,8 @@ async def stack(dev: BlockDevice, *, fresh: bool, algorithm: str = "lz4",
         g = await VolumeGroup.open(dev)
         g.commit_interval = 1e9
         lv = g.volume("v")
-    layer = await open_compress({"type": "compress", "algorithm": algorithm, "chunk_size": CHUNK, "frame_size": frame},
-                                lv, name="v")
+    layer = await open_compress({"type": "compress", "algorithm": algorithm, "chunk_size": CHUNK, "frame_size": frame,
+                                 "cache_size": cache}, lv, name="v")
     return g, layer
 
 
@@ -286,15 +288,22 @@ def test_compression_needs_a_thin_volume_below() -> None:
 Op = tuple  # ("write", lba, n, fua) | ("zero", lba, n) | ("unmap", lba, n) | ("flush",) | ("commit",)
 
 
-def workload(seed: int, length: int, commits: bool = False) -> list[Op]:
+UB = C.UNIT // BS          # blocks per 4 KiB unit (the write cache's)
+
+
+def workload(seed: int, length: int, commits: bool = False, units: bool = False) -> list[Op]:
     """With `commits`, some flushes are the thin group's own commit instead (its timer's: mappings made durable
-    with no flush of the layer), after which the layer's fast path may write in place."""
+    with no flush of the layer), after which the layer's fast path may write in place. With `units`, most writes
+    are of whole 4 KiB units within a chunk (what the write cache takes)."""
     rnd = random.Random(seed)
     ops: list[Op] = []
     for _ in range(length):
         r = rnd.random()
         lba = rnd.randrange(BLOCKS)
-        if rnd.random() < 0.3:     # whole chunks
+        if units and rnd.random() < 0.7:
+            lba -= lba % UB
+            n = UB * rnd.randint(1, (CB - lba % CB) // UB)
+        elif rnd.random() < 0.3:     # whole chunks
             lba -= lba % CB
             n = min(BLOCKS - lba, CB * rnd.randint(1, 2))
         else:
@@ -314,9 +323,11 @@ class Run:
     """Runs ops on the layer and keeps the model: cur (what each block holds now) and, per block, what else it
     may hold after a power cut (values written since the last durable point)."""
 
-    def __init__(self, layer: CompressLayer, fast: bool = False) -> None:
+    def __init__(self, layer: CompressLayer, fast: bool = False, soon: bool = False) -> None:
         self.layer = layer
         self.fast = fast          # writes try write_now first, as the frontends do; one it takes is durable
+        self.soon = soon          # then write_soon, as the NBD and NVMe frontends do: durable only if FUA
+        self.soon_writes = 0
         self.cur = [0] * BLOCKS
         self.maybe: list[set[int]] = [set() for _ in range(BLOCKS)]
         self.tag = 0
@@ -344,9 +355,13 @@ class Run:
         durable = False
         if kind == "write":
             durable = op[3]
+            done: list[BaseException | None] = []
             if self.fast and self.layer.write_now(lba, data):
                 durable = True
                 self.fast_writes += 1
+            elif self.soon and self.layer.write_soon(lba, data, op[3], done.append):
+                assert done == [None]
+                self.soon_writes += 1
             else:
                 await self.layer.write(lba, data, fua=op[3])
         elif kind == "zero":
@@ -578,7 +593,7 @@ async def torn_and_reopened(dev: BlockDevice, layer: CompressLayer, c: int) -> C
     await lv.write(at, raw)
     await lv.flush()
     g2 = await VolumeGroup.open(dev)
-    return await open_compress({"type": "compress", "chunk_size": CHUNK}, g2.volume("v"))
+    return await open_compress({"type": "compress", "chunk_size": CHUNK, "cache_size": 0}, g2.volume("v"))
 
 
 def test_a_write_while_a_flush_makes_its_chunks_durable_keeps_the_flushed_version() -> None:
@@ -623,23 +638,32 @@ SURVIVE = (0.0, 0.0, 0.25, 0.5, 0.75, 1.0)
 
 
 async def cut_at(ops: list[Op], k: int, survive: float, rng: random.Random, frame: int,
-                 fast: bool = False) -> str | None | bool:
+                 fast: bool = False, cache: int = 0) -> str | None | bool:
     """Run ops with the power cut after the stack's k-th write; False if they ended first, else what the
-    checker found wrong (None: nothing). `fast`: the device has a fast path and writes try write_now first."""
+    checker found wrong (None: nothing). `fast`: the device has a fast path and writes try write_now first.
+    `cache`: the layer's write cache (bytes), writes tried through write_soon, the cleaner given a turn of the
+    loop after each op."""
     dev = PowerCut(ram(), survive, rng, sync=fast)
-    g, layer = await stack(dev, fresh=True, frame=frame)
-    run = Run(layer, fast)
+    g, layer = await stack(dev, fresh=True, frame=frame, cache=cache)
+    run = Run(layer, fast, soon=bool(cache))
     dev.crash_after_writes = dev.writes + k
     at = None
     for i, op in enumerate(ops):
         try:
             await run.step(op)
+            if cache:
+                await asyncio.sleep(0)
+                if dev.crashed:     # the cleaner met the cut
+                    at = i
+                    break
         except BlockError:
             if not dev.crashed:
                 raise
             at = i
             break
     FAST_WRITES[0] += run.fast_writes
+    SOON_WRITES[0] += run.soon_writes
+    await layer._stop_cleaner()    # the process is gone: so is its cleaner
     if at is None:
         return False
     await dev.restart()
@@ -678,18 +702,20 @@ async def cut_at(ops: list[Op], k: int, survive: float, rng: random.Random, fram
 
 
 FAST_WRITES = [0]    # writes write_now took in the cuts run so far (a fast sweep must have some)
+SOON_WRITES = [0]    # writes write_soon took (a sweep with the write cache must have some)
 
 
-async def sweep(seeds: range, length: int, frame: int = FRAME, fast: bool = False) -> tuple[int, list[str]]:
+async def sweep(seeds: range, length: int, frame: int = FRAME, fast: bool = False,
+                cache: int = 0) -> tuple[int, list[str]]:
     points = 0
     failures: list[str] = []
     for seed in seeds:
-        ops = workload(seed, length, commits=fast)
+        ops = workload(seed, length, commits=fast, units=bool(cache))
         rng = random.Random(seed * 7919)
         k = 1
         while True:
             survive = rng.choice(SURVIVE)
-            found = await cut_at(ops, k, survive, random.Random(rng.random()), frame, fast)
+            found = await cut_at(ops, k, survive, random.Random(rng.random()), frame, fast, cache)
             if found is False:
                 break
             points += 1
@@ -722,6 +748,89 @@ def test_power_cuts_with_the_fast_path_lose_nothing_durable(batch: int, frame: i
     assert not failures, "\n".join(failures)
     assert points > 100
     assert FAST_WRITES[0] - before > 50
+
+
+CACHE = 8 * C.UNIT       # the tests' write cache: a third of their volume, so that its cleaner and its limit both act
+
+
+@pytest.mark.parametrize("frame", [0, 4096])
+@pytest.mark.parametrize("batch", range(2))
+def test_power_cuts_with_the_write_cache_lose_nothing_durable(batch: int, frame: int) -> None:
+    """The same cuts with the layer's write cache on and writes of whole 4 KiB units, tried through write_soon
+    (as the NBD and NVMe frontends do): a cached write is lost with the power unless a flush came after it (or
+    a FUA write of its chunk), and the cleaner's write-backs are cut like any other write."""
+    before = SOON_WRITES[0]
+    points, failures = asyncio.run(sweep(range(200 + batch * 4, 200 + batch * 4 + 4), 40, frame, cache=CACHE))
+    print(f"{points} crash points, {SOON_WRITES[0] - before} writes through write_soon")
+    assert not failures, "\n".join(failures)
+    assert points > 50
+    assert SOON_WRITES[0] - before > 50
+
+
+async def cached_run(seed: int, frame: int, cache: int = CACHE) -> tuple[RamDevice, VolumeGroup, CompressLayer, Run]:
+    dev = ram()
+    g, layer = await stack(dev, fresh=True, frame=frame, cache=cache)
+    return dev, g, layer, Run(layer, soon=True)
+
+
+@pytest.mark.parametrize("frame", [0, 4096])
+def test_the_write_cache_reads_as_the_model_and_a_close_stores_it(frame: int) -> None:
+    """Writes of whole units go to the cache (write_soon and write alike, write_now declines them: it cannot
+    know whether they are FUA); it never holds more than its size, its cleaner writes the oldest chunks back,
+    reads (read_now and read) see the cache over the stored versions, and a close writes what it holds to the
+    device: a reopen reads every write."""
+    async def go() -> None:
+        for seed in range(6):
+            dev, g, layer, run = await cached_run(seed, frame)
+            assert not layer.write_now(0, block(1, 0) * UB)            # whole units: for the cache
+            most = 0
+            stored = 0
+            for i, op in enumerate(workload(300 + seed, 160, units=True)):
+                out = layer.bytes_out
+                await run.step(op)
+                most = max(most, layer._dirty_units)
+                await asyncio.sleep(0)                                  # the cleaner's turn
+                stored += layer.bytes_out > out
+                assert layer._dirty_units <= layer._cap
+                if i % 10 == 0:
+                    assert await read_all(layer) == run.cur, f"seed {seed}, after op {i} {op}"
+                    for c in list(layer._dirty):
+                        fast = layer.read_now(c * CB, CB)
+                        if fast is not None:
+                            assert [tag_of(bytes(fast)[b * BS:(b + 1) * BS], c * CB + b) for b in range(CB)] \
+                                == run.cur[c * CB:(c + 1) * CB], f"seed {seed}: read_now of chunk {c}"
+            assert run.soon_writes > 40 and most >= layer._soft and stored, (run.soon_writes, most, stored)
+            assert layer.stats()["cached_bytes"] == layer._dirty_units * C.UNIT
+            await layer.write(0, b"".join(block(7777, b) for b in range(UB)))   # write() takes it too
+            assert 0 in layer._dirty and layer._dirty_units
+            run.cur[:UB] = [7777] * UB
+            await layer.close()
+            assert not layer._dirty
+            await g.close()
+            g, layer = await stack(dev, fresh=False, frame=frame)
+            assert await read_all(layer) == run.cur, f"seed {seed}: after a close and a reopen"
+            await g.close()
+    asyncio.run(go())
+
+
+def test_a_full_cache_writes_its_oldest_chunk_back_and_a_fua_write_takes_what_it_held_of_its_chunk() -> None:
+    async def go() -> None:
+        dev, _g, layer, run = await cached_run(0, FRAME, cache=2 * C.UNIT)
+        await run.step(("write", 0, UB, False))                        # write 1, chunk 0: cached
+        await run.step(("write", CB, UB, False))                       # write 2, chunk 1: cached, the cache full
+        assert list(layer._dirty) == [0, 1] and layer._dirty_units == 2 and run.soon_writes == 2
+        out = layer.bytes_out
+        await run.step(("write", 2 * CB, UB, False))                   # write 3: the oldest chunk goes first
+        assert list(layer._dirty) == [1, 2] and layer.bytes_out > out
+        await run.step(("write", 2 * CB + UB, UB, True))               # write 4, FUA, chunk 2
+        assert list(layer._dirty) == [1]                               # it took the chunk's cached unit along
+        # the power goes now, with no flush: the FUA write and what was cached of its chunk are on the device,
+        # what the cache held of chunk 1 is gone (it was volatile, as any write not yet flushed may be)
+        _, again = await stack(dev, fresh=False)
+        got = await read_all(again)
+        assert got[2 * CB:2 * CB + 2 * UB] == [3] * UB + [4] * UB
+        assert got[CB:CB + UB] == [0] * UB
+    asyncio.run(go())
 
 
 SEEDS = int(os.environ.get("COMPRESS_CRASH_SEEDS", "0"))
@@ -763,22 +872,39 @@ def test_the_stack_refuses_compression_below_encryption_and_encryption_that_keep
     asyncio.run(go())
 
 
-def test_a_rollback_under_the_layer_is_read_anew() -> None:
+@pytest.mark.parametrize("cache", [0, CACHE])
+def test_a_rollback_under_the_layer_is_read_anew(cache: int) -> None:
     """A snapshot of the thin volume under a compress layer, a rollback to it through Volume.change_contents
-    (as `vsan snapshot rollback` does): the layer reads its chunks again and serves what the snapshot held."""
+    (as `vsan snapshot rollback` does): the layer reads its chunks again and serves what the snapshot held. With
+    the write cache, what it held when the snapshot came is in the snapshot (Volume.write_back first, as `vsan
+    snapshot create` does), and what it held when the rollback came is gone with the rest."""
     from openvsan.volume.volume import Volume
 
     async def go() -> None:
         dev = ram()
-        g, layer = await stack(dev, fresh=True)
+        g, layer = await stack(dev, fresh=True, cache=cache)
         vol = Volume(layer, name="v")
-        old = b"".join(block(1, b) for b in range(2 * CB))
-        await vol.write(0, old)
+        was = bytearray(b"".join(block(1, b) for b in range(2 * CB)))
+        await vol.write(0, bytes(was))
+        mid = b"".join(block(3, b) for b in range(UB, 2 * UB))
+        await vol.write(UB, mid)                       # in the cache, where the layer has one
+        assert bool(layer._dirty) == bool(cache)
+        was[UB * BS:2 * UB * BS] = mid
+        old = bytes(was)
+        await vol.write_back()
         await g.snapshot("v", "before")
-        await vol.write(CB // 2, b"".join(block(2, b) for b in range(CB // 2, CB)))
         await vol.write_zeroes(CB, CB)
         assert bytes(await vol.read(0, 2 * CB)) != old
-        await vol.change_contents(lambda: g.rollback("v", "before"))
+        for u in range(7):                             # past three quarters of the cache: its cleaner starts
+            await vol.write(u * UB, b"".join(block(2, b) for b in range(u * UB, (u + 1) * UB)))
+        assert not cache or (layer._cleaner is not None and not layer._cleaner.done())
+
+        async def rollback() -> None:
+            await g.rollback("v", "before")
+            await asyncio.sleep(0.01)                  # a rollback on a real device takes turns of the loop
+
+        await vol.change_contents(rollback)
+        assert not layer._dirty
         assert bytes(await vol.read(0, 2 * CB)) == old
         await vol.flush()
         await g.close()

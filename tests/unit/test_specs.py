@@ -168,6 +168,7 @@ def test_any_wrong_value_gets_one_line(edits: list[tuple[tuple[Any, ...], Any, b
     ({"size": "1GiB", "compression_chunk": "16KiB"}, "compression_chunk is for a compressed volume"),
     ({"compression": "lz4", "size": 48 << 10, "compression_chunk": "32KiB"}, "multiple of its 32 KiB chunks"),
     ({"size": "1GiB", "compression_frame": "4KiB"}, "compression_frame is for a compressed volume"),
+    ({"size": "1GiB", "compression_cache": "64MiB"}, "compression_cache is for a compressed volume"),
     ({"compression": "lz4", "size": "1GiB", "compression_frame": "6KiB"}, "frame size 6144: use 0"),
     ({"compression": "lz4", "size": "1GiB", "compression_chunk": "16KiB", "compression_frame": "16KiB"},
      "4 KiB, 8 KiB (smaller than the 16 KiB chunk)"),
@@ -200,6 +201,10 @@ def test_a_compressed_volumes_chunk_is_in_its_layer_and_its_carved_size() -> Non
     for written, want in (("4KiB", 4096), (0, 0), ("0", 0)):
         v = VolumeSpec("v", "d", size="1GiB", compression="lz4", compression_frame=written)
         assert v.layers == [{"type": "compress", "algorithm": "lz4", "frame_size": want}], written
+    # its write cache: in the layer when given, 0 (none) included
+    for written, want in (("64MiB", 64 << 20), (0, 0)):
+        v = VolumeSpec("v", "d", size="1GiB", compression="lz4", compression_cache=written)
+        assert v.layers == [{"type": "compress", "algorithm": "lz4", "cache_size": want}], written
 
 
 def test_a_compressed_volume_sits_above_its_encryption_and_takes_two_slots_per_chunk() -> None:

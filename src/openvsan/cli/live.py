@@ -108,6 +108,10 @@ def volume_create(
                                                           "frame of this size in a chunk is compressed on its own, "
                                                           "0 (none, the default), 4KiB to 32KiB; a small read or "
                                                           "write then decodes or encodes only its frames.")] = None,
+    compression_cache: Annotated[str | None, typer.Option("--compression-cache", help="With --compression: the most "
+                                                          "small writes kept in memory until a flush or the cleaner "
+                                                          "compresses them, 0 (none) or a size (default 32MiB).")]
+    = None,
     dry_run: DryRun = False, as_json: JsonOpt = False, data_dir: DataDir = None, config: ConfigOpt = None,
 ) -> None:
     """Create a volume on a running node; it can be exported at once (`vsan export add`). With --device or --pool
@@ -127,6 +131,8 @@ def volume_create(
         args["compression_chunk"] = _size(compression_chunk)
     if compression_frame is not None:
         args["compression_frame"] = 0 if compression_frame.strip() == "0" else _size(compression_frame)
+    if compression_cache is not None:
+        args["compression_cache"] = 0 if compression_cache.strip() == "0" else _size(compression_cache)
     _changes(_call(data_dir, config, "volume.create", **args), as_json, dry_run)
 
 
@@ -268,6 +274,10 @@ def volume_show(name: VolumeArg, as_json: JsonOpt = False, data_dir: DataDir = N
                   f"ratio {squeeze['ratio']:.2f}x ({_fmt_size(squeeze['plain_bytes'])} in "
                   f"{_fmt_size(squeeze['stored_bytes'])}; {squeeze['raw_chunks']} of {squeeze['chunks']} chunks "
                   "stored raw)", soft_wrap=True)
+        if squeeze.get("cache_size"):
+            out.print(f"{'write cache':>12}: {_fmt_size(squeeze['cached_bytes'])} of "
+                      f"{_fmt_size(squeeze['cache_size'])} held, in {squeeze['cached_chunks']} chunks (written at the "
+                      "next flush)", soft_wrap=True)
     carved = v.get("carved")
     if carved:
         out.print(f"{'carved':>12}: {'thin' if carved['thin'] else 'thick'}, {_fmt_size(carved['mapped'])} mapped "

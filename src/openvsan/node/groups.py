@@ -254,6 +254,11 @@ async def snapshot_command(node: Node, cmd: str, args: dict[str, Any]) -> Any:
     try:
         if cmd == "snapshot.create":
             name = str(args["name"])
+            vol = node.volumes.get(volume)
+            if vol is not None:
+                # what its stack holds in memory (a compressed volume's write cache) goes into the snapshot too:
+                # it holds every write completed before it
+                await vol.write_back()
             await g.snapshot(volume, name)
             return g.info(name)
         if cmd == "snapshot.list":

@@ -137,6 +137,8 @@ async def volume_create(node: Node, args: R.VolumeCreate) -> Any:
         volume["compression_chunk"] = args.compression_chunk
     if args.compression_frame is not None:
         volume["compression_frame"] = args.compression_frame
+    if args.compression_cache is not None:
+        volume["compression_cache"] = args.compression_cache
     doc.setdefault("volumes", []).append(volume)
     return {"changes": await _apply(node, doc, dry_run=args.dry_run),
             "volume": await _describe(node, name) if not args.dry_run else None}

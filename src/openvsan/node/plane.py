@@ -213,6 +213,9 @@ class DataPlane:
             # another algorithm or frame size: new versions use it, the old ones still read
             squeeze = next(d for d in vol.layers if getattr(d, "type_name", None) == "compress")
             squeeze.set_algorithm(new.compression, new.compression_frame)  # type: ignore[attr-defined]
+        if old.compression_cache != new.compression_cache:
+            squeeze = next(d for d in vol.layers if getattr(d, "type_name", None) == "compress")
+            squeeze.set_cache(new.compression_cache)  # type: ignore[attr-defined]
         # another key file (or setting) for the same container: the stack is opened again below, the container
         # unlocked with it (a key file that does not open it fails the change, and nothing changes)
         qos = next((d for d in vol.layers if getattr(d, "type_name", None) == "qos"), None)

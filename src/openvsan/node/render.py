@@ -92,6 +92,8 @@ def _volume(v: VolumeSpec) -> dict[str, Any]:
         out["compression_chunk"] = v.compression_chunk
     if v.compression_frame is not None:
         out["compression_frame"] = v.compression_frame
+    if v.compression_cache is not None:
+        out["compression_cache"] = v.compression_cache
     return out
 
 

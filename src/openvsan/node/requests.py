@@ -44,6 +44,7 @@ class VolumeCreate:
     compression: Str | None = None  # compressed (volume/compress.py): "lz4", "zstd" or "zstd:LEVEL"
     compression_chunk: Int | None = None   # its chunk in bytes (16, 32, 64 or 128 KiB; None: 64 KiB)
     compression_frame: Int | None = None   # its frames in bytes (0: none, 4 to 32 KiB; None: the default)
+    compression_cache: Int | None = None   # its write cache in bytes (0: none; None: the default, 32 MiB)
 
 
 @dataclass(frozen=True, config=REQUEST)

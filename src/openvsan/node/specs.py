@@ -579,11 +579,15 @@ class VolumeSpec:
     # frames it changes, at a few per cent of the ratio and some large-I/O speed. Changeable: each version
     # written says how it is framed
     compression_frame: SizeOrZero | None = None
+    # small writes (whole 4 KiB units) kept in memory until a flush or the cleaner writes them back, so that a
+    # chunk written several times in between is compressed once: its most bytes, 0 for none (None: the default,
+    # 32 MiB). Volatile, as any write not yet flushed: a flush or a FUA write makes it durable. Changeable
+    compression_cache: SizeOrZero | None = None
 
     @model_validator(mode="after")
     def _compressed(self) -> VolumeSpec:
         if self.compression is None:
-            for knob in ("compression_chunk", "compression_frame"):
+            for knob in ("compression_chunk", "compression_frame", "compression_cache"):
                 if getattr(self, knob) is not None:
                     raise SpecError(f'{knob} is for a compressed volume; add compression = "lz4" or remove it', knob)
             return self
@@ -680,7 +684,8 @@ class VolumeSpec:
         # above the encryption: what it compresses is the plain data (ciphertext does not compress)
         squeeze = [{"type": "compress", "algorithm": self.compression,
                     **({"chunk_size": self.compression_chunk} if self.compression_chunk is not None else {}),
-                    **({"frame_size": self.compression_frame} if self.compression_frame is not None else {})}
+                    **({"frame_size": self.compression_frame} if self.compression_frame is not None else {}),
+                    **({"cache_size": self.compression_cache} if self.compression_cache is not None else {})}
                    ] if self.compression is not None else []
         return crypt + squeeze + ([{"type": "qos", **self.qos}] if self.qos else [])
 

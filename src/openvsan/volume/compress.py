@@ -51,6 +51,7 @@ import contextlib
 import functools
 import logging
 import struct
+import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -59,7 +60,7 @@ import crc32c
 import numpy as np
 
 from openvsan.block.capabilities import Capabilities
-from openvsan.block.device import BlockDevice, Buffer
+from openvsan.block.device import BlockDevice, Buffer, WriteDone
 from openvsan.block.errors import MediumError, ReadOnly
 from openvsan.block.layer import Layer, read_only_stack, stack_of
 from openvsan.volume.registry import register_layer, register_opener
@@ -72,6 +73,12 @@ UNIT = 4096                   # a version takes whole units of the slot; the slo
 CACHE_CHUNKS = 64             # plain chunks kept in memory (a partial write reads none back; reads hit it)
 TABLE_CHUNKS = 16384          # framed versions whose header and frame table read_now keeps (about 0.3 KiB each)
 SCAN_CHUNKS = 16              # chunks read per request while opening
+# Small writes are kept in memory, in 4 KiB units, until a flush or the cleaner writes them back: each chunk's
+# units written together, so that a chunk written several times between two write-backs is re-encoded once
+# (ZFS keeps its dirty data so between transaction groups). What the cache holds is volatile, as the layer's
+# unflushed versions always were: a flush (or a FUA write) makes it durable. 0 turns it off.
+DEFAULT_CACHE = 32 << 20
+CLEAN_TURN = 0.001            # seconds the cleaner writes back at a time before the loop's other callbacks run
 
 MAGIC = b"VSZC"
 VERSION = 1
@@ -395,7 +402,29 @@ class CompressLayer(Layer):
         self._below_can_write_now = getattr(below, "can_write_now", None)
         # the blocks a framed version's header and table take at most (4 KiB frames)
         self._head_blocks = -(-(HEADER_BYTES + _table(self.chunk // FRAME_SIZES[1]).size) // bbs)
+        self._upu = UNIT // bbs                        # blocks per 4 KiB unit of the write cache
+        self._cache_limits(int(settings.get("cache_size", DEFAULT_CACHE)))
+        self._cleaner: asyncio.Task[None] | None = None
         self._fresh()
+
+    def _cache_limits(self, size: int) -> None:
+        """The most bytes of small writes kept in memory (whole 4 KiB units; 0: none): past three quarters of
+        it the cleaner writes the oldest chunks back, down to half; a write that would pass it goes to the
+        device at once, with what the cache held of its chunk."""
+        if size < 0:
+            raise CompressError(f"cache size {size}: use 0 (no cache) or more")
+        self.cache_size = size - size % UNIT
+        self._cap = self.cache_size // UNIT
+        self._soft, self._low = self._cap * 3 // 4, self._cap // 2
+
+    def set_cache(self, size: int | None) -> None:
+        """Another write cache size (None: the default) while the volume serves: what the cache holds past it
+        goes to the device (the cleaner), all of it for 0."""
+        self._cache_limits(DEFAULT_CACHE if size is None else size)
+        self.settings = {**{k: v for k, v in self.settings.items() if k != "cache_size"},
+                         **({"cache_size": size} if size is not None else {})}
+        if self._dirty_units > self._soft:
+            self._kick()
 
     def _fresh(self) -> None:
         """State for a device not read yet: no chunk holds anything."""
@@ -418,6 +447,10 @@ class CompressLayer(Layer):
         # read, its table's checksum checked: a small read of it then reads only its frames. A later version has
         # another generation, so an entry is only ever used for the version it was read from.
         self._tables: OrderedDict[int, tuple[int, int, int, int, int, FrameTable]] = OrderedDict()
+        # the write cache: chunk -> {4 KiB unit in the chunk: its bytes}, oldest chunk first; newer than every
+        # version of the chunk. A chunk's units leave together, under its lock, when its version is written
+        self._dirty: OrderedDict[int, dict[int, bytes]] = OrderedDict()
+        self._dirty_units = 0
         self.bytes_in = self.bytes_out = 0             # plain and stored bytes written since open (for stats)
         self._foreign = self._noise = 0                # what load() found that is not of this layout
 
@@ -440,7 +473,8 @@ class CompressLayer(Layer):
 
     def allocated_blocks(self) -> int:
         """Blocks of chunks that hold data (NVMe NUSE, SCSI provisioning): the plain size, not the stored."""
-        return int(np.count_nonzero((self.cur >= 0) & (self.algo != ZERO))) * self._per
+        live = (self.cur >= 0) & (self.algo != ZERO)
+        return (int(np.count_nonzero(live)) + sum(1 for c in self._dirty if not live[c])) * self._per
 
     def stats(self) -> dict[str, Any]:
         """What `vsan volume show` says of it (as compress_stats)."""
@@ -451,7 +485,9 @@ class CompressLayer(Layer):
         return {"algorithm": self.settings.get("algorithm", "lz4"), "chunk_size": self.chunk, "frame_size": self.frame,
                 "chunks": chunks, "plain_bytes": plain, "stored_bytes": stored,
                 "ratio": round(plain / stored, 2) if stored else 1.0,
-                "raw_chunks": int(np.count_nonzero(live & (self.algo == RAW)))}
+                "raw_chunks": int(np.count_nonzero(live & (self.algo == RAW))),
+                "cache_size": self.cache_size, "cached_bytes": self._dirty_units * UNIT,
+                "cached_chunks": len(self._dirty)}
 
     # ---- opening: every mapped slot read, each chunk's newest valid version chosen
 
@@ -519,7 +555,9 @@ class CompressLayer(Layer):
                                 "nothing was changed")
 
     async def reload(self) -> None:
-        """The data below changed as a whole (a rollback to a snapshot): read it anew (I/O is drained)."""
+        """The data below changed as a whole (a rollback to a snapshot): read it anew (I/O is drained; what the
+        write cache held was written before the change, and goes with the data it was written over)."""
+        await self._stop_cleaner()
         self._fresh()
         await self.load()
 
@@ -674,7 +712,23 @@ class CompressLayer(Layer):
         c, off = divmod(lba, per)
         if off + blocks > per or c in self._locks:
             return None
+        d = self._dirty.get(c)
+        if d is None:
+            return self._stored_now(c, off, blocks)
         bs = self._bbs
+        start, n = off * bs, blocks * bs
+        u0, u1 = start // UNIT, (start + n - 1) // UNIT
+        if all(u in d for u in range(u0, u1 + 1)):      # all of it in the write cache
+            whole = d[u0] if u0 == u1 else b"".join([d[u] for u in range(u0, u1 + 1)])
+            skip = start - u0 * UNIT
+            return whole if skip == 0 and len(whole) == n else whole[skip:skip + n]
+        base = self._stored_now(c, off, blocks)
+        return None if base is None else _overlaid(base, start, d)
+
+    def _stored_now(self, c: int, off: int, blocks: int) -> Buffer | None:
+        """read_now of blocks [off, off+blocks) of chunk c as its newest version holds them (not the cache)."""
+        bs = self._bbs
+        lba = c * self._per + off
         plain = self._cache.get(c)
         if plain is not None:
             self._cache.move_to_end(c)
@@ -730,22 +784,36 @@ class CompressLayer(Layer):
             if fast is not None:
                 return fast
             c, off = divmod(lba, self._per)
-            async with self._chunk(c):
-                plain = await self._plain(c)
-            return plain[off * bs:(off + blocks) * bs]
+            return await self._read_locked(c, off, blocks)
         out = bytearray(blocks * bs)
         at = 0
         for c, off, n in self._pieces(lba, blocks):
             piece = self.read_now(c * self._per + off, n)
             if piece is None:
-                async with self._chunk(c):
-                    plain = await self._plain(c)
-                piece = plain[off * bs:(off + n) * bs]
+                piece = await self._read_locked(c, off, n)
             out[at:at + n * bs] = piece
             at += n * bs
         return out
 
+    async def _read_locked(self, c: int, off: int, blocks: int) -> Buffer:
+        """Blocks [off, off+blocks) of chunk c under its lock: its newest version, under what the write cache
+        holds of it."""
+        bs = self._bbs
+        async with self._chunk(c):
+            plain = await self._plain(c)
+            piece = plain[off * bs:(off + blocks) * bs]
+            d = self._dirty.get(c)
+            return piece if d is None else _overlaid(piece, off * bs, d)
+
     async def write(self, lba: int, data: Buffer, *, fua: bool = False) -> None:
+        if not fua and self._cap and not self.read_only and self._cacheable(lba % self._per, len(data) // self._bbs):
+            # the cache full: its oldest chunks go first, as the cleaner would take them, then this write joins it
+            while self._dirty and self._dirty_units + len(data) // UNIT > self._cap:
+                c = next(iter(self._dirty))
+                if not self._write_back_now(c):
+                    await self._write_back(c)
+            if self._cached(lba, data):
+                return
         bs = self._bbs
         view = memoryview(data)
         at = 0
@@ -767,40 +835,62 @@ class CompressLayer(Layer):
         if self.read_only:
             raise ReadOnly(f"{self.name} is a snapshot (read-only)")
         bs = self._bbs
-        whole = off == 0 and n == self._per
         async with self._chunk(c):
-            await self._settle(c)
-            s = int(self.cur[c])
-            stored: Buffer | None = None          # the newest version as stored, where it is in this codec's frames
-            old: bytes | None = None              # else the chunk in plain, where the new version needs it
-            if self.codec.frame and not whole and s >= 0 and self.algo[c] == self.codec.framed:
-                stored = await self.below.read(*self._span(c, s))
-            elif not whole:
-                old = await self._plain(c)
-            algo, payload, plain = self._encoded(c, s, off * bs, n * bs, piece, stored, old)
-            if s < 0 and algo == ZERO:
-                return     # zeros over zeros: nothing to store
-            t = self._target(c)
-            gen, body = self._version(c, algo, payload)
-            size = len(body)
-            at = (c * 2 + t) * self.slot
-            self._cache.pop(c, None)
-            before = int(self.held[c, t])
-            if size > before > 0:
-                # longer than what the slot holds: its clusters go first, so that the thin volume provisions the
-                # version as one run (write_now writes over physically consecutive clusters only); what the slot
-                # held is never the chunk's durable version
-                await self.below.unmap(at // bs, before // bs)
-                self.held[c, t] = before = 0
-            self.held[c, t] = max(before, size)     # a write that fails may have taken clusters: unmapped later
-            await self.below.write(at // bs, body, fua=fua)
-            if before > size:     # what an older, longer version left past it
-                await self.below.unmap((at + size) // bs, (before - size) // bs)
-            self.held[c, t] = size
-            self._tidy.pop(c, None)
-            self._installed(c, t, gen, algo, size, plain)
-            if fua:
-                await self._durable(c)
+            await self._store(c, [(off * bs, n * bs, piece)], fua)
+
+    async def _store(self, c: int, runs: list[Run], fua: bool) -> None:
+        """Chunk c's new version (its lock held): `runs` (start, bytes, piece; None: zeros) over its newest
+        version, after what the write cache holds of it (older), which goes with it; runs [] writes back only
+        that. A whole-chunk run replaces what the cache held."""
+        d = self._dirty.pop(c, None)
+        if d:
+            self._dirty_units -= len(d)
+            if not (len(runs) == 1 and runs[0][1] == self.chunk):
+                runs = _unit_runs(d) + runs
+        if not runs:
+            return
+        try:
+            await self._store_runs(c, runs, fua)
+        except BaseException:
+            if d:
+                self._undirty(c, d)     # not stored: the cache holds it again, under what was cached since
+            raise
+
+    async def _store_runs(self, c: int, runs: list[Run], fua: bool) -> None:
+        bs = self._bbs
+        await self._settle(c)
+        whole = len(runs) == 1 and runs[0][1] == self.chunk
+        s = int(self.cur[c])
+        stored: Buffer | None = None          # the newest version as stored, where it is in this codec's frames
+        old: bytes | None = None              # else the chunk in plain, where the new version needs it
+        if self.codec.frame and not whole and s >= 0 and self.algo[c] == self.codec.framed:
+            stored = await self.below.read(*self._span(c, s))
+        elif not whole:
+            old = await self._plain(c)
+        algo, payload, plain = self._encoded(c, s, runs, stored, old)
+        if s < 0 and algo == ZERO:
+            return     # zeros over zeros: nothing to store
+        t = self._target(c)
+        gen, body = self._version(c, algo, payload)
+        size = len(body)
+        at = (c * 2 + t) * self.slot
+        self._cache.pop(c, None)
+        before = int(self.held[c, t])
+        if size > before > 0:
+            # longer than what the slot holds: its clusters go first, so that the thin volume provisions the
+            # version as one run (write_now writes over physically consecutive clusters only); what the slot
+            # held is never the chunk's durable version
+            await self.below.unmap(at // bs, before // bs)
+            self.held[c, t] = before = 0
+        self.held[c, t] = max(before, size)     # a write that fails may have taken clusters: unmapped later
+        await self.below.write(at // bs, body, fua=fua)
+        if before > size:     # what an older, longer version left past it
+            await self.below.unmap((at + size) // bs, (before - size) // bs)
+        self.held[c, t] = size
+        self._tidy.pop(c, None)
+        self._installed(c, t, gen, algo, size, plain)
+        if fua:
+            await self._durable(c)
 
     def write_now(self, lba: int, data: Buffer) -> bool:
         """write() in the caller's turn, durable on return (block/device.py SyncWrite), or False with nothing
@@ -813,13 +903,27 @@ class CompressLayer(Layer):
         other slot's, and its own slot's clusters past it) goes at the next flush (_tidy), as a version made
         durable by a flush gives its other slot back. The encoding is write()'s (_encoded, _version, _installed);
         the old version comes from the plain-chunk cache or the device's own fast path."""
+        if self._cap and self._cacheable(lba % self._per, len(data) // self._bbs):
+            return False    # for the write cache: write_soon (or write) knows whether the write is FUA
+        return self._write_durable(lba, data)
+
+    def _write_durable(self, lba: int, data: Buffer) -> bool:
+        """write_now's work, for any write (write_soon's FUA writes, and those the cache does not take)."""
         bs, per = self._bbs, self._per
         c, off = divmod(lba, per)
         view = memoryview(data).cast("B") if isinstance(data, memoryview) and data.format != "B" else memoryview(data)
         n = len(view) // bs
-        write, read = self._below_write_now, self._below_read_now
-        if off + n > per or write is None or read is None or c in self._locks or self._flushes or self.read_only:
+        if off + n > per or c in self._dirty:
             return False
+        return self._version_now(c, [(off * bs, n * bs, view)])
+
+    def _version_now(self, c: int, runs: list[Run]) -> bool:
+        """Chunk c's new version (the runs over its newest) written in the caller's turn and durable, as write_now
+        writes one, or False with nothing written."""
+        write, read = self._below_write_now, self._below_read_now
+        if write is None or read is None or c in self._locks or self._flushes or self.read_only:
+            return False
+        bs = self._bbs
         s = int(self.cur[c])
         seq = self._written.get(c)
         if s < 0 or (seq is not None and seq <= self._flushed):
@@ -829,7 +933,7 @@ class CompressLayer(Layer):
         at = (c * 2 + t) * self.slot // bs
         if not room or (self._below_can_write_now is not None and not self._below_can_write_now(at, room // bs)):
             return False    # the slot's clusters are to be provisioned, or their mapping committed: write()
-        whole = off == 0 and n == per
+        whole = len(runs) == 1 and runs[0][1] == self.chunk
         stored: Buffer | None = None
         old: bytes | None = None
         try:
@@ -841,7 +945,7 @@ class CompressLayer(Layer):
                 old = self._plain_now(c)
                 if old is None:
                     return False
-            algo, payload, plain = self._encoded(c, s, off * bs, n * bs, view, stored, old)
+            algo, payload, plain = self._encoded(c, s, runs, stored, old)
         except MediumError:
             return False    # write() meets it again and reports it
         if algo == ZERO:
@@ -855,19 +959,140 @@ class CompressLayer(Layer):
         self._tidy[c] = size
         return True
 
+    def write_soon(self, lba: int, data: Buffer, fua: bool, done: WriteDone) -> bool:
+        """A write done in the caller's turn (block/device.py WriteSoon; `done` is called before it returns):
+        into the write cache unless it is FUA, else (or where the cache does not take it) as write_now writes.
+        False: nothing was done (write() does it)."""
+        if (not fua and self._cached(lba, data)) or self._write_durable(lba, data):
+            done(None)
+            return True
+        return False
+
+    # ---- the write cache
+
+    def _cacheable(self, off: int, n: int) -> bool:
+        """A write of blocks [off, off+n) of a chunk that the cache takes: whole 4 KiB units, within the chunk,
+        less than all of it (a whole chunk is encoded at once: nothing to gain by waiting)."""
+        upu = self._upu
+        return not (off % upu or n % upu) and off + n <= self._per and n < self._per
+
+    def _cached(self, lba: int, data: Buffer) -> bool:
+        """The write kept in the cache (done: as durable as a write without FUA), or False where the cache does
+        not take it (off, a read-only layer, not whole units within a chunk, or the cache full: then the write
+        goes to the device, with what the cache holds of its chunk)."""
+        if not self._cap or self.read_only:
+            return False
+        bs = self._bbs
+        c, off = divmod(lba, self._per)
+        n = len(data) // bs
+        if not self._cacheable(off, n):
+            return False
+        k = n // self._upu
+        while self._dirty_units + k > self._cap:
+            # full: its oldest chunk goes in this turn where it can (as write_now writes), else the cleaner's
+            if not self._dirty or not self._write_back_now(next(iter(self._dirty))):
+                self._kick()
+                return False
+        d = self._dirty.get(c)
+        if d is None:
+            d = self._dirty[c] = {}
+        u = off // self._upu
+        if k == 1:
+            if u not in d:
+                self._dirty_units += 1
+            d[u] = bytes(data)
+        else:
+            view = memoryview(data).cast("B") if isinstance(data, memoryview) else memoryview(data)
+            for i in range(k):
+                if u + i not in d:
+                    self._dirty_units += 1
+                d[u + i] = bytes(view[i * UNIT:(i + 1) * UNIT])
+        if self._dirty_units >= self._soft:
+            self._kick()
+        return True
+
+    def _undirty(self, c: int, d: dict[int, bytes]) -> None:
+        """Units of chunk c taken from the cache and not stored: back in it (first to go), under newer ones."""
+        newer = self._dirty.get(c) or {}
+        merged = {**d, **newer}
+        self._dirty_units += len(merged) - len(newer)
+        self._dirty[c] = merged
+        self._dirty.move_to_end(c, last=False)
+
+    def _kick(self) -> None:
+        """The cleaner started, where it is not running (and there is a loop to run it)."""
+        if self._cleaner is not None and not self._cleaner.done():
+            return
+        try:
+            self._cleaner = asyncio.get_running_loop().create_task(self._clean())
+        except RuntimeError:
+            pass
+
+    async def _clean(self) -> None:
+        """The oldest chunks written back until the cache holds half of what it may, for at most CLEAN_TURN
+        seconds at a time: requests go on between (the loop's other callbacks run)."""
+        try:
+            while self._dirty and self._dirty_units > self._low:
+                until = time.perf_counter() + CLEAN_TURN
+                while self._dirty and self._dirty_units > self._low and time.perf_counter() < until:
+                    c = next(iter(self._dirty))
+                    if not self._write_back_now(c):
+                        await self._write_back(c)
+                await asyncio.sleep(0)
+        except Exception as e:  # noqa: BLE001 - the units stay cached; the next flush reports the failure
+            log.error("%s: writing its cache back failed: %s", self.name, e)
+
+    def _write_back_now(self, c: int) -> bool:
+        """What the cache holds of chunk c written in the caller's turn (_version_now), or False with nothing
+        done."""
+        d = self._dirty.get(c)
+        if d is None:
+            return True
+        if not self._version_now(c, _unit_runs(d)):
+            return False
+        del self._dirty[c]
+        self._dirty_units -= len(d)
+        return True
+
+    async def _write_back(self, c: int) -> None:
+        async with self._chunk(c):
+            if c in self._dirty:
+                await self._store(c, [], False)
+
+    async def write_back(self) -> None:
+        """What the write cache holds, written to the device (not flushed: a flush does that too)."""
+        for c in list(self._dirty):
+            if not self._write_back_now(c):
+                await self._write_back(c)
+
+    async def _stop_cleaner(self) -> None:
+        t, self._cleaner = self._cleaner, None
+        if t is not None and not t.done():
+            t.cancel()
+            await asyncio.wait([t])
+
+    async def close(self) -> None:
+        """What the write cache holds goes to the device, flushed (the layer may go on serving: a stack rebuilt
+        over it keeps it)."""
+        await self._stop_cleaner()
+        if self._dirty:
+            await self.flush()
+
     def _target(self, c: int) -> int:
         """The slot chunk c's next version goes to: not the one of its newest durable version."""
         d = int(self.dur[c])
         return 1 - d if d >= 0 else max(0, int(self.cur[c]))
 
-    def _encoded(self, c: int, s: int, start: int, n: int, piece: memoryview | None, stored: Buffer | None,
+    def _encoded(self, c: int, s: int, runs: list[Run], stored: Buffer | None,
                  old: bytes | None) -> tuple[int, bytes, bytes | None]:
-        """(algo, payload, the plain chunk where it is at hand) of chunk c's new version: bytes [start, start+n)
-        replaced by piece (None: zeros), over its newest version in slot s as stored (`stored`, where that is in
-        this codec's frames) or in plain (`old`; None for a write of the whole chunk, or nothing stored)."""
-        if self.codec.frame and n < self.chunk:
-            return self._reframed(c, s, start, n, piece, stored, old)
-        plain = _patched(old if n < self.chunk else None, start, piece, n)
+        """(algo, payload, the plain chunk where it is at hand) of chunk c's new version: each run (start, bytes,
+        piece; None: zeros) written over the chunk in order, over its newest version in slot s as stored
+        (`stored`, where that is in this codec's frames) or in plain (`old`; None for a write of the whole chunk,
+        or nothing stored)."""
+        whole = len(runs) == 1 and runs[0][1] == self.chunk
+        if self.codec.frame and not whole:
+            return self._reframed(c, s, runs, stored, old)
+        plain = _patched(None if whole else old, runs, self.chunk)
         algo, payload = self.codec.encode(plain)
         return algo, payload, plain
 
@@ -910,16 +1135,17 @@ class CompressLayer(Layer):
         except ValueError as e:
             raise MediumError(f"{self.name}: chunk {c}: frame {i}: {e}", c * self._per) from None
 
-    def _reframed(self, c: int, s: int, start: int, n: int, piece: memoryview | None, stored: Buffer | None,
+    def _reframed(self, c: int, s: int, runs: list[Run], stored: Buffer | None,
                   old_plain: bytes | None) -> tuple[int, bytes, bytes | None]:
-        """(algo, payload, the plain chunk where it was at hand) of chunk c's new version in frames, bytes
-        [start, start+n) replaced by piece (None: zeros). The frames the range does not touch are copied as
-        stored (with their checksums) from its newest version in slot s where that is in this codec's frames
-        (`stored`, as read): the runs of them before and after the range, each in one piece. Only the frames it
-        touches are encoded, after decoding the old frame where the range covers part of it. `old_plain`: the
-        chunk in plain where its version is not in these frames."""
+        """(algo, payload, the plain chunk where it was at hand) of chunk c's new version in frames, the runs
+        written over it in order. The frames no run touches are copied as stored (with their checksums) from its
+        newest version in slot s where that is in this codec's frames (`stored`, as read): each stretch of them
+        between touched frames in one piece. Only the frames the runs touch are encoded, after decoding the old
+        frame where they cover part of it. `old_plain`: the chunk in plain where its version is not in these
+        frames."""
         codec = self.codec
-        fs, first, last = codec.frame, start // codec.frame, (start + n - 1) // codec.frame
+        fs = codec.frame
+        touched = sorted({i for at, n, _ in runs for i in range(at // fs, (at + n - 1) // fs + 1)})
         lens: list[int]
         crcs: list[int]
         if stored is not None:
@@ -928,17 +1154,22 @@ class CompressLayer(Layer):
                 kept = memoryview(stored)[HEADER_BYTES:HEADER_BYTES + length]
                 was_lens, was_crcs, starts = table
                 lens, crcs = list(was_lens), list(was_crcs)
-                fresh = []
-                for i in range(first, last + 1):
-                    f = self._frame_over(c, i, start, n, piece,
-                                         (was_lens[i], was_crcs[i], kept[starts[i]:starts[i] + was_lens[i]]))
-                    lens[i], crcs[i] = f[0], f[1]
-                    fresh.append(f[2])
-                parts = [kept[starts[0]:starts[first]], *fresh, kept[starts[last] + was_lens[last]:]]
+                fresh: dict[int, Buffer] = {}
+                parts: list[Buffer] = []
+                nxt = 0                      # the first frame not in parts yet
+                for i in touched:
+                    f = self._frame_over(c, i, runs, (was_lens[i], was_crcs[i], kept[starts[i]:starts[i] + was_lens[i]]))
+                    lens[i], crcs[i], fresh[i] = f
+                    if i > nxt:
+                        parts.append(kept[starts[nxt]:starts[i]])
+                    parts.append(f[2])
+                    nxt = i + 1
+                if nxt < codec.frames:
+                    parts.append(kept[starts[nxt]:])
 
                 def spliced() -> bytes:   # kept raw: every frame decoded (a copied one checked first)
                     return b"".join(
-                        self._frame_plain(c, i, (lens[i], crcs[i], fresh[i - first] if first <= i <= last
+                        self._frame_plain(c, i, (lens[i], crcs[i], fresh[i] if i in fresh
                                                  else kept[starts[i]:starts[i] + lens[i]]))
                         for i in range(codec.frames))
 
@@ -946,12 +1177,13 @@ class CompressLayer(Layer):
                 return algo, payload, (payload if algo == RAW else None)
             old_plain = self._decoded(c, s, stored)
         frames: list[Frame] = []
+        hit = set(touched)
         for i in range(codec.frames):
             a = i * fs
-            if i < first or i > last:
+            if i not in hit:
                 frames.append(codec.frame_of(old_plain[a:a + fs]) if old_plain else (0, 0, b""))
                 continue
-            frames.append(self._frame_over(c, i, start, n, piece, old_plain[a:a + fs] if old_plain else None))
+            frames.append(self._frame_over(c, i, runs, old_plain[a:a + fs] if old_plain else None))
 
         def plain() -> bytes:     # kept raw: every frame decoded
             return b"".join(self._frame_plain(c, i, f) for i, f in enumerate(frames))
@@ -959,18 +1191,17 @@ class CompressLayer(Layer):
         algo, payload = codec.assemble(frames, plain)
         return algo, payload, (payload if algo == RAW else None)
 
-    def _frame_over(self, c: int, i: int, start: int, n: int, piece: memoryview | None,
-                    was: Frame | bytes | None) -> Frame:
-        """Frame i of the new version, the range [start, start+n) (piece, None: zeros) over the old frame `was`
-        (as stored, decoded only where the range covers part of the frame; or in plain; None: zeros)."""
+    def _frame_over(self, c: int, i: int, runs: list[Run], was: Frame | bytes | None) -> Frame:
+        """Frame i of the new version: the runs (start, bytes, piece; None: zeros) written in order over the old
+        frame `was` (as stored, decoded only where the runs cover part of the frame; or in plain; None: zeros)."""
         fs = self.codec.frame
-        a = i * fs
-        lo, hi = max(a, start), min(a + fs, start + n)
-        part = piece[lo - start:hi - start] if piece is not None else None
-        old: bytes | None = None
-        if hi - lo < fs:
-            old = bytes(fs) if was is None else self._frame_plain(c, i, was) if isinstance(was, tuple) else was
-        return self.codec.frame_of(_patched(old, lo - a, part, hi - lo))
+        a, b = i * fs, (i + 1) * fs
+        over = [(start, n, piece) for start, n, piece in runs if start < b and start + n > a]
+        if len(over) == 1 and over[0][0] <= a and over[0][0] + over[0][1] >= b:
+            start, _, piece = over[0]
+            return self.codec.frame_of(piece[a - start:b - start] if piece is not None else bytes(fs))
+        old = bytes(fs) if was is None else self._frame_plain(c, i, was) if isinstance(was, tuple) else was
+        return self.codec.frame_of(_patched(old, [(start - a, n, piece) for start, n, piece in over], fs))
 
     def _table_of(self, c: int, s: int, stored: Buffer) -> tuple[int, int, int, FrameTable]:
         """(algo, payload length, frame shift, frame table: a framed version's, else empty) of chunk c's newest
@@ -1025,6 +1256,7 @@ class CompressLayer(Layer):
                 return
 
     async def flush(self) -> None:
+        await self.write_back()     # what the cache held when the flush came, in versions it then covers
         f = _Flush(self._seq)
         self._flushes.append(f)
         try:
@@ -1065,7 +1297,7 @@ class CompressLayer(Layer):
         out: list[tuple[int, int, int]] = []
         while lba < end:
             c = lba // self._per
-            state = 0 if self.cur[c] >= 0 and self.algo[c] != ZERO else 1
+            state = 0 if (self.cur[c] >= 0 and self.algo[c] != ZERO) or c in self._dirty else 1
             stop = min(end, (c + 1) * self._per)
             if out and out[-1][2] == state:
                 a, n, _ = out[-1]
@@ -1077,7 +1309,7 @@ class CompressLayer(Layer):
 
     async def resize(self, num_blocks: int) -> None:
         chunks = -(-num_blocks // self._per)
-        if chunks < self.chunks and bool((self.cur[chunks:] >= 0).any()):
+        if chunks < self.chunks and (bool((self.cur[chunks:] >= 0).any()) or any(c >= chunks for c in self._dirty)):
             from openvsan.block.errors import BlockError
 
             raise BlockError(f"{self.name}: chunks past the new end hold data")
@@ -1125,13 +1357,46 @@ class CompressLayer(Layer):
                             "open_compress), not from its settings alone")
 
 
-def _patched(old: bytes | None, at: int, piece: Buffer | None, n: int) -> bytes:
-    """old (None: the chunk is replaced whole) with n bytes at `at` replaced by piece (None: zeros)."""
+Run = tuple[int, int, "Buffer | None"]   # (start, bytes, piece; None: zeros) of a write within a chunk
+
+
+def _patched(old: bytes | None, runs: list[Run], size: int) -> bytes:
+    """`size` bytes: old (None: the one run covers them whole) with each run written over it in order (runs
+    may start before 0 or end past `size`: only what falls within is written)."""
     if old is None:
+        _, n, piece = runs[0]
         return bytes(piece) if piece is not None else bytes(n)
     out = bytearray(old)
-    out[at:at + n] = piece if piece is not None else bytes(n)
+    for start, n, piece in runs:
+        lo, hi = max(0, start), min(size, start + n)
+        out[lo:hi] = piece[lo - start:hi - start] if piece is not None else bytes(hi - lo)
     return bytes(out)
+
+
+def _unit_runs(d: dict[int, bytes]) -> list[Run]:
+    """The write cache's units of a chunk as runs, consecutive units joined."""
+    out: list[Run] = []
+    us = sorted(d)
+    i = 0
+    while i < len(us):
+        j = i + 1
+        while j < len(us) and us[j] == us[j - 1] + 1:
+            j += 1
+        out.append((us[i] * UNIT, (j - i) * UNIT, d[us[i]] if j == i + 1 else b"".join([d[u] for u in us[i:j]])))
+        i = j
+    return out
+
+
+def _overlaid(base: Buffer, start: int, d: dict[int, bytes]) -> bytearray:
+    """Bytes [start, start+len(base)) of a chunk, `base` under the write cache's units `d` of it."""
+    n = len(base)
+    out = bytearray(base)
+    for u in range(start // UNIT, (start + n - 1) // UNIT + 1):
+        p = d.get(u)
+        if p is not None:
+            lo, hi = max(u * UNIT, start), min((u + 1) * UNIT, start + n)
+            out[lo - start:hi - start] = p[lo - u * UNIT:hi - u * UNIT]
+    return out
 
 
 def check_below(below: BlockDevice) -> None:

@@ -307,6 +307,9 @@ class Volume:
         "contents" (and "resized" if the size changed)."""
         async with self._quiesced(timeout):
             before = self.num_blocks
+            # what the stack holds in memory goes to the device first (a compressed volume's write cache, and its
+            # cleaner, which would otherwise write it over the changed data)
+            await self.write_back()
             await change()
             for layer in reversed(self.layers[:-1]):   # layers that keep state of the data (compress) read it anew
                 reload = getattr(layer, "reload", None)
@@ -316,6 +319,14 @@ class Volume:
         self._changed("contents")
         if self.num_blocks != before:
             self._changed("resized")
+
+    async def write_back(self) -> None:
+        """What layers of the stack hold in memory (a compressed volume's write cache) written to the device below
+        them now (not flushed): a snapshot or a change of the data below sees every write completed before."""
+        for layer in self.layers[:-1]:
+            fn = getattr(layer, "write_back", None)
+            if fn is not None:
+                await fn()
 
     def notify(self, what: str) -> None:
         """Tell the frontends of a change below the volume they report (e.g. "thin-threshold")."""
