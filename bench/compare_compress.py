@@ -87,7 +87,7 @@ device = "ram0"
 size = "{mib}MiB"
 compression = "lz4"
 compression_chunk = "{chunk}KiB"
-compression_frame = 0
+compression_frame = 0{cache}
 """
 HALF = ["buffer_compress_percentage=50", "refill_buffers"]
 # name, fio rw, request bytes, queue depth, the figure compared, the issue's mark for lz4 (compressed / plain)
@@ -136,6 +136,8 @@ def main() -> int:
                     help="the compressed volumes' frames in KiB (compression_frame; 0: none; default: the default)")
     ap.add_argument("--stream", action="store_true",
                     help="a fourth volume: lz4 with each chunk one stream (compression_frame = 0)")
+    ap.add_argument("--cache", type=int, help="the compressed volumes' write cache in MiB (compression_cache; 0: none; "
+                                              "default: the default)")
     ap.add_argument("--out", type=Path, help="write the JSON result here")
     ap.add_argument("--smoke", action="store_true", help="CI: 1 round, 1 s runs, 64 MiB volumes")
     args = ap.parse_args()
@@ -152,9 +154,12 @@ def measure(args: argparse.Namespace) -> int:
     exports = "".join(f'\n[[nbd.exports]]\nname = "{v}"\nvolume = "{v}"\n' for v in volumes)
     frame = "" if args.frame is None else f'\ncompression_frame = "{args.frame}KiB"' if args.frame else \
         "\ncompression_frame = 0"
+    cache = "" if args.cache is None else f'\ncompression_cache = "{args.cache}MiB"' if args.cache else \
+        "\ncompression_cache = 0"
+    frame += cache
     (work / "vsan.toml").write_text(VSAN_CONFIG.format(
         mib=args.mib, dev_mib=(len(volumes) + 1) * args.mib + 128, port=port, exports=exports, chunk=args.chunk,
-        frame=frame, stream=STREAM.format(mib=args.mib, chunk=args.chunk) if args.stream else ""))
+        frame=frame, stream=STREAM.format(mib=args.mib, chunk=args.chunk, cache=cache) if args.stream else ""))
     serve = Target("openvsan", [*target_pin, str(VSAN), "serve", "--config", str(work / "vsan.toml"),
                                 "--data-dir", str(work / "data"), "--log-level", "warning"], work)
     uris = {v: f"nbd://127.0.0.1:{port}/{v}" for v in volumes}
@@ -212,7 +217,8 @@ def report(args: argparse.Namespace, volumes: tuple[str, ...], results: dict[tup
                     **{f"ratio_{v.replace('-', '_')}": ratios[v] for v in squeezed}})
     print(f"\nmedians of {args.rounds} round(s), {args.seconds:g} s each, {args.mib} MiB thin volumes of one RAM "
           f"device (4 KiB clusters), {args.chunk} KiB chunks, frames "
-          f"{'default' if args.frame is None else args.frame}, fio buffer_compress_percentage=50, vsan serve on "
+          f"{'default' if args.frame is None else args.frame}, write cache "
+          f"{'default' if args.cache is None else str(args.cache) + ' MiB'}, fio buffer_compress_percentage=50, vsan serve on "
           f"core 0 and clients on core 1: {pinned}; ratio: compressed / plain")
     print_table(["", *volumes, *(f"{v} ratio" for v in squeezed), "mark", f"server CPU ({'/'.join(volumes)})"],
                 rows)
@@ -226,7 +232,8 @@ def report(args: argparse.Namespace, volumes: tuple[str, ...], results: dict[tup
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "host": host_info(pinned),
         "options": {"rounds": args.rounds, "seconds": args.seconds, "mib": args.mib, "smoke": args.smoke,
-                    "chunk_kib": args.chunk, "frame_kib": args.frame, "stream": args.stream},
+                    "chunk_kib": args.chunk, "frame_kib": args.frame, "stream": args.stream,
+                    "cache_mib": args.cache},
         "command": argv,
         "space": space,
         "cases": out,

@@ -37,6 +37,12 @@ makes a version durable whole or not at all, and the payload checksum catches a 
 its middle; the older one is then served. Like the thin volume below, the layer has a volatile write cache:
 what a flush or FUA write completed before a crash reads back; newer unflushed writes may or may not.
 
+**Write cache.** Writes of whole 4 KiB units within a chunk (not FUA) wait in memory (`compression_cache`, 32
+MiB by default): each chunk's units become one new version when a flush, a FUA or other write of the chunk, or
+the cleaner (oldest chunks first, past three quarters full) comes, so a chunk written several times in
+between is encoded and stored once. Reads see them over the stored version. They are volatile as the
+unflushed versions are; a close writes them back and flushes.
+
 **Order in the stack.** Compression goes above encryption (ciphertext does not compress): a crypt layer over
 a compress layer is refused (volume/crypt.py), and so is a compress layer over a crypt layer that drops
 unmaps (the space would never return).
@@ -718,12 +724,15 @@ class CompressLayer(Layer):
         bs = self._bbs
         start, n = off * bs, blocks * bs
         u0, u1 = start // UNIT, (start + n - 1) // UNIT
-        if all(u in d for u in range(u0, u1 + 1)):      # all of it in the write cache
+        held = [u in d for u in range(u0, u1 + 1)]
+        if not any(held):                                # none of it in the write cache
+            return self._stored_now(c, off, blocks)
+        if all(held):                                    # all of it
             whole = d[u0] if u0 == u1 else b"".join([d[u] for u in range(u0, u1 + 1)])
             skip = start - u0 * UNIT
             return whole if skip == 0 and len(whole) == n else whole[skip:skip + n]
         base = self._stored_now(c, off, blocks)
-        return None if base is None else _overlaid(base, start, d)
+        return None if base is None else bytes(_overlaid(base, start, d))
 
     def _stored_now(self, c: int, off: int, blocks: int) -> Buffer | None:
         """read_now of blocks [off, off+blocks) of chunk c as its newest version holds them (not the cache)."""
@@ -962,7 +971,10 @@ class CompressLayer(Layer):
     def write_soon(self, lba: int, data: Buffer, fua: bool, done: WriteDone) -> bool:
         """A write done in the caller's turn (block/device.py WriteSoon; `done` is called before it returns):
         into the write cache unless it is FUA, else (or where the cache does not take it) as write_now writes.
-        False: nothing was done (write() does it)."""
+        False: nothing was done (write() does it). A write the cache would not take at all, write_now has taken
+        or declined already (the frontends ask it first): declined here at once, not encoded twice."""
+        if not self._cap or not self._cacheable(lba % self._per, len(data) // self._bbs):
+            return False
         if (not fua and self._cached(lba, data)) or self._write_durable(lba, data):
             done(None)
             return True
