@@ -815,12 +815,10 @@ class CompressLayer(Layer):
             return piece if d is None else _overlaid(piece, off * bs, d)
 
     async def write(self, lba: int, data: Buffer, *, fua: bool = False) -> None:
-        if not fua and self._cap and not self.read_only and self._cacheable(lba % self._per, len(data) // self._bbs):
+        if not fua and self._takes(lba, data):
             # the cache full: its oldest chunks go first, as the cleaner would take them, then this write joins it
             while self._dirty and self._dirty_units + len(data) // UNIT > self._cap:
-                c = next(iter(self._dirty))
-                if not self._write_back_now(c):
-                    await self._write_back(c)
+                await self._write_back(next(iter(self._dirty)))
             if self._cached(lba, data):
                 return
         bs = self._bbs
@@ -912,7 +910,7 @@ class CompressLayer(Layer):
         other slot's, and its own slot's clusters past it) goes at the next flush (_tidy), as a version made
         durable by a flush gives its other slot back. The encoding is write()'s (_encoded, _version, _installed);
         the old version comes from the plain-chunk cache or the device's own fast path."""
-        if self._cap and self._cacheable(lba % self._per, len(data) // self._bbs):
+        if self._takes(lba, data):
             return False    # for the write cache: write_soon (or write) knows whether the write is FUA
         return self._write_durable(lba, data)
 
@@ -973,7 +971,7 @@ class CompressLayer(Layer):
         into the write cache unless it is FUA, else (or where the cache does not take it) as write_now writes.
         False: nothing was done (write() does it). A write the cache would not take at all, write_now has taken
         or declined already (the frontends ask it first): declined here at once, not encoded twice."""
-        if not self._cap or not self._cacheable(lba % self._per, len(data) // self._bbs):
+        if not self._takes(lba, data):
             return False
         if (not fua and self._cached(lba, data)) or self._write_durable(lba, data):
             done(None)
@@ -982,29 +980,26 @@ class CompressLayer(Layer):
 
     # ---- the write cache
 
-    def _cacheable(self, off: int, n: int) -> bool:
-        """A write of blocks [off, off+n) of a chunk that the cache takes: whole 4 KiB units, within the chunk,
-        less than all of it (a whole chunk is encoded at once: nothing to gain by waiting)."""
-        upu = self._upu
+    def _takes(self, lba: int, data: Buffer) -> bool:
+        """Whether the cache takes a write of `data` at `lba` by its shape: the cache on, the layer writable,
+        whole 4 KiB units within one chunk, less than all of it (a whole chunk is encoded at once: nothing to
+        gain by waiting)."""
+        if not self._cap or self.read_only:
+            return False
+        off, n, upu = lba % self._per, len(data) // self._bbs, self._upu
         return not (off % upu or n % upu) and off + n <= self._per and n < self._per
 
     def _cached(self, lba: int, data: Buffer) -> bool:
-        """The write kept in the cache (done: as durable as a write without FUA), or False where the cache does
-        not take it (off, a read-only layer, not whole units within a chunk, or the cache full: then the write
-        goes to the device, with what the cache holds of its chunk)."""
-        if not self._cap or self.read_only:
-            return False
-        bs = self._bbs
-        c, off = divmod(lba, self._per)
-        n = len(data) // bs
-        if not self._cacheable(off, n):
-            return False
-        k = n // self._upu
+        """A write the cache takes (_takes, which the caller asked) kept in it (done: as durable as a write
+        without FUA), or False where the cache is full and its oldest chunk cannot go in this turn (then the
+        write goes to the device, with what the cache holds of its chunk)."""
+        k = len(data) // UNIT
         while self._dirty_units + k > self._cap:
             # full: its oldest chunk goes in this turn where it can (as write_now writes), else the cleaner's
             if not self._dirty or not self._write_back_now(next(iter(self._dirty))):
                 self._kick()
                 return False
+        c, off = divmod(lba, self._per)
         d = self._dirty.get(c)
         if d is None:
             d = self._dirty[c] = {}
@@ -1047,9 +1042,7 @@ class CompressLayer(Layer):
             while self._dirty and self._dirty_units > self._low:
                 until = time.perf_counter() + CLEAN_TURN
                 while self._dirty and self._dirty_units > self._low and time.perf_counter() < until:
-                    c = next(iter(self._dirty))
-                    if not self._write_back_now(c):
-                        await self._write_back(c)
+                    await self._write_back(next(iter(self._dirty)))
                 await asyncio.sleep(0)
         except Exception as e:  # noqa: BLE001 - the units stay cached; the next flush reports the failure
             log.error("%s: writing its cache back failed: %s", self.name, e)
@@ -1067,6 +1060,9 @@ class CompressLayer(Layer):
         return True
 
     async def _write_back(self, c: int) -> None:
+        """What the cache holds of chunk c written: in the caller's turn where it can be, else under its lock."""
+        if self._write_back_now(c):
+            return
         async with self._chunk(c):
             if c in self._dirty:
                 await self._store(c, [], False)
@@ -1074,8 +1070,7 @@ class CompressLayer(Layer):
     async def write_back(self) -> None:
         """What the write cache holds, written to the device (not flushed: a flush does that too)."""
         for c in list(self._dirty):
-            if not self._write_back_now(c):
-                await self._write_back(c)
+            await self._write_back(c)
 
     async def _stop_cleaner(self) -> None:
         t, self._cleaner = self._cleaner, None
