@@ -27,7 +27,7 @@ from power_cut import PowerCut
 
 from openvsan.block import RamDevice
 from openvsan.block.device import BlockDevice
-from openvsan.block.errors import BlockError, MediumError
+from openvsan.block.errors import BlockError, MediumError, NoSpace
 from openvsan.volume import compress as C
 from openvsan.volume.compress import CompressError, CompressLayer, open_compress
 from openvsan.volume.thin import VolumeGroup
@@ -663,7 +663,9 @@ async def cut_at(ops: list[Op], k: int, survive: float, rng: random.Random, fram
             break
     FAST_WRITES[0] += run.fast_writes
     SOON_WRITES[0] += run.soon_writes
+    RECLAIMS[0] += layer.reclaims
     await layer._stop_cleaner()    # the process is gone: so is its cleaner
+    await layer._stop_reclaimer()  # and a reclaim under way (its flush fails: the device is gone)
     if at is None:
         return False
     await dev.restart()
@@ -703,6 +705,7 @@ async def cut_at(ops: list[Op], k: int, survive: float, rng: random.Random, fram
 
 FAST_WRITES = [0]    # writes write_now took in the cuts run so far (a fast sweep must have some)
 SOON_WRITES = [0]    # writes write_soon took (a sweep with the write cache must have some)
+RECLAIMS = [0]       # flushes the layer made itself (a sweep with reclaims must have some)
 
 
 async def sweep(seeds: range, length: int, frame: int = FRAME, fast: bool = False,
@@ -766,6 +769,79 @@ def test_power_cuts_with_the_write_cache_lose_nothing_durable(batch: int, frame:
     (as the NBD and NVMe frontends do): a cached write is lost with the power unless a flush came after it (or
     a FUA write of its chunk), and the cleaner's write-backs are cut like any other write."""
     swept(range(200 + batch * 4, 200 + batch * 4 + 4), frame, SOON_WRITES, "write_soon", 50, cache=CACHE)
+
+
+@pytest.mark.parametrize("frame", [0, 4096])
+def test_power_cuts_with_reclaims_lose_nothing_durable(frame: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same cuts with the layer flushing itself after every version it writes (as when its group is always
+    short of space: RECLAIM_FREE over 1), writes through write_now, the write cache and write(): its flushes and
+    the unmaps of superseded slots are cut like any other write, and nothing durable is lost."""
+    monkeypatch.setattr(C, "RECLAIM_FREE", 1.5)
+    before = RECLAIMS[0]
+    swept(range(300, 304), frame, SOON_WRITES, "write_soon", 50, fast=True, cache=CACHE)
+    print(f"{RECLAIMS[0] - before} reclaims")
+    assert RECLAIMS[0] - before > 20
+
+
+async def tight_stack(slack_clusters: int) -> tuple[VolumeGroup, CompressLayer, Run]:
+    """The layer over a thin volume whose group has room for every chunk stored raw and `slack_clusters` more."""
+    per_chunk = (CHUNK + C.UNIT) // CS
+    dev = RamDevice((META + (CHUNKS * per_chunk + slack_clusters) * CS) // BS, BS)
+    g = await VolumeGroup.format(dev, cluster_size=CS, metadata_size=META)
+    g.commit_interval = 1e9
+    assert g.clusters >= CHUNKS * per_chunk
+    lv = await g.create("v", C.backing_size(BLOCKS * BS, CHUNK))
+    layer = await open_compress({"type": "compress", "algorithm": "lz4", "chunk_size": CHUNK, "frame_size": FRAME,
+                                 "cache_size": 0}, lv, name="v")
+    return g, layer, Run(layer, fast=True)
+
+
+async def rewrite_without_flushes(run: Run, seed: int, writes: int) -> None:
+    """Every chunk written whole (incompressible: stored raw), then `writes` random writes, none flushed."""
+    rng = random.Random(seed)
+    for c in range(CHUNKS):
+        run.tag += 3 - run.tag % 3                      # a tag whose blocks are random (block())
+        run.cur[c * CB:(c + 1) * CB] = [run.tag] * CB
+        await run.layer.write(c * CB, b"".join(block(run.tag, b) for b in range(c * CB, (c + 1) * CB)))
+    for _ in range(writes):
+        n = rng.choice((1, UB, CB))
+        await run.step(("write", rng.randrange(BLOCKS - n + 1), n, False))
+        await asyncio.sleep(0)                          # a reclaim's turn
+
+
+def test_without_a_flush_from_above_the_slots_kept_for_next_versions_are_given_back_before_space_runs_out(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rewritten with no flush, every chunk keeps both its slots (its durable version, and the newer one): a
+    volume of incompressible data would take twice its size. In a group with a quarter to spare, the layer
+    flushes itself as free clusters run low (RECLAIM_FREE) and every write succeeds, where without that the group
+    runs out of space; once the layer is idle (RECLAIM_AFTER) the slots it kept go back too."""
+    monkeypatch.setattr(C, "RECLAIM_AFTER", 0.05)
+    per_chunk = (CHUNK + C.UNIT) // CS
+
+    async def go() -> None:
+        monkeypatch.setattr(C, "RECLAIM_FREE", 0.0)     # never short of space: it runs out
+        g, layer, run = await tight_stack(CHUNKS * per_chunk // 4)
+        with pytest.raises(NoSpace):
+            await rewrite_without_flushes(run, 1, 200)
+        await layer._stop_reclaimer()
+
+        monkeypatch.setattr(C, "RECLAIM_FREE", 0.25)
+        g, layer, run = await tight_stack(CHUNKS * per_chunk // 4)
+        await rewrite_without_flushes(run, 1, 200)
+        assert layer.reclaims >= 5, layer.reclaims
+        assert await read_all(layer) == run.cur
+        await run.step(("write", CB + 1, 1, False))     # a chunk keeps both slots: given back once idle
+        assert layer.held[1].all()
+        reclaims = layer.reclaims
+        await asyncio.sleep(0.3)
+        assert layer.reclaims == reclaims + 1 and not layer.held.all(axis=1).any()
+        assert await read_all(layer) == run.cur
+        stats = layer.stats()
+        assert stats["stored_bytes"] <= CHUNKS * (CHUNK + C.UNIT) and stats["reclaims"] == layer.reclaims
+        await asyncio.sleep(0.3)                        # idle and nothing kept: no reclaim more
+        assert layer.reclaims == reclaims + 1
+        await g.close()
+    asyncio.run(go())
 
 
 async def cached_run(seed: int, frame: int, cache: int = CACHE) -> tuple[RamDevice, VolumeGroup, CompressLayer, Run]:

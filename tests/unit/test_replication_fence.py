@@ -88,3 +88,36 @@ def test_a_primary_takes_its_own_replica_in_process_and_loses_it_to_a_newer_epoc
     # and it cannot take it back with its old epoch
     before = f.refused
     assert not f.take_local(OLD, 7) and f.refused == before + 1 and f.holds(NEW, 9)
+
+
+def test_the_primary_s_own_replica_takes_fast_writes_only_while_its_epoch_holds_the_fence() -> None:
+    """LocalReplica (the mirror's local device) passes write_now and write_soon (a compressed replica's write
+    cache) to the stack below while its epoch holds the fence; once a newer epoch preempted it, both decline
+    and write() refuses, so no write of the old epoch reaches the replica by any path."""
+    import asyncio
+
+    from openvsan.block import RamDevice
+    from openvsan.replication.controller import LocalReplica, ReplicaFenced
+
+    class Soon(RamDevice):
+        def write_soon(self, lba: int, data: bytes, fua: bool, done: object) -> bool:
+            self._put(lba, data)
+            done(None)  # type: ignore[operator]
+            return True
+
+    async def go() -> None:
+        f = EpochFence()
+        assert f.take_local(OLD, 5)
+        dev = Soon(64, 512)
+        local = LocalReplica(dev, f, OLD, 5, "v")
+        answers: list[BaseException | None] = []
+        assert local.write_now(0, b"a" * 512)
+        assert local.write_soon(1, b"b" * 512, False, answers.append) and answers == [None]
+        assert bytes(await dev.read(0, 2)) == b"a" * 512 + b"b" * 512
+        assert primary(f, NEW, 9, preempt=5) == S.SUCCESS
+        assert not local.write_now(2, b"c" * 512)
+        assert not local.write_soon(3, b"d" * 512, False, answers.append) and answers == [None]
+        with pytest.raises(ReplicaFenced):
+            await local.write(4, b"e" * 512)
+        assert bytes(await dev.read(2, 3)) == bytes(3 * 512)
+    asyncio.run(go())

@@ -460,6 +460,79 @@ def test_write_soon_sends_again_the_normal_way_what_a_fast_send_lost(nodes: tupl
     asyncio.run(go())
 
 
+class CachingReplica(RamDevice):
+    """A local replica that keeps small writes in a volatile cache, as the compression layer's write cache does:
+    write_now declines them (it must be durable on return), write_soon takes them, at once or (`later`) in a
+    later turn, or fails them (`fail`); flush writes the cache back."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(BLOCKS, BS, name=name)
+        self.cache: dict[int, bytes] = {}
+        self.later = False
+        self.fail: BaseException | None = None
+
+    def write_now(self, lba: int, data: Buffer) -> bool:
+        return False
+
+    def write_soon(self, lba: int, data: Buffer, fua: bool, done: Any) -> bool:
+        if self.fail is not None:
+            asyncio.get_running_loop().call_soon(done, self.fail)
+            return True
+        if fua:
+            self._put(lba, data)
+        else:
+            self.cache[lba] = bytes(data)
+        if self.later:
+            asyncio.get_running_loop().call_soon(done, None)
+        else:
+            done(None)          # in the caller's turn, before the mirror has sent anything to its peers
+        return True
+
+    async def read(self, lba: int, blocks: int) -> Buffer:
+        out = bytearray(await super().read(lba, blocks))
+        for at, data in self.cache.items():
+            lo, hi = max(at, lba), min(at + len(data) // BS, lba + blocks)
+            if lo < hi:
+                out[(lo - lba) * BS:(hi - lba) * BS] = data[(lo - at) * BS:(hi - at) * BS]
+        return bytes(out)
+
+    async def flush(self) -> None:
+        for at, data in self.cache.items():
+            self._put(at, data)
+        self.cache.clear()
+
+
+def test_write_soon_takes_a_write_the_local_replica_caches_and_acknowledges_it_once_every_replica_has_it() -> None:
+    """A compressed replica's write cache declines write_now (not durable on return) but takes write_soon: the
+    mirror's fast path uses it rather than leave the write to write()'s coroutine; the write is acknowledged
+    when the peers have it too, whether the local answer came first or last, and a local failure is not
+    acknowledged."""
+    async def go() -> None:
+        clock = Clock()
+        store = MemoryStateStore(MemoryState(clock=clock))
+        await R.create(store, "v", ("a", "b"))
+        view = await R.claim_primary(store, "v", "a", await store.grant_lease(5))
+        local = CachingReplica("a")
+        peer = SoonPeer("b")
+        m = MirrorLayer(local, me="a", view=view, store=store, peers={"b": peer}, region_size=REGION)
+        await m.write(0, b"x" * BS)                      # the epoch's first write, recorded by write()
+        for later, lba in ((False, 64), (True, 72)):
+            local.later = later
+            before = m.stats["writes"]
+            assert await soon(m, lba, b"c" * 4096)
+            assert local.cache[lba] == b"c" * 4096 and bytes(await peer.read(lba, 8)) == b"c" * 4096
+            assert m.stats["writes"] == before + 1 and not m._ops and not m._busy_grains
+        assert peer.soon_sent == 2 and peer.writes == 1  # both on the fast path (write() took the first)
+        assert bytes(await m.read(64, 16)) == b"c" * 8192
+        await m.flush()
+        assert not local.cache and bytes(await RamDevice.read(local, 64, 16)) == b"c" * 8192
+        local.fail = OSError("the local replica failed")
+        with pytest.raises(OSError, match="local replica failed"):
+            await soon(m, 80, b"f" * 4096)
+        assert not m._ops and not m._busy_grains
+    asyncio.run(go())
+
+
 def test_write_soon_declines_a_write_that_overlaps_one_in_flight() -> None:
     async def go() -> None:
         _, _, _, _, m = await cluster(("a", "b"), rng=random.Random(3))

@@ -77,6 +77,8 @@ class LocalReplica(Layer):
         super().__init__(below, name=f"local-replica:{volume}")
         self.fence, self.host, self.epoch, self.volume = fence, host, epoch, volume
         self._below_now: Callable[[int, Buffer], bool] = getattr(below, "write_now", lambda lba, data: False)
+        self._below_soon: Callable[[int, Buffer, bool, WriteDone], bool] = getattr(
+            below, "write_soon", lambda lba, data, fua, done: False)
 
     def _check(self) -> None:
         if not self.fence.holds(self.host, self.epoch):
@@ -91,6 +93,11 @@ class LocalReplica(Layer):
     def write_now(self, lba: int, data: Buffer) -> bool:
         """The device's write_now while the fence is held; else declined, and write() refuses it."""
         return self.fence.holds(self.host, self.epoch) and self._below_now(lba, data)
+
+    def write_soon(self, lba: int, data: Buffer, fua: bool, done: WriteDone) -> bool:
+        """The device's write_soon (a compressed replica's write cache) while the fence is held; else declined,
+        and write() refuses it."""
+        return self.fence.holds(self.host, self.epoch) and self._below_soon(lba, data, fua, done)
 
     async def unmap(self, lba: int, blocks: int) -> None:
         self._check()

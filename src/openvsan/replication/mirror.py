@@ -249,7 +249,8 @@ class MirrorLayer(Layer):
     def write_soon(self, lba: int, data: Buffer, fua: bool, done: WriteDone) -> bool:
         """write()'s fast path (block/device.py WriteSoon) for the common case: every peer in sync, the volume
         written in this epoch, the regions in the activity log already and no request in flight overlapping it,
-        and a local replica that writes at once (write_now). (The lease is asked before the acknowledgement, as
+        and a local replica that writes at once (write_now) or soon (its own write_soon: a compressed replica's
+        write cache, which write_now declines). (The lease is asked before the acknowledgement, as
         write() asks it: an epoch's writes are fenced on the replicas, not by the sender.) Then the local write is
         made here, each peer's command leaves in this turn (its own write_soon, else its write() started
         eagerly; a fast send that fails is sent again by write(), which retries and reconnects as for any
@@ -270,16 +271,20 @@ class MirrorLayer(Layer):
         if activity is not None and not activity.enter_now(regions):
             self._leave(token)
             return False
-        if not self.below.write_now(lba, data):
-            if activity is not None:
-                activity.leave(regions)
-            self._leave(token)
-            return False
         w = _SoonWrite(self, lba, data, fua, done, regions, targets, token, activity)
+        now = self.below.write_now(lba, data)
+        if not now:
+            local_soon = getattr(self.below, "write_soon", None)
+            if local_soon is None or not local_soon(lba, data, fua, w.local_done):
+                if activity is not None:
+                    activity.leave(regions)
+                self._leave(token)
+                return False
         for i, peer, soon in self._senders(targets):
             if soon is None or not soon(lba, data, fua, w.answer_of(i, peer)):
                 start_then(peer.write(lba, data, fua=fua), w.answer_of(i, None))
-        w.answered(0, None, None)     # the local write, made above: the last answer settles the write
+        if now:
+            w.answered(0, None, None)     # the local write, made above: the last answer settles the write
         return True
 
     def _senders(self, targets: list[str]) -> list[tuple[int, BlockDevice, Callable[..., bool] | None]]:
@@ -669,6 +674,10 @@ class _SoonWrite:
         if i == 1 and peer is not None:
             return self._first_peer
         return functools.partial(self.answered, i, peer)
+
+    def local_done(self, e: BaseException | None) -> None:
+        """The local replica's answer, where its own write_soon took the write (maybe before the peers' sends)."""
+        self.answered(0, None, e)
 
     def _first_peer(self, e: BaseException | None) -> None:
         self.answered(1, self.mirror.peers[self.targets[0]], e)

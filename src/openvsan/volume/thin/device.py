@@ -57,6 +57,12 @@ class LogicalVolume:
         if self.on_change is not None:
             self.on_change()
 
+    def free_share(self) -> float:
+        """The share of its group's clusters free now (the compression layer gives back the slots it keeps for
+        its next versions when this runs low)."""
+        g = self.group
+        return g._free_now() / g.clusters if g.clusters else 0.0
+
     # ---- BlockDevice
 
     async def read(self, lba: int, blocks: int) -> Buffer:
