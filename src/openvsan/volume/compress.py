@@ -59,7 +59,7 @@ import logging
 import struct
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
 
 import crc32c
@@ -150,6 +150,16 @@ def slot_bytes(chunk: int) -> int:
 def backing_size(size: int, chunk: int = DEFAULT_CHUNK) -> int:
     """The thin volume's size under a compressed volume of `size` bytes: two slots per chunk."""
     return -(-size // chunk) * 2 * slot_bytes(chunk)
+
+
+def _running(task: asyncio.Task[None] | None, work: Callable[[], Coroutine[Any, Any, None]]) -> asyncio.Task[None] | None:
+    """`task` where it is still running, else a new task of work() (`task` as it is where no loop runs)."""
+    if task is not None and not task.done():
+        return task
+    try:
+        return asyncio.get_running_loop().create_task(work())
+    except RuntimeError:
+        return task
 
 
 def _units(n: int) -> int:
@@ -1045,12 +1055,7 @@ class CompressLayer(Layer):
 
     def _kick(self) -> None:
         """The cleaner started, where it is not running (and there is a loop to run it)."""
-        if self._cleaner is not None and not self._cleaner.done():
-            return
-        try:
-            self._cleaner = asyncio.get_running_loop().create_task(self._clean())
-        except RuntimeError:
-            pass
+        self._cleaner = _running(self._cleaner, self._clean)
 
     async def _clean(self) -> None:
         """The oldest chunks written back until the cache holds half of what it may, for at most CLEAN_TURN
@@ -1141,12 +1146,7 @@ class CompressLayer(Layer):
         if self._reclaim_timer is not None:
             self._reclaim_timer.cancel()
             self._reclaim_timer = None
-        if self._reclaimer is not None and not self._reclaimer.done():
-            return
-        try:
-            self._reclaimer = asyncio.get_running_loop().create_task(self._reclaiming())
-        except RuntimeError:
-            pass
+        self._reclaimer = _running(self._reclaimer, self._reclaiming)
 
     async def _reclaiming(self) -> None:
         self.reclaims += 1
