@@ -147,3 +147,7 @@ def test_the_kept_openssl_context_gives_the_bytes_of_a_cipher_per_sector(key_siz
     assert fast._lib is not None        # libcrypto loaded: the shortcut is what is tested
     assert fast.crypt(data, iv, sector_size, encrypt=True) == L.xts(key, data, iv, sector_size, encrypt=True)
     assert fast.crypt(L.xts(key, data, iv, sector_size, encrypt=True), iv, sector_size, encrypt=False) == data
+    # any buffer, read by address with no copy: a slice of bytes (read-only) and of a bytearray (a receive buffer)
+    for held in (b"\1" * 512 + data + b"\2" * 512, bytearray(512) + bytearray(data) + bytearray(512)):
+        part = memoryview(held)[512:512 + size]
+        assert fast.crypt(part, iv, sector_size, encrypt=True) == L.xts(key, data, iv, sector_size, encrypt=True)
