@@ -206,3 +206,27 @@ def test_one_busy_poller_for_every_server(tmp_path: Path, poll_us: int, caplog: 
                 "wanted the core), 0.0 s spent polling") in caplog.text
     else:
         assert "adaptive polling: off (poll_us = 0)" in caplog.text
+
+
+def test_a_volume_that_fails_to_close_does_not_keep_the_others_or_the_devices_open(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A volume whose close fails (a compressed volume whose write cache cannot be written back: its group is
+    full) is logged, and every other volume, group, pool and device is still closed (flushed, marked clean):
+    before, the first failure ended the node's shutdown there."""
+    node = node_for(tmp_path, config(tmp_path))
+
+    async def go() -> None:
+        await node.start()
+        closed: list[str] = []
+        for name, vol in node.volumes.items():
+            async def close(name: str = name) -> None:
+                closed.append(name)
+                if name == "disk0":
+                    raise OSError("volume group g: no free cluster")
+            vol.close = close  # type: ignore[method-assign]
+        with caplog.at_level(logging.ERROR):
+            await node.stop()
+        assert closed == ["disk0", "disk1", "disk2"] and node.devices == {}
+        assert "disk0" in caplog.text and "no free cluster" in caplog.text
+
+    asyncio.run(go())

@@ -856,11 +856,15 @@ class Node:
         log.info("stopped")
 
     async def close_devices(self) -> None:
-        """Close the pools (clean: flushed, superblocks marked clean; they close their members), then the
-        devices no pool holds."""
+        """Close the volumes' layers, the groups, the pools (clean: flushed, superblocks marked clean; they close
+        their members), then the devices no pool holds. A volume that fails to close (a compressed volume's write
+        cache that cannot be written back into a full group) is logged; the rest still close."""
         await self._stop_control()
-        for vol in self.volumes.values():
-            await vol.close()   # its layers; the devices below are closed next
+        for name, vol in self.volumes.items():
+            try:
+                await vol.close()   # its layers; the devices below are closed next
+            except Exception as e:  # noqa: BLE001 - the other volumes, groups, pools and devices still close
+                log.error("volume %s: closing it failed: %s", name, e)
         await self.groups.close()   # their metadata committed before the pools and devices close
         closed = await self.pools.close()
         for name, dev in reversed(list(self.devices.items())):
