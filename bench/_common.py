@@ -51,10 +51,19 @@ def require_tools(*names: str) -> None:
         raise BenchError(f"{VSAN} is missing: run `make install` in {REPO}")
 
 
+_GIVEN: set[int] = set()     # ports free_port() handed out in this run
+
+
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A loopback port free now and not handed out before in this run (a script takes several one after the
+    other, and the kernel may hand one out again once the socket that found it is closed)."""
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if port not in _GIVEN:
+            _GIVEN.add(port)
+            return port
 
 
 def pinning() -> tuple[list[str], list[str], bool]:

@@ -15,11 +15,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from vsan_harness import free_port
 
 import openvsan.node.node as node_module
 from openvsan.block import BlockDevice
 from openvsan.block.fault import FaultDevice
+from openvsan.cluster.etcd_process import free_ports
 from openvsan.initiator.iscsi import IscsiInitiator, discover
 from openvsan.initiator.nbd import NbdInitiator
 from openvsan.node.config import parse_config
@@ -34,8 +34,9 @@ BLOCK = 512
 
 class Ports:
     def __init__(self) -> None:
-        self.iscsi, self.nvme, self.nbd = free_port(), free_port(), free_port()
-        self.spare = [free_port() for _ in range(3)]
+        # picked together (each held until all are picked): one by one, two can be the same port (CI saw the
+        # iSCSI and NVMe/TCP portals given one port, and the config refused it)
+        self.iscsi, self.nvme, self.nbd, *self.spare = free_ports(6)
 
 
 def base_doc(p: Ports) -> dict[str, Any]:

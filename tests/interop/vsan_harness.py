@@ -11,14 +11,14 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import time
 import urllib.request
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -80,10 +80,20 @@ def require_root(why: str) -> None:
         pytest.fail(f"must run as root: {why} (CI runs as root)", pytrace=False)
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def _bench_common() -> Any:
+    """bench/_common.py (the bench scripts run without the package, so their helpers live there), loaded under a
+    name of its own."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("openvsan_bench_common", REPO / "bench" / "_common.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# a loopback port free now and not handed out before in this process (bench/_common.py: free_port)
+free_port: Callable[[], int] = _bench_common().free_port
 
 
 def run(
