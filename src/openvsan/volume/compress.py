@@ -1093,9 +1093,12 @@ class CompressLayer(Layer):
         """What the write cache holds, written to the device (not flushed: a flush does that too). A reclaim under
         way is finished and none is left armed: the data below may change as a whole next (a rollback), and a
         reclaim would then unmap slots of the new data (one is armed again by the next version written)."""
+        await self._write_back_all()
+        await self._stop_reclaimer()
+
+    async def _write_back_all(self) -> None:
         for c in list(self._dirty):
             await self._write_back(c)
-        await self._stop_reclaimer()
 
     async def _stop_cleaner(self) -> None:
         t, self._cleaner = self._cleaner, None
@@ -1130,6 +1133,11 @@ class CompressLayer(Layer):
             return
         self._reclaim_seq = self._seq
 
+    def _disarm(self) -> None:
+        if self._reclaim_timer is not None:
+            self._reclaim_timer.cancel()
+            self._reclaim_timer = None
+
     def _idle(self) -> None:
         """The idle timer: a reclaim if no version was written since it was armed, else armed again (nothing
         where a flush from above has given everything back meanwhile)."""
@@ -1143,9 +1151,7 @@ class CompressLayer(Layer):
 
     def _reclaim(self) -> None:
         """A flush of the versions written (not of the write cache: its units are no versions yet) started."""
-        if self._reclaim_timer is not None:
-            self._reclaim_timer.cancel()
-            self._reclaim_timer = None
+        self._disarm()
         self._reclaimer = _running(self._reclaimer, self._reclaiming)
 
     async def _reclaiming(self) -> None:
@@ -1157,9 +1163,7 @@ class CompressLayer(Layer):
 
     async def _stop_reclaimer(self) -> None:
         """No reclaim armed, and the one under way (if any) finished, not cancelled: a flush is not cut."""
-        if self._reclaim_timer is not None:
-            self._reclaim_timer.cancel()
-            self._reclaim_timer = None
+        self._disarm()
         t, self._reclaimer = self._reclaimer, None
         if t is not None and not t.done():
             await asyncio.wait([t])
@@ -1343,8 +1347,7 @@ class CompressLayer(Layer):
                 return
 
     async def flush(self) -> None:
-        for c in list(self._dirty):     # what the cache held when the flush came, in versions it then covers
-            await self._write_back(c)
+        await self._write_back_all()    # what the cache held when the flush came, in versions it then covers
         await self._flush_versions()
 
     async def _flush_versions(self) -> None:
