@@ -17,7 +17,8 @@ initiators wrote, and a container `cryptsetup luksFormat` made is served as a vo
   position (in 512-byte units) plus iv_tweak as the XTS tweak, as dm-crypt does. The key lives in this
   process's memory only: the desired state holds the key file's path, never the key.
 - **The cipher**: luks2.Xts, one OpenSSL context per direction kept with its key schedule, the tweak set per
-  sector; the same bytes as a cipher object per sector (a test checks it).
+  sector, a command's sectors walked in C (`_xts_sectors.c`) where it was built; the same bytes as a cipher
+  object per sector (a test checks it).
 - **The fast path**: read_now / write_now encrypt and decrypt in the loop's turn up to FAST_MAX bytes;
   larger commands decline to the normal path.
 - **Unmap** does nothing unless `allow_discards = true` (dm-crypt's default too: discards show which blocks
