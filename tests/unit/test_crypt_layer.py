@@ -229,3 +229,27 @@ def test_sectors_never_written_read_as_zeros_and_so_do_unmapped_ones_with_discar
             plain = await open_crypt(settings(key_file, sector_size=sector), dev)  # no discards: not stated
             assert not plain.capabilities.unmap_reads_zero
     run(go())
+
+
+def test_a_layer_without_the_c_walk_says_so_and_reads_what_the_c_walk_wrote(
+        key_file: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """Installed without a C compiler, a volume still serves the same bytes (the Python walk), and says why it
+    is slower: a warning when it opens and its `cipher_path` in `vsan volume show`."""
+    import os
+
+    async def go() -> None:
+        dev = RamDevice((32 * MiB) // 512)
+        fast = await open_crypt(settings(key_file, sector_size=4096), dev)
+        if L._sector_loop() is not None:        # built (test_luks2: it must be where there is a compiler)
+            assert fast.stats()["cipher_path"] == "OpenSSL, sectors walked in C"
+        data = os.urandom(256 << 10)
+        await fast.write(3, data)
+        monkeypatch.setattr(L, "_SECTOR_LOOP", [None])      # as if _xts_sectors.c had not been built
+        with caplog.at_level("WARNING", logger="openvsan.volume.crypt"):
+            slow = await open_crypt(settings(key_file, sector_size=4096), dev)
+        assert "sectors walked in Python" in slow.stats()["cipher_path"]
+        assert any("sectors walked in Python" in r.getMessage() for r in caplog.records)
+        assert bytes(await slow.read(3, 64)) == data
+        await slow.write(100, data)
+        assert bytes(await fast.read(100, 64)) == data
+    run(go())

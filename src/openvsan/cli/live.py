@@ -267,6 +267,8 @@ def volume_show(name: VolumeArg, as_json: JsonOpt = False, data_dir: DataDir = N
                   f"{crypt['sector_size']}-byte sectors, data at {_fmt_size(crypt['data_offset'])}, unlocked with "
                   f"{crypt['unlocked_with']}" + (", discards passed down" if crypt["discards"] else ""),
                   soft_wrap=True)
+        if crypt.get("cipher_path"):
+            out.print(f"{'cipher':>12}: {crypt['cipher_path']}", soft_wrap=True)
     squeeze = v.get("compress_stats")
     if squeeze:
         frames = f" in {squeeze['frame_size'] >> 10} KiB frames" if squeeze.get("frame_size") else ""

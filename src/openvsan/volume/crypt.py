@@ -68,6 +68,8 @@ class CryptLayer(Layer):
             raise CryptError(f"the LUKS2 segment (sector {segment.sector_size}, offset {segment.offset}) does not "
                              f"fit the device's {bbs}-byte blocks")
         self._xts = L.Xts(key)     # AES-XTS over many sectors per call (luks2.Xts)
+        if self._xts._loop is None:
+            log.warning("%s: encryption runs as %s", getattr(below, "name", "a volume"), self._xts.path)
         self._key = key            # for new keyslots (add_passphrase); never written anywhere
         self._header_lock = asyncio.Lock()
         self.segment, self.settings, self.uuid = segment, settings, uuid
@@ -172,7 +174,7 @@ class CryptLayer(Layer):
                 "unlocked_with": (f"key command {self.settings['key_command'][0]}" if self.settings.get("key_command")
                                   else "a passphrase given at unlock" if self.settings.get("prompt")
                                   else f"key file {self.settings.get('key_file')}"),
-                "discards": bool(self.settings.get("allow_discards"))}
+                "discards": bool(self.settings.get("allow_discards")), "cipher_path": self._xts.path}
 
     # ---- passphrases, changed while the volume serves (the header region only: the data is not touched)
 

@@ -198,6 +198,16 @@ class Xts:
         self._outl = ctypes.c_int()
         self._outl_at = ctypes.addressof(self._outl)
 
+    @property
+    def path(self) -> str:
+        """How the sectors are run, for `vsan volume show`: the C walk, the Python one, or a cipher per sector."""
+        if self._lib is None:
+            return "cryptography, one cipher per sector (libcrypto could not be loaded: about a tenth of the speed)"
+        if self._loop is None:
+            return ("OpenSSL, sectors walked in Python (installed without a C compiler: about a third of the speed "
+                    "on large I/O; pip install -e . again with gcc)")
+        return "OpenSSL, sectors walked in C"
+
     def crypt(self, data: bytes | bytearray | memoryview, iv: int, sector_size: int, *, encrypt: bool,
               in_python: bool = False) -> bytes:
         """`data` encrypted or decrypted; `in_python` walks the sectors in Python even where the C walk was
