@@ -40,7 +40,7 @@ modprobe -a iscsi_tcp sd_mod crc32c_generic dm_mod dm_crypt xts ecb af_alg algif
 mkdir -p /run/lock/iscsi /run/cryptsetup
 iscsid || fail iscsid
 """ + ISCSI_NODE.lstrip("\n") + r"""iscsiadm -m node -T "$IQN" -p $PORTAL --login || fail login
-disk() { for b in /sys/class/iscsi_session/session*/device/target*/*:$1/block/*; do [ -e "$b" ] && echo /dev/${b##*/}; done; }
+disk() { for b in /sys/class/iscsi_session/session*/device/target*/*:$1/block/*; do [ -b "/dev/${b##*/}" ] && echo /dev/${b##*/}; done; }
 for i in $(seq 100); do [ -n "$(disk 0)" ] && [ -n "$(disk 1)" ] && break; sleep 0.1; done
 D0=$(disk 0); D1=$(disk 1)
 [ -b "$D0" ] && [ -b "$D1" ] || fail "the two LUNs did not appear"

@@ -54,7 +54,7 @@ iscsid || fail iscsid
 done
 iscsiadm -m node -T "$IQN" -p $PORTAL --login || fail login
 for i in $(seq 100); do
-    for b in /sys/class/iscsi_session/session*/device/target*/*/block/*; do [ -e "$b" ] && break 2; done
+    for b in /sys/class/iscsi_session/session*/device/target*/*/block/*; do [ -b "/dev/${b##*/}" ] && break 2; done
     sleep 0.1
 done
 DEV=/dev/${b##*/}
@@ -161,7 +161,7 @@ iscsiadm -m node -T "$IQN" -p $PORTAL >/dev/null 2>&1 || iscsiadm -m node -o new
 iscsiadm -m node -T "$IQN" -p $PORTAL -o update -n node.session.timeo.replacement_timeout -v 90
 iscsiadm -m node -T "$IQN" -p $PORTAL --login || fail login
 for i in $(seq 100); do
-    for b in /sys/class/iscsi_session/session*/device/target*/*/block/*; do [ -e "$b" ] && break 2; done
+    for b in /sys/class/iscsi_session/session*/device/target*/*/block/*; do [ -b "/dev/${b##*/}" ] && break 2; done
     sleep 0.1
 done
 DEV=/dev/${b##*/}

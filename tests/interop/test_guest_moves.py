@@ -32,7 +32,7 @@ mkdir -p /run/lock/iscsi
 iscsid || fail iscsid
 """ + ISCSI_NODE.lstrip("\n") + r"""iscsiadm -m node -T "$IQN" -p $PORTAL --login || fail login
 for i in $(seq 100); do
-    for b in /sys/class/iscsi_session/session*/device/target*/*/block/*; do [ -e "$b" ] && break 2; done
+    for b in /sys/class/iscsi_session/session*/device/target*/*/block/*; do [ -b "/dev/${b##*/}" ] && break 2; done
     sleep 0.1
 done
 DEV_I=/dev/${b##*/}

@@ -27,7 +27,7 @@ modprobe -a iscsi_tcp sd_mod crc32c_generic ext4 || fail modprobe
 mkdir -p /run/lock/iscsi
 iscsid || fail iscsid
 """ + ISCSI_NODE.lstrip("\n") + r"""iscsiadm -m node -T "$IQN" -p $PORTAL --login || fail login
-disks() { for b in /sys/class/iscsi_session/session*/device/target*/*/block/*; do [ -e "$b" ] && echo ${b##*/}; done; }
+disks() { for b in /sys/class/iscsi_session/session*/device/target*/*/block/*; do [ -b "/dev/${b##*/}" ] && echo ${b##*/}; done; }
 for i in $(seq 100); do [ -n "$(disks)" ] && break; sleep 0.1; done
 DEV=/dev/$(disks | head -1)
 [ -b "$DEV" ] || fail "no iSCSI disk"
