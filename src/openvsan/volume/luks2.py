@@ -219,17 +219,17 @@ class Xts:
             raise Luks2Error(f"{n} bytes is not a whole number of {sector_size}-byte sectors")
         out: bytes = _new_bytes(None, n)    # a new bytes object's own memory, filled here before anyone else sees it
         ctx, step = self._ctx[encrypt], sector_size // IV_SECTOR
-        if self._loop is not None and not in_python:
-            # bytes go to C as their buffers' addresses; a large view (a RAM volume lends its mapping) by its
-            # address too, read in place (nothing writes it during the call: the loop waits on it)
-            held = np.frombuffer(data, np.uint8) if n > COPY_MAX and not isinstance(data, bytes) else None
-            src = data if isinstance(data, bytes) else bytes(data) if held is None else held.ctypes.data
+        # the source: bytes as they are; a large view (a RAM volume lends its mapping) read in place by its address
+        # (nothing writes it during the call: the loop waits on it); a small one copied
+        held = np.frombuffer(data, np.uint8) if n > COPY_MAX and not isinstance(data, bytes) else None
+        src = data if isinstance(data, bytes) else bytes(data) if held is None else held.ctypes.data
+        if self._loop is not None and not in_python:     # C takes bytes or an address alike
             if self._loop(*self._calls, ctx, out, src, n, sector_size, iv & _U64, step) != 0:
                 raise Luks2Error("OpenSSL's AES-XTS failed")
             return out
-        src = data if isinstance(data, bytes) else bytes(data)
         lib, ivbuf, iv_at, outl = self._lib, self._iv, self._iv_at, self._outl_at
-        src_at, out_at = _address_of(ctypes.c_char_p(src)), _address_of(ctypes.c_char_p(out))
+        src_at = src if isinstance(src, int) else _address_of(ctypes.c_char_p(src))
+        out_at = _address_of(ctypes.c_char_p(out))
         for at in range(0, n, sector_size):
             struct.pack_into("<QQ", ivbuf, 0, iv & _U64, 0)
             if lib.EVP_CipherInit_ex(ctx, None, None, None, iv_at, -1) != 1 or \
