@@ -64,9 +64,9 @@ def node_settings(draw: st.DrawFn) -> NodeSettings:
     unauth = draw(st.integers(1, top))
     per_source = draw(st.integers(1, unauth))
     data_dir = draw(st.none() | st.sampled_from([Path("/var/lib/openvsan"), Path("/srv/vsan/data")]))
-    return NodeSettings(draw(names("n")), data_dir, draw(st.integers(0, 10_000)), top, unauth, per_source,
-                        draw(st.booleans()), draw(st.floats(0, 60)), draw(st.integers(0, 1_000_000)),
-                        draw(st.integers(1, 86_400)))
+    return NodeSettings(draw(names("n")), data_dir, draw(st.integers(0, 10_000)), draw(st.integers(0, 10_000)),
+                        top, unauth, per_source, draw(st.booleans()), draw(st.floats(0, 60)),
+                        draw(st.integers(0, 1_000_000)), draw(st.integers(1, 86_400)))
 
 
 @st.composite

@@ -129,3 +129,98 @@ def test_window_must_be_positive() -> None:
         BusyPoll(0)
 
 
+
+
+def learning(clock: Clock, switches: list[int] | None = None) -> BusyPoll:
+    """A poller whose windows may grow from WINDOW_US to ten times that, learned from the gaps."""
+    count = switches if switches is not None else [0]
+    return BusyPoll(WINDOW_US, switches=lambda: count[0], clock=clock, max_window_us=10 * WINDOW_US)
+
+
+def test_windows_learn_to_cover_the_gaps_of_a_steady_stream() -> None:
+    async def go() -> None:
+        clock = Clock()
+        p = learning(clock)
+        gap = 3 * WINDOW_US * 1000           # commands three shortest windows apart (a replicated write at QD 1)
+        p.arrived()
+        first = p._last_ns
+        await until_closed(p)                # the shortest window: nothing came in it
+        assert p.window_ns == WINDOW_US * 1000 and p._skip == 1
+        clock.now += gap
+        p.arrived()                          # slept through: the gap is measured (this arrival opens no window)
+        assert not p._spinning
+        measured = p._last_ns - first        # from the arrival before, the window it opened included
+        assert measured > gap and p.window_ns == measured + measured // 4 and p.learned == 1
+        clock.now += gap
+        p.arrived()                          # the next one opens a window as long
+        assert p._spinning
+        t0 = clock.now
+        for _ in range(5):                   # and the stream is polled across its gaps: no window ends
+            await for_a_while(clock, gap)
+            assert p._spinning
+            p.arrived()
+        assert clock.now - t0 >= 5 * gap and p.windows == 2
+        learned = p.window_ns
+        await until_closed(p)                # the stream stops: the window that caught its last one ends
+        assert p.wasted == 1 and p.window_ns == learned
+        p.arrived()
+        await until_closed(p)                # a window with nothing in it: back to the shortest
+        assert p.wasted == 2 and p.window_ns == WINDOW_US * 1000
+
+    asyncio.run(go())
+
+
+def test_a_gap_longer_than_the_longest_window_keeps_windows_short() -> None:
+    async def go() -> None:
+        clock = Clock()
+        p = learning(clock)
+        p.arrived()
+        clock.now += 2 * WINDOW_US * 1000
+        p.arrived()                          # inside the window: no gap measured
+        await until_closed(p)
+        clock.now += 3 * WINDOW_US * 1000
+        p.arrived()
+        assert p.window_ns > WINDOW_US * 1000
+        await until_closed(p)
+        clock.now += 11 * WINDOW_US * 1000   # sparse I/O: longer than any window may grow
+        p.arrived()
+        assert p.window_ns == WINDOW_US * 1000
+        clock.now += 40 * WINDOW_US * 1000
+        p.arrived()
+        assert p.window_ns == WINDOW_US * 1000
+
+    asyncio.run(go())
+
+
+def test_a_window_another_task_ended_keeps_its_learned_length() -> None:
+    async def go() -> None:
+        clock = Clock()
+        switches = [0]
+        p = learning(clock, switches)
+        p.arrived()
+        await until_closed(p)
+        clock.now += 4 * WINDOW_US * 1000
+        p.arrived()                          # learned (and skipped: the first window caught nothing)
+        learned = p.window_ns
+        assert learned > 4 * WINDOW_US * 1000
+        p.arrived()
+        assert p._spinning
+        switches[0] += 1                     # a competitor on the core ends it: not a sign the stream ended
+        await until_closed(p)
+        assert p.contended == 1 and p.window_ns == learned
+
+    asyncio.run(go())
+
+
+def test_without_a_longer_maximum_windows_keep_one_length() -> None:
+    async def go() -> None:
+        clock = Clock()
+        p = BusyPoll(WINDOW_US, switches=lambda: 0, clock=clock, max_window_us=WINDOW_US // 2)
+        p.arrived()
+        await until_closed(p)
+        clock.now += 3 * WINDOW_US * 1000
+        p.arrived()
+        p.arrived()
+        assert p.window_ns == WINDOW_US * 1000 and p.learned == 0 and p.stats()["max_window_us"] == WINDOW_US
+
+    asyncio.run(go())

@@ -146,6 +146,11 @@ def test_poll_window() -> None:
     assert "node.poll_us: 10001 is out of range" in error(cfg(node={"poll_us": 10001}))
     assert error(cfg(node={"poll_us": "50us"})) == 'node.poll_us: expected an integer, found "50us"'
     assert error(cfg(node={"poll_us": True})) == "node.poll_us: expected an integer, found True"
+    # the longest a window grows to, learned from the gaps between commands (frontend/busypoll.py)
+    assert parse_config(cfg()).node.poll_max_us == 500
+    assert parse_config(cfg(node={"name": "n", "poll_max_us": 0})).node.poll_max_us == 0
+    assert error(cfg(node={"poll_max_us": 10001})) == ("node.poll_max_us: 10001 is out of range; use 0 (windows of "
+                                                       "poll_us only) to 10000 microseconds (default 500)")
 
 
 def test_target_portals_override_global() -> None:

@@ -206,7 +206,9 @@ def config_check(config: Annotated[Path, typer.Argument(help="The TOML config fi
     out = Console()
     out.print(f"[bold]{config}[/]: valid config for node [bold]{cfg.node.name}[/]"
               + (f", data dir {cfg.node.data_dir}" if cfg.node.data_dir else "")
-              + (f", adaptive polling {cfg.node.poll_us} µs" if cfg.node.poll_us else ", no polling"), soft_wrap=True)
+              + (f", adaptive polling {cfg.node.poll_us}"
+                 + (f"-{cfg.node.poll_max_us}" if cfg.node.poll_max_us > cfg.node.poll_us else "") + " µs"
+                 if cfg.node.poll_us else ", no polling"), soft_wrap=True)
     out.print(f"connection limits: {cfg.node.max_connections} in all, {cfg.node.max_unauthenticated} not logged in, "
               f"{cfg.node.max_unauthenticated_per_source} not logged in from one address", soft_wrap=True)
     if cfg.devices:

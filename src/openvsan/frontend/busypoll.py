@@ -12,6 +12,16 @@ no command having arrived is wasted CPU: the next 1, 2, 4 ... 64 arrivals then o
 useful window resets that. Sparse I/O so costs almost nothing; a steady stream at low depth costs one core
 while it lasts.
 
+How long: `window_us` at least; with `max_window_us` above it, the window learns the gap between commands. An
+arrival the loop slept through (no window open) measures the time since the one before; when that gap is longer
+than `window_us` and at most `max_window_us`, the following windows last a quarter longer than it (up to
+`max_window_us`), so a stream
+whose commands come a little further apart than the shortest window (a replicated write at queue depth 1: its
+primary waits for the peer's answer, its secondary for the next write, both longer than a local round trip)
+is polled across its gaps instead of paying a wake-up at each. A window that catches nothing, or a gap longer
+than `max_window_us`, brings it back to `window_us` (Linux's hybrid polling sizes its sleep from the mean
+completion time in the same spirit).
+
 Polling only pays on a core nobody else wants. A hyperconverged host runs VMs beside the target, and a
 spinning loop would take their CPU. So every few dozen turns the window looks at this thread's context
 switches (getrusage): a polling loop never sleeps, so any switch means another task wanted this core (it
@@ -41,15 +51,18 @@ def context_switches() -> int:
 class BusyPoll:
     """One per event loop (per `vsan serve`). Target connections call arrived() for every receive."""
 
-    __slots__ = ("_backoff", "_clock", "_context_switches", "_deadline", "_loop", "_seen", "_skip", "_spinning",
-                 "_started_ns", "_switches", "_turns", "_useful", "contended", "polled_ns", "wasted", "window_ns",
-                 "windows")
+    __slots__ = ("_backoff", "_clock", "_context_switches", "_deadline", "_last_ns", "_loop", "_seen", "_skip",
+                 "_spinning", "_started_ns", "_switches", "_turns", "_useful", "contended", "floor_ns", "learned",
+                 "max_ns", "polled_ns", "wasted", "window_ns", "windows")
 
     def __init__(self, window_us: int, switches: Callable[[], int] = context_switches,
-                 clock: Callable[[], int] = time.monotonic_ns) -> None:
+                 clock: Callable[[], int] = time.monotonic_ns, max_window_us: int = 0) -> None:
         if window_us <= 0:
             raise ValueError(f"poll window must be positive, not {window_us} µs")
-        self.window_ns = window_us * 1000
+        self.floor_ns = self.window_ns = window_us * 1000     # the window now: floor_ns .. max_ns
+        self.max_ns = max(self.floor_ns, max_window_us * 1000)  # == floor_ns: windows of one length, no learning
+        self._last_ns = 0         # when the last arrival was seen (learning only)
+        self.learned = 0          # windows sized from a gap above the shortest
         self._loop: asyncio.AbstractEventLoop | None = None
         self._spinning = False
         self._seen = False        # a command arrived since the window was last extended
@@ -71,18 +84,33 @@ class BusyPoll:
         if self._spinning:
             self._seen = True
             return
+        if self.max_ns > self.floor_ns:
+            now = self._clock()
+            self._learn(now - self._last_ns)
+            self._last_ns = now
         if self._skip:
             self._skip -= 1
             return
         loop = self._loop
         if loop is None:
             loop = self._loop = asyncio.get_running_loop()
-        now = self._clock()
+        if self.max_ns == self.floor_ns:
+            now = self._clock()
         self._spinning, self._seen, self._useful = True, False, False
         self._started_ns, self._deadline = now, now + self.window_ns
         self._turns, self._switches = 0, self._context_switches()
         self.windows += 1
         loop.call_soon(self._spin)
+
+    def _learn(self, gap: int) -> None:
+        """An arrival the loop was not polling for came `gap` ns after the one before: size the next windows
+        to cover such a gap, or back to the shortest when it is longer than the longest window."""
+        if gap > self.max_ns:
+            self.window_ns = self.floor_ns
+        elif gap > self.floor_ns:       # (a shorter gap says nothing: the shortest window covers it)
+            window = min(self.max_ns, max(self.floor_ns, gap + (gap >> 2)))
+            self.learned += window > self.window_ns
+            self.window_ns = window
 
     def _spin(self) -> None:
         now = self._clock()
@@ -90,6 +118,7 @@ class BusyPoll:
             self._seen = False
             self._useful = True
             self._deadline = now + self.window_ns
+            self._last_ns = now
         contended = False
         self._turns += 1
         if not self._turns % CHECK_EVERY:
@@ -108,8 +137,11 @@ class BusyPoll:
             self.wasted += 1
             self.contended += contended
             self._backoff = min(self._backoff * 2 or 1, MAX_BACKOFF)
+            if not contended:
+                self.window_ns = self.floor_ns   # nothing came: the stream it was sized for has ended
         self._skip = self._backoff
 
     def stats(self) -> dict[str, Any]:
-        return {"window_us": self.window_ns // 1000, "windows": self.windows, "wasted": self.wasted,
-                "contended": self.contended, "polled_s": round(self.polled_ns / 1e9, 3)}
+        return {"window_us": self.floor_ns // 1000, "max_window_us": self.max_ns // 1000,
+                "current_window_us": self.window_ns // 1000, "learned": self.learned, "windows": self.windows,
+                "wasted": self.wasted, "contended": self.contended, "polled_s": round(self.polled_ns / 1e9, 3)}

@@ -222,7 +222,8 @@ class Node:
             for t in cfg.targets:
                 self.targets.append(self.build_target(t))
             # one poller for the loop: a command on any connection keeps every connection's sockets watched
-            self.busy_poll = BusyPoll(cfg.node.poll_us) if cfg.node.poll_us else None
+            self.busy_poll = (BusyPoll(cfg.node.poll_us, max_window_us=cfg.node.poll_max_us) if cfg.node.poll_us
+                              else None)
             # one set of caps for every protocol: a flood counts the same whichever portal it comes to
             self.limits = ConnectionLimits(cfg.node.max_connections, cfg.node.max_unauthenticated,
                                            cfg.node.max_unauthenticated_per_source, fd_limit=soft_fd_limit())
@@ -307,8 +308,10 @@ class Node:
                      ", read-only" if x.read_only or cfg.volume(x.volume).read_only else "",
                      {"off": "", "optional": ", TLS optional", "require": ", TLS required"}.get(x.tls, ""),
                      ", ".join(str(p) for p in x.portals))
-        log.info("adaptive polling: %s", f"{cfg.node.poll_us} µs window after each command" if cfg.node.poll_us
-                 else "off (poll_us = 0)")
+        log.info("adaptive polling: %s", (f"{cfg.node.poll_us} µs window after each command"
+                                           + (f", up to {cfg.node.poll_max_us} µs learned from the gaps between "
+                                              "commands" if cfg.node.poll_max_us > cfg.node.poll_us else ""))
+                 if cfg.node.poll_us else "off (poll_us = 0)")
         log.info("connection limits: %d in all, %d not logged in, %d not logged in from one address",
                  cfg.node.max_connections, cfg.node.max_unauthenticated, cfg.node.max_unauthenticated_per_source)
         if not cfg.exports_anything():
@@ -850,8 +853,9 @@ class Node:
         await self.close_devices()
         if self.busy_poll is not None:
             st = self.busy_poll.stats()
-            log.info("adaptive polling: %d windows of %d µs opened, %d wasted (%d of them ended because another "
-                     "task wanted the core), %.1f s spent polling", st["windows"], st["window_us"], st["wasted"],
+            log.info("adaptive polling: %d windows of %d-%d µs opened (%d sized from the gaps between commands), "
+                     "%d wasted (%d of them ended because another task wanted the core), %.1f s spent polling",
+                     st["windows"], st["window_us"], st["max_window_us"], st["learned"], st["wasted"],
                      st["contended"], st["polled_s"])
         log.info("stopped")
 

@@ -142,7 +142,8 @@ def _nbd_export(e: NbdExportSpec) -> dict[str, Any]:
 
 def config_document(cfg: NodeConfig) -> dict[str, Any]:
     n = cfg.node
-    node: dict[str, Any] = {"name": n.name, "poll_us": n.poll_us, "max_connections": n.max_connections,
+    node: dict[str, Any] = {"name": n.name, "poll_us": n.poll_us, "poll_max_us": n.poll_max_us,
+                            "max_connections": n.max_connections,
                             "max_unauthenticated": n.max_unauthenticated,
                             "max_unauthenticated_per_source": n.max_unauthenticated_per_source,
                             "trust_foreign_files": n.trust_foreign_files, "auth_delay_max": n.auth_delay_max,

@@ -46,6 +46,7 @@ from openvsan.node.values import (
 
 DEFAULT_CHUNK = 64 * 1024
 DEFAULT_POLL_US = 50
+DEFAULT_POLL_MAX_US = 500   # the longest a polling window grows to, learned from the gaps between commands
 # Limits on peers (docs/security.md): connections in all, connections that have not logged in (all sources,
 # and from one source address), and failed authentications before a lockout
 DEFAULT_MAX_CONNECTIONS = 4096
@@ -265,6 +266,11 @@ class NodeSettings:
     # adaptive busy-poll window after each command (frontend/busypoll.py); 0: off
     poll_us: Annotated[Int, _in_range(0, MAX_POLL_US, f"use 0 (no polling) to {MAX_POLL_US} microseconds "
                                                      f"(default {DEFAULT_POLL_US})")] = DEFAULT_POLL_US
+    # ... and the longest it may grow to, covering the gaps of a steady stream of commands (busypoll.py); at
+    # most poll_us: windows of poll_us only
+    poll_max_us: Annotated[Int, _in_range(0, MAX_POLL_US, f"use 0 (windows of poll_us only) to {MAX_POLL_US} "
+                                                          f"microseconds (default {DEFAULT_POLL_MAX_US})")] = \
+        DEFAULT_POLL_MAX_US
     max_connections: Int = DEFAULT_MAX_CONNECTIONS            # every protocol's connections together
     max_unauthenticated: Int = DEFAULT_MAX_UNAUTHENTICATED    # connections that have not logged in, all sources
     max_unauthenticated_per_source: Int = DEFAULT_MAX_UNAUTHENTICATED_PER_SOURCE   # ... from one address
