@@ -143,18 +143,21 @@ def test_the_kept_openssl_context_gives_the_bytes_of_a_cipher_per_sector(key_siz
 
     key = bytes(range(key_size))[::-1]
     data = os.urandom(size)
-    fast = L.Xts(key)
-    assert fast._lib is not None        # libcrypto loaded: the shortcut is what is tested
     cipher = L.xts(key, data, iv, sector_size, encrypt=True)
-    assert fast.crypt(data, iv, sector_size, encrypt=True) == cipher
-    assert fast.crypt(data, iv, sector_size, encrypt=True, in_python=True) == cipher
-    assert fast.crypt(cipher, iv, sector_size, encrypt=False) == data
-    assert fast.crypt(cipher, iv, sector_size, encrypt=False, in_python=True) == data
-    # any buffer, read by address with no copy: a slice of bytes (read-only) and of a bytearray (a receive buffer)
-    for held in (b"\1" * 512 + data + b"\2" * 512, bytearray(512) + bytearray(data) + bytearray(512)):
-        part = memoryview(held)[512:512 + size]
-        assert fast.crypt(part, iv, sector_size, encrypt=True) == cipher
-        assert fast.crypt(part, iv, sector_size, encrypt=True, in_python=True) == cipher
+    # libgcrypt's XTS (where it loads), OpenSSL's walked in C, OpenSSL's walked in Python
+    for fast in (L.Xts(key), L.Xts(key, gcrypt=False)):
+        assert fast._lib is not None        # libcrypto loaded: the shortcut is what is tested
+        assert fast.crypt(data, iv, sector_size, encrypt=True) == cipher
+        assert fast.crypt(data, iv, sector_size, encrypt=True, in_python=True) == cipher
+        assert fast.crypt(cipher, iv, sector_size, encrypt=False) == data
+        assert fast.crypt(cipher, iv, sector_size, encrypt=False, in_python=True) == data
+        # any buffer, read by address with no copy: a slice of bytes (read-only) and of a bytearray (a receive
+        # buffer)
+        for held in (b"\1" * 512 + data + b"\2" * 512, bytearray(512) + bytearray(data) + bytearray(512)):
+            part = memoryview(held)[512:512 + size]
+            assert fast.crypt(part, iv, sector_size, encrypt=True) == cipher
+            assert fast.crypt(part, iv, sector_size, encrypt=True, in_python=True) == cipher
+            assert fast.crypt(memoryview(bytearray(cipher)), iv, sector_size, encrypt=False) == data
 
 
 def test_the_sector_walk_is_built_where_a_compiler_is() -> None:
@@ -169,3 +172,20 @@ def test_the_sector_walk_is_built_where_a_compiler_is() -> None:
             pytest.fail("no C compiler in CI (.ci/run installs gcc): the sector walk cannot have been built")
         pytest.skip("no C compiler here: openvsan was installed with the sector walk in Python")
     assert L._sector_loop() is not None, "openvsan was installed without its sector walk: pip install -e . again"
+
+
+def test_libgcrypt_runs_the_sectors_where_it_loads() -> None:
+    """Where libgcrypt (1.9 or later) loads and the C walk was built, an Xts runs its sectors through libgcrypt's
+    XTS (faster than OpenSSL 3.0's per 4 KiB sector); CI has both (.ci/run installs libgcrypt20 and gcc), so there
+    a missing one fails; `gcrypt=False` keeps OpenSSL's."""
+    import os
+
+    key = os.urandom(64)
+    if L._libgcrypt() is None or L._sector_loop_gcry() is None:
+        if os.environ.get("CI"):
+            pytest.fail("libgcrypt or the C walk is missing in CI (.ci/run installs libgcrypt20 and gcc)")
+        pytest.skip("no libgcrypt 1.9+ or no C walk here: Xts runs OpenSSL's XTS")
+    assert L.Xts(key).path == "libgcrypt, sectors walked in C"
+    assert L.Xts(key, gcrypt=False).path == "OpenSSL, sectors walked in C"
+    with pytest.raises(L.Luks2Error, match="whole number of 4096-byte sectors"):
+        L.Xts(key).crypt(bytes(1000), 0, 4096, encrypt=True)
