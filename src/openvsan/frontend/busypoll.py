@@ -15,10 +15,9 @@ while it lasts.
 How long: `window_us` at least; with `max_window_us` above it, the window learns the gap between commands. An
 arrival the loop slept through (no window open) measures the time since the one before; when that gap is longer
 than `window_us` and at most `max_window_us`, the following windows last a quarter longer than it (up to
-`max_window_us`), so a stream
-whose commands come a little further apart than the shortest window (a replicated write at queue depth 1: its
-primary waits for the peer's answer, its secondary for the next write, both longer than a local round trip)
-is polled across its gaps instead of paying a wake-up at each. A window that catches nothing, or a gap longer
+`max_window_us`), so a stream whose commands come a little further apart than the shortest window (a
+replicated write at queue depth 1: its primary waits for the peer's answer, its secondary for the next write,
+both longer than a local round trip) is polled across its gaps instead of paying a wake-up at each. A window that catches nothing, or a gap longer
 than `max_window_us`, brings it back to `window_us` (Linux's hybrid polling sizes its sleep from the mean
 completion time in the same spirit).
 
@@ -84,8 +83,8 @@ class BusyPoll:
         if self._spinning:
             self._seen = True
             return
+        now = self._clock()
         if self.max_ns > self.floor_ns:
-            now = self._clock()
             self._learn(now - self._last_ns)
             self._last_ns = now
         if self._skip:
@@ -94,8 +93,6 @@ class BusyPoll:
         loop = self._loop
         if loop is None:
             loop = self._loop = asyncio.get_running_loop()
-        if self.max_ns == self.floor_ns:
-            now = self._clock()
         self._spinning, self._seen, self._useful = True, False, False
         self._started_ns, self._deadline = now, now + self.window_ns
         self._turns, self._switches = 0, self._context_switches()

@@ -147,8 +147,8 @@ _MIGRATIONS: list[str] = [
 ]
 
 # NodeSettings fields kept as keys of the node table (JSON values), beyond name, data_dir and poll_us
-_NODE_KEYS = ("poll_max_us", "max_connections", "max_unauthenticated", "max_unauthenticated_per_source", "trust_foreign_files",
-              "auth_delay_max", "auth_lockout_failures", "auth_lockout_seconds")
+_NODE_KEYS = ("poll_max_us", "max_connections", "max_unauthenticated", "max_unauthenticated_per_source",
+              "trust_foreign_files", "auth_delay_max", "auth_lockout_failures", "auth_lockout_seconds")
 
 
 class LegacyStoreError(RuntimeError):

@@ -10,9 +10,9 @@
  * libcrypto's EVP_CipherInit_ex and EVP_CipherUpdate, which it has loaded already. ovs_xts_sectors_gcry is the
  * same walk over libgcrypt's XTS (gcry_cipher_setiv, then gcry_cipher_encrypt or _decrypt per sector), which
  * luks2.py prefers where libgcrypt loads: its AES-NI/VAES XTS takes a 4 KiB sector in half the time of
- * OpenSSL 3.0's (docs/benchmarks.md). luks2.py loads this
- * file's shared object with ctypes; where it was not built (no C compiler when openvsan was installed) the
- * same loop runs in Python, with the same bytes (tests/unit/test_luks2.py checks all three ways agree).
+ * OpenSSL 3.0's (docs/benchmarks.md). luks2.py loads this file's shared object with ctypes; where it was not
+ * built (no C compiler when openvsan was installed) the same loop runs in Python, with the same bytes
+ * (tests/unit/test_luks2.py checks every way agrees).
  */
 
 #include <stddef.h>
@@ -21,6 +21,15 @@
 typedef int (*evp_init_fn)(void *ctx, const void *cipher, void *engine, const unsigned char *key,
                            const unsigned char *iv, int enc);
 typedef int (*evp_update_fn)(void *ctx, unsigned char *out, int *outl, const unsigned char *in, int inl);
+
+/* A sector's tweak (plain64): its number, little-endian, in the IV's first 8 bytes; the rest stays zero. */
+static void plain64(unsigned char iv[16], uint64_t sector)
+{
+    int b;
+
+    for (b = 0; b < 8; b++)
+        iv[b] = (unsigned char)(sector >> (8 * b));
+}
 
 /* Encrypt or decrypt (as ctx was set up) length bytes of in into out, sector_size bytes per data unit, the
  * first unit's tweak sector and each next one's step more (wrapping at 2^64, as dm-crypt's plain64 does).
@@ -31,11 +40,9 @@ int ovs_xts_sectors(void *init, void *update, void *ctx, unsigned char *out, con
     unsigned char iv[16] = {0};
     int outl;
     size_t at;
-    int b;
 
     for (at = 0; at + sector_size <= length; at += sector_size, sector += step) {
-        for (b = 0; b < 8; b++)
-            iv[b] = (unsigned char)(sector >> (8 * b));
+        plain64(iv, sector);
         if (((evp_init_fn)init)(ctx, NULL, NULL, NULL, iv, -1) != 1 ||
             ((evp_update_fn)update)(ctx, out + at, &outl, in + at, (int)sector_size) != 1)
             return -1;
@@ -53,11 +60,9 @@ int ovs_xts_sectors_gcry(void *setiv, void *crypt, void *handle, unsigned char *
 {
     unsigned char iv[16] = {0};
     size_t at;
-    int b;
 
     for (at = 0; at + sector_size <= length; at += sector_size, sector += step) {
-        for (b = 0; b < 8; b++)
-            iv[b] = (unsigned char)(sector >> (8 * b));
+        plain64(iv, sector);
         if (((gcry_setiv_fn)setiv)(handle, iv, 16) != 0 ||
             ((gcry_crypt_fn)crypt)(handle, out + at, sector_size, in + at, sector_size) != 0)
             return -1;

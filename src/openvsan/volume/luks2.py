@@ -205,14 +205,13 @@ class Xts:
         self._outl = ctypes.c_int()
         self._outl_at = ctypes.addressof(self._outl)
         if gcrypt and self._loop is not None:
-            g = _GcryXts.open(key)
-            if g is not None:
-                probe = bytes(range(256)) * 2
-                if g.crypt(probe, 1, 512, encrypt=True) == self.crypt(probe, 1, 512, encrypt=True):
-                    self._gcry = g
-                else:
-                    log.warning("libgcrypt's AES-XTS gave other bytes than OpenSSL's; not using it")
-                    g.close()
+            self._gcry = _GcryXts.open(key)
+            probe = bytes(range(256)) * 2
+            if self._gcry is not None and \
+                    self.crypt(probe, 1, 512, encrypt=True) != self.crypt(probe, 1, 512, encrypt=True, in_python=True):
+                log.warning("libgcrypt's AES-XTS gave other bytes than OpenSSL's; not using it")
+                self._gcry.close()
+                self._gcry = None
 
     @property
     def path(self) -> str:
@@ -228,10 +227,8 @@ class Xts:
 
     def crypt(self, data: bytes | bytearray | memoryview, iv: int, sector_size: int, *, encrypt: bool,
               in_python: bool = False) -> bytes:
-        """`data` encrypted or decrypted; `in_python` walks the sectors in Python even where the C walk was
-        built (for the test that both give the same bytes)."""
-        if self._gcry is not None and not in_python:
-            return self._gcry.crypt(data, iv, sector_size, encrypt=encrypt)
+        """`data` encrypted or decrypted; `in_python` walks the sectors in Python, through OpenSSL, even where the
+        C walk was built (for the test that every way gives the same bytes)."""
         n = len(data)
         if self._lib is None:
             return xts(self.key, data, iv, sector_size, encrypt=encrypt)
@@ -239,7 +236,14 @@ class Xts:
             raise Luks2Error(f"{n} bytes is not a whole number of {sector_size}-byte sectors")
         out: bytes = _new_bytes(None, n)    # a new bytes object's own memory, filled here before anyone else sees it
         ctx, step = self._ctx[encrypt], sector_size // IV_SECTOR
-        src, _held = _source(data)      # _held: alive until the walk has read the source
+        # the source: bytes as they are; a large view (a RAM volume lends its mapping) read in place by its address
+        # (nothing writes it during the call: the loop waits on it); a small one copied
+        held = np.frombuffer(data, np.uint8) if n > COPY_MAX and not isinstance(data, bytes) else None
+        src = data if isinstance(data, bytes) else bytes(data) if held is None else held.ctypes.data
+        if self._gcry is not None and not in_python:
+            if self._gcry.walk(out, src, n, sector_size, iv & _U64, step, encrypt) != 0:
+                raise Luks2Error("libgcrypt's AES-XTS failed")
+            return out
         if self._loop is not None and not in_python:     # C takes bytes or an address alike
             if self._loop(*self._calls, ctx, out, src, n, sector_size, iv & _U64, step) != 0:
                 raise Luks2Error("OpenSSL's AES-XTS failed")
@@ -260,14 +264,6 @@ class Xts:
             self._lib.EVP_CIPHER_CTX_free(ctx)
         if getattr(self, "_gcry", None) is not None:
             self._gcry.close()      # type: ignore[union-attr]
-
-
-def _source(data: bytes | bytearray | memoryview) -> tuple[Any, Any]:
-    """What the C walk reads a command's data from, and what must be held while it does: bytes as they are; a
-    large view (a RAM volume lends its mapping) in place by its address (nothing writes it during the call: the
-    loop waits on it); a small one copied."""
-    held = np.frombuffer(data, np.uint8) if len(data) > COPY_MAX and not isinstance(data, bytes) else None
-    return (data if isinstance(data, bytes) else bytes(data) if held is None else held.ctypes.data), held
 
 
 class _GcryXts:
@@ -292,16 +288,10 @@ class _GcryXts:
             return None
         return cls(lib, walk, h.value or 0)
 
-    def crypt(self, data: bytes | bytearray | memoryview, iv: int, sector_size: int, *, encrypt: bool) -> bytes:
-        n = len(data)
-        if n % sector_size:
-            raise Luks2Error(f"{n} bytes is not a whole number of {sector_size}-byte sectors")
-        out: bytes = _new_bytes(None, n)
-        src, _held = _source(data)      # _held: alive until the walk has read the source
-        if self._walk(self._setiv, self._crypt[encrypt], self._handle, out, src, n, sector_size, iv & _U64,
-                      sector_size // IV_SECTOR) != 0:
-            raise Luks2Error("libgcrypt's AES-XTS failed")
-        return out
+    def walk(self, out: bytes, src: Any, n: int, sector_size: int, sector: int, step: int, encrypt: bool) -> int:
+        """Xts.crypt's C walk of n bytes over this handle (0: done)."""
+        return int(self._walk(self._setiv, self._crypt[encrypt], self._handle, out, src, n, sector_size, sector,
+                              step))
 
     def close(self) -> None:
         if self._handle:
