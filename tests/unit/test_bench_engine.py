@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 from fake_clock import FakeClock, Slow
 
-from openvsan.bench.engine import Plan
+from openvsan.bench.engine import LOG_AT, Plan, Worker
+from openvsan.bench.histogram import Histogram
 from openvsan.bench.profiles import custom_job
 from openvsan.bench.runner import RunResult, run_in_process
 from openvsan.block import FaultDevice, RamDevice
@@ -48,6 +49,34 @@ def test_latency_and_length_of_the_run() -> None:
     assert r.read.min >= 1_999_000 and r.read.max <= 2_001_000, (r.read.min, r.read.max)
     points = [i.reads for i in r.intervals]  # (a completion on a second's edge may fall either side)
     assert len(points) in (3, 4) and all(abs(n - 2000) <= 4 for n in points[:3]) and sum(points) == r.read.count
+
+
+def test_completions_kept_and_recorded_at_once_give_what_recording_each_one_gives() -> None:
+    """Worker._record keeps each completion and puts them into the result in bulk (past LOG_AT, at each progress
+    report and at the end): the histograms, bytes and time-series points are those of recording each one as it
+    came, across interval edges, for both directions."""
+    w = Worker(RamDevice(2048), Plan("ram", custom_job("randrw", "4k", qd=4)))
+    w.t0, w.measuring = 5.0, True
+    reads, writes = Histogram(), Histogram()
+    points: dict[int, list[int]] = {}
+    for i in range(3 * LOG_AT):
+        write = i % 3 == 0
+        done = 5_000_000_000 + i * 977_000 + (i * 7919) % 1000   # about 3 s of completions
+        t = done - 20_000 - (i * 104_729) % 900_000
+        w._record(write, t, done)
+        (writes if write else reads).record(done - t)
+        points.setdefault(int((done / 1e9 - w.t0) / 1.0), []).append(done - t)
+    w._logs_out()
+    r = w.result
+    assert r.read.to_dict() == reads.to_dict() and r.write.to_dict() == writes.to_dict()
+    assert r.read_bytes == 4096 * reads.count and r.write_bytes == 4096 * writes.count
+    assert len(r.intervals) == len(points) >= 3
+    for k, iv in enumerate(r.intervals):
+        h = Histogram()
+        for v in points[k]:
+            h.record(v)
+        assert iv.lat.to_dict() == h.to_dict() and iv.reads + iv.writes == len(points[k])
+        assert iv.bytes == 4096 * len(points[k])
 
 
 def test_rate_paces_requests() -> None:

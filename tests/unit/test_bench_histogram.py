@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import random
 
-from openvsan.bench.histogram import NBUCKETS, SUB, Histogram, bucket_high, bucket_low, bucket_of
+import numpy as np
+
+from openvsan.bench.histogram import LINEAR, NBUCKETS, SUB, Histogram, bucket_high, bucket_low, bucket_of, buckets_of
 
 
 def test_buckets_tile_the_number_line() -> None:
@@ -54,3 +56,22 @@ def test_huge_values_land_in_the_last_bucket() -> None:
     h = Histogram()
     h.record(1 << 60)
     assert h.buckets()[-1][2] == 1 and h.max == 1 << 60
+
+
+def test_recording_an_array_at_once_equals_recording_each_value() -> None:
+    """buckets_of and record_many (vsan bench's way) against bucket_of and record: every bucket edge, values
+    below zero and past the last bucket, and a long-tailed sample, recorded in two arrays."""
+    edges = [v for i in range(NBUCKETS) for v in (bucket_low(i), bucket_high(i) - 1)]
+    odd = [-5, 0, 1, LINEAR - 1, LINEAR, (1 << 47) + 3, (1 << 53) - 1, (1 << 60) + 12345]
+    rng = random.Random(3)
+    sample = [int(rng.lognormvariate(11, 1.5)) for _ in range(5000)]
+    values = edges + odd + sample
+    arr = np.array(values, dtype=np.int64)
+    assert buckets_of(arr).tolist() == [bucket_of(v) for v in values]
+    one, many = Histogram(), Histogram()
+    for v in values:
+        one.record(v)
+    many.record_many(arr[:1000])
+    many.record_many(arr[1000:])
+    many.record_many(arr[:0])
+    assert many.to_dict() == one.to_dict()

@@ -201,6 +201,57 @@ def test_a_write_capsule_in_one_pack_is_what_the_general_encoders_make() -> None
         assert H.write_capsule(0xBEEF, 3, lba, blocks, n, fua) == hdr
 
 
+def test_a_read_capsule_in_one_pack_is_what_the_general_encoders_make() -> None:
+    """H.read_capsule (the common header and a Read's SQE in one pack) makes what capsule_cmd makes of C.read's
+    SQE with no digest, data digest and CPDA padding included (a capsule with no data has neither), for LBAs over
+    32 bits and the largest block count."""
+    for lba, blocks in ((0, 1), (0x1_2345_6789, 8), ((1 << 64) - 65536, 65536)):
+        n = blocks * 512
+        for dd, cpda in ((False, 0), (True, 0), (False, 3)):
+            (raw,) = H.capsule_cmd(C.read(0xBEEF, 3, lba, blocks, n), hdgst=False, ddgst=dd, cpda=cpda)
+            assert H.read_capsule(0xBEEF, 3, lba, blocks, n) == raw
+
+
+@pytest.mark.parametrize("hd,dd,cpda", [(False, False, 0), (True, False, 0), (False, True, 0), (False, False, 3)])
+def test_read_then_sends_what_submit_sends(hd: bool, dd: bool, cpda: int) -> None:
+    """NvmeQueue.read_then (read_soon's send) puts on the wire the bytes submit() puts there for the same Read,
+    with and without digests and CPDA padding, and the command waits for `n` bytes; the controller's reader
+    takes them."""
+
+    def sent(use_read_then: bool) -> bytes:
+        async def run() -> bytes:
+            q, _ = _queue_with_reads({})
+            q.hdgst, q.ddgst, q.cpda = hd, dd, cpda
+            wire: list[bytes] = []
+
+            class Wire:
+                def write(self, b: bytes) -> None:
+                    wire.append(bytes(b))
+
+                def writelines(self, parts: list[bytes]) -> None:
+                    wire.extend(bytes(x) for x in parts)
+
+                def is_closing(self) -> bool:
+                    return False
+
+            q._batch.transport = Wire()  # type: ignore[assignment]
+            if use_read_then:
+                q.read_then(5, 0x1_0000_0010, 8, 4096, lambda r, e: None)
+            else:
+                q.submit(lambda cid: C.read(cid, 5, 0x1_0000_0010, 8, 4096), read_len=4096)
+            (c,) = q.cmds.values()
+            assert c.read_len == 4096 and c.data is None
+            q._batch.flush()
+            return b"".join(wire)
+        return asyncio.run(run())
+
+    raw = sent(True)
+    assert raw == sent(False)
+    (pdu,) = controller_reader(hd, dd).receive_data(raw)
+    sqe = Sqe(pdu.header[8:72])
+    assert sqe.opcode == C.IO_READ and sqe.nsid == 5 and sqe.cdw10 == 0x10 and sqe.cdw11 == 1 and sqe.cdw12 == 7
+
+
 @pytest.mark.parametrize("hd,dd,cpda", [(False, False, 0), (True, False, 0), (False, True, 0), (False, False, 3)])
 def test_write_then_sends_what_submit_then_sends(hd: bool, dd: bool, cpda: int) -> None:
     """NvmeQueue.write_then (a replicated write's send) puts on the wire the bytes submit_then puts there for the

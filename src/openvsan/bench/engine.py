@@ -18,6 +18,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from openvsan.bench.histogram import Histogram
 from openvsan.bench.profiles import Job
 from openvsan.bench.verify import Generations, Mismatch, check_buffer, make_buffer
@@ -28,6 +30,8 @@ INTERVAL = 1.0           # seconds per time-series point
 PROGRESS_EVERY = 0.5     # seconds between progress messages
 MAX_REPORTED = 20        # mismatches / errors listed by LBA; the rest only counted
 PRECONDITION_BS = 1 << 20
+LOG_AT = 1 << 13         # completions kept per direction before they are put into the histograms at once
+SLOTS_AT = 1 << 12       # random slots drawn at once
 
 
 @dataclass(frozen=True)
@@ -138,6 +142,11 @@ class Worker:
         self.first = plan.index * share
         self.slots = slots
         self.rng = random.Random(plan.seed * 1000003 + plan.index)
+        self._slot_rng = np.random.default_rng(plan.seed * 1000003 + plan.index)
+        self._slots: list[int] = []   # random slots drawn ahead, taken from the end
+        self.random = self.job.pattern != "seq"
+        # each direction's (sent, completed) clock pairs not yet in the histograms (_record, _log_out)
+        self._logs: tuple[list[int], list[int]] = ([], [])
         self.gens = Generations(self.first, slots * self.blocks_per_io) if plan.verify else None
         self.generation = 0
         self.busy: set[int] = set()   # slots with a request in flight (--verify: no overlapping requests)
@@ -154,15 +163,24 @@ class Worker:
 
     # ------------------------------------------------------------------ picking requests
     def _slot(self) -> int:
+        if not self.busy and self.random:   # no --verify: any slot will do
+            return self._drawn()
         for _ in range(64):
-            if self.job.pattern == "seq":
+            if not self.random:
                 s = self.next_seq
                 self.next_seq = (s + 1) % self.slots
             else:
-                s = self.rng.randrange(self.slots)
+                s = self._drawn()
             if s not in self.busy:
                 return s
         raise RuntimeError("no free slot: the region is smaller than the queue depth")
+
+    def _drawn(self) -> int:
+        """The next random slot, drawn SLOTS_AT at a time."""
+        drawn = self._slots
+        if not drawn:
+            drawn = self._slots = self._slot_rng.integers(0, self.slots, SLOTS_AT).tolist()
+        return drawn.pop()
 
     def _note(self, problem: Mismatch | dict[str, Any]) -> None:
         if len(self.result.problems) < MAX_REPORTED:
@@ -209,25 +227,45 @@ class Worker:
 
     def _record(self, write: bool, t: int, done: int) -> None:
         """A request sent at `t` and completed at `done` (clock nanoseconds), counted if it completed while
-        measuring: its latency, bytes and time-series point (both kinds of lane)."""
+        measuring (both kinds of lane): kept, and put into the result with the others at once (_log_out)."""
         if self.measuring:
-            ns = done - t
-            r = self.result
-            (r.write if write else r.read).record(ns)
-            if write:
-                r.write_bytes += self.job.bs
-            else:
-                r.read_bytes += self.job.bs
-            k = int((done / 1e9 - self.t0) / INTERVAL)   # _now() at completion
+            log = self._logs[write]
+            log.append(t)
+            log.append(done)
+            if len(log) >= LOG_AT:
+                self._log_out(write)
+
+    def _log_out(self, write: bool) -> None:
+        """The kept completions of one direction into the result: latencies, bytes and time-series points."""
+        log = self._logs[write]
+        if not log:
+            return
+        pairs = np.array(log, dtype=np.int64).reshape(-1, 2)
+        log.clear()
+        done = pairs[:, 1]
+        ns = done - pairs[:, 0]
+        r, bs = self.result, self.job.bs
+        (r.write if write else r.read).record_many(ns)
+        if write:
+            r.write_bytes += bs * len(ns)
+        else:
+            r.read_bytes += bs * len(ns)
+        at = ((done / 1e9 - self.t0) / INTERVAL).astype(np.int64)   # _now() at completion, in whole intervals
+        for k in np.unique(at).tolist():
             while len(r.intervals) <= k:
                 r.intervals.append(Interval())
             iv = r.intervals[k]
+            mine = ns[at == k]
             if write:
-                iv.writes += 1
+                iv.writes += len(mine)
             else:
-                iv.reads += 1
-            iv.bytes += self.job.bs
-            iv.lat.record(ns)
+                iv.reads += len(mine)
+            iv.bytes += bs * len(mine)
+            iv.lat.record_many(mine)
+
+    def _logs_out(self) -> None:
+        self._log_out(False)
+        self._log_out(True)
 
     def _check(self, data: Any, lba: int) -> None:
         bad = check_buffer(data, lba, self.dev.block_size, self.gens)
@@ -293,14 +331,16 @@ class Worker:
                     lane_ended()
             tasks.append(loop.create_task(go()))
 
+        end_ns = end * 1e9
+
         def issue() -> None:
-            if stopped[0] or self._now() >= end:
+            t = clock()
+            if stopped[0] or t >= end_ns:
                 lane_ended()
                 return
             write = wp == 100 or (wp > 0 and self.rng.random() * 100 < wp)
             slot = self._slot()
             lba = self.first + slot * n
-            t = clock()
             if write:
                 ok = write_soon(lba, payload, False, functools.partial(wrote, slot, t))  # type: ignore[misc]
             else:
@@ -401,6 +441,7 @@ class Worker:
         self.result.elapsed = self._now() - self.t0
         self.result.cpu = time.process_time() - cpu0
         self.measuring = False
+        self._logs_out()
         if self.emit:
             self.emit("measured", {})
         if plan.verify:
@@ -411,6 +452,7 @@ class Worker:
         assert self.emit is not None
         while True:
             await self.sleep(PROGRESS_EVERY)
+            self._logs_out()
             r = self.result
             self.emit("progress", {"ops": r.read.count + r.write.count, "bytes": r.read_bytes + r.write_bytes,
                                    "lat_total": r.read.total + r.write.total,

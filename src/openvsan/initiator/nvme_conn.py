@@ -25,7 +25,8 @@ Buf = bytes | bytearray | memoryview
 _DATA_HEADER = struct.Struct("<HHII")     # C2HData/R2T after the common header: CCCID, TTAG, offset, length
 _LAST_SUCCESS = F_LAST_PDU | F_SUCCESS
 _C2H_DATA = int(PduType.C2H_DATA)
-_U32 = struct.Struct("<I")
+# a C2HData's common header and data header in one unpack (§3.6.2.9): flags, PDO, PLEN, CCCID, offset, length
+_C2H_HEADER = struct.Struct("<xBxBIHxxII")
 _CAPSULE_RESP = int(PduType.CAPSULE_RESP)
 
 
@@ -206,14 +207,12 @@ class NvmeQueue(asyncio.Protocol):
                 completed(dw0, dw1, sqhd, sqid, cid, sf)
                 pos += 24
                 continue
-            if t != _C2H_DATA or data[pos + 1] != _LAST_SUCCESS:
+            if t != _C2H_DATA:
                 break
-            pdo = data[pos + 3]
-            plen = _U32.unpack_from(data, pos + 4)[0]
+            flags, pdo, plen, cccid, offset, length = _C2H_HEADER.unpack_from(data, pos)
             end = pos + plen
-            if end > n or pdo < 24 or pdo > plen:
+            if flags != _LAST_SUCCESS or end > n or pdo < 24 or pdo > plen:
                 break
-            cccid, _, offset, length = _DATA_HEADER.unpack_from(data, pos + 8)
             c = cmds.get(cccid)
             if c is None or offset or length != plen - pdo or length != c.read_len or c.buf is not None:
                 break
@@ -282,11 +281,16 @@ class NvmeQueue(asyncio.Protocol):
 
     # ------------------------------------------------------------------------------------ submit
     def _next_cid(self) -> int:
-        for _ in range(65536):
-            self._cid = (self._cid + 1) & 0xFFFF
-            if self._cid not in self.cmds:
-                return self._cid
-        raise ConnectionLost(f"{self.name}: no free command id")
+        cid = (self._cid + 1) & 0xFFFF
+        if cid in self.cmds:   # a command that long outstanding: look further
+            for _ in range(65535):
+                cid = (cid + 1) & 0xFFFF
+                if cid not in self.cmds:
+                    break
+            else:
+                raise ConnectionLost(f"{self.name}: no free command id")
+        self._cid = cid
+        return cid
 
     def submit(self, build: Callable[[int], bytes], *, data: Buf | None = None, read_len: int = 0,
                in_capsule: bool = False) -> asyncio.Future[Result]:
@@ -303,9 +307,17 @@ class NvmeQueue(asyncio.Protocol):
         lost), called from the receive that ends it."""
         self._enqueue(build, data, 0, in_capsule, None, then)
 
-    def read_then(self, build: Callable[[int], bytes], n: int, then: Answer) -> None:
-        """submit_then of a Read of `n` bytes whose SQE `build` makes (read_soon)."""
-        self._enqueue(build, None, n, False, None, then)
+    def read_then(self, nsid: int, lba: int, blocks: int, n: int, then: Answer) -> None:
+        """submit_then of a Read of `blocks` (`n` bytes) at `lba` (read_soon): with no header digest its capsule is
+        H.read_capsule's one pack, else capsule_cmd's (the general encoder)."""
+        if self.hdgst:
+            self._enqueue(lambda cid: C.read(cid, nsid, lba, blocks, n), None, n, False, None, then)
+            return
+        if not self.alive:
+            raise ConnectionLost(f"{self.name}: not connected")
+        cid = self._next_cid()
+        self.cmds[cid] = _Cmd(cid, n, None, None, then, self.loop.time())
+        self._batch.send((H.read_capsule(cid, nsid, lba, blocks, n),))
 
     def write_then(self, nsid: int, lba: int, blocks: int, mv: memoryview, fua: bool, then: Answer) -> None:
         """submit_then of a Write with its data (a memoryview of bytes) in the capsule: with no digest and no CPDA

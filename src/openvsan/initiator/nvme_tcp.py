@@ -491,7 +491,7 @@ class NvmeTcpInitiator:
         await asyncio.gather(*(part(s, n) for s, n in self._chunks(lba, blocks, self.max_io_blocks)))
 
     def _read_cmd(self, lba: int, blocks: int) -> Callable[[int], bytes]:
-        """The SQE builder of a Read of `blocks` at `lba` (read() and read_soon())."""
+        """The SQE builder of a Read of `blocks` at `lba` (read(); read_soon packs its capsule in one go)."""
         nsid, n = self.nsid, blocks * self.block_size
         return lambda cid: C.read(cid, nsid, lba, blocks, n)
 
@@ -536,7 +536,7 @@ class NvmeTcpInitiator:
         read(), which does both). False: not sent."""
         if blocks <= 0 or blocks > self.max_io_blocks or lba < 0 or lba + blocks > self.num_blocks:
             return False
-        return self._soon(self.assoc, "Read", done, True, NvmeQueue.read_then, self._read_cmd(lba, blocks),
+        return self._soon(self.assoc, "Read", done, True, NvmeQueue.read_then, self.nsid, lba, blocks,
                           blocks * self.block_size)
 
     def write_soon(self, lba: int, data: Buffer, fua: bool, done: WriteDone) -> bool:

@@ -126,8 +126,14 @@ def get_log_page(cid: int, lid: int, length: int, offset: int = 0, nsid: int = 0
 def read(cid: int, nsid: int, lba: int, blocks: int, nbytes: int) -> bytes:
     """NVM 1.0 §3.2.4: SLBA in CDW10-11, NLB 0-based in CDW12. What sqe() makes of it, packed here (every read
     of our initiators makes one; the unit tests hold it to sqe()'s bytes)."""
-    return SQE.pack(IO_READ, PSDT_SGL, cid, nsid, 0, nbytes, SGL_TRANSPORT_DATA_BLOCK, lba & 0xFFFFFFFF,
-                    lba >> 32 & 0xFFFFFFFF, blocks - 1, 0, 0, 0)
+    return SQE.pack(*read_fields(cid, nsid, lba, blocks, nbytes))
+
+
+def read_fields(cid: int, nsid: int, lba: int, blocks: int, nbytes: int) -> tuple[int, ...]:
+    """A Read's SQE as SQE's fields, in order: what read() packs, and what a capsule packs after its common header
+    in the same call (host_pdus.read_capsule)."""
+    return (IO_READ, PSDT_SGL, cid, nsid, 0, nbytes, SGL_TRANSPORT_DATA_BLOCK, lba & 0xFFFFFFFF,
+            lba >> 32 & 0xFFFFFFFF, blocks - 1, 0, 0, 0)
 
 
 def write(cid: int, nsid: int, lba: int, blocks: int, nbytes: int, *, fua: bool, in_capsule: bool) -> bytes:

@@ -10,7 +10,7 @@ import struct
 from dataclasses import dataclass
 
 from openvsan.protocol.nvme.command import SQE
-from openvsan.protocol.nvme.host_commands import write_fields
+from openvsan.protocol.nvme.host_commands import read_fields, write_fields
 from openvsan.protocol.nvme_tcp.framing import Pdu, digest, digest_bytes
 from openvsan.protocol.nvme_tcp.pdu import (
     CH,
@@ -80,6 +80,13 @@ def write_capsule(cid: int, nsid: int, lba: int, blocks: int, nbytes: int, fua: 
     as its own part. The unit tests hold it to capsule_cmd(write(...)) byte for byte."""
     return _CAPSULE_HEADER.pack(_CAPSULE_CMD, 0, 72, 72, 72 + nbytes,
                                 *write_fields(cid, nsid, lba, blocks, nbytes, fua, True))
+
+
+def read_capsule(cid: int, nsid: int, lba: int, blocks: int, nbytes: int) -> bytes:
+    """capsule_cmd's bytes for a Read of `nbytes` with no digest (a capsule with nothing but its SQE: PDO 0),
+    packed in one call: every read of our NVMe/TCP host. The unit tests hold it to capsule_cmd(read(...)) byte
+    for byte."""
+    return _CAPSULE_HEADER.pack(_CAPSULE_CMD, 0, 72, 0, 72, *read_fields(cid, nsid, lba, blocks, nbytes))
 
 
 def capsule_cmd(sqe: bytes, data: bytes | bytearray | memoryview = b"", *, hdgst: bool, ddgst: bool,
