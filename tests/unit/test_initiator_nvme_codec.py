@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import struct
+from collections.abc import Callable
 
 import pytest
 
@@ -212,41 +213,47 @@ def test_a_read_capsule_in_one_pack_is_what_the_general_encoders_make() -> None:
             assert H.read_capsule(0xBEEF, 3, lba, blocks, n) == raw
 
 
+def _sent(hd: bool, dd: bool, cpda: int, send: Callable[[NvmeQueue], None]) -> bytes:
+    """What `send(queue)` puts on the wire of a queue with these digests and CPDA, one command left outstanding."""
+    async def run() -> bytes:
+        q, _ = _queue_with_reads({})
+        q.hdgst, q.ddgst, q.cpda = hd, dd, cpda
+        wire: list[bytes] = []
+
+        class Wire:
+            def write(self, b: bytes) -> None:
+                wire.append(bytes(b))
+
+            def writelines(self, parts: list[bytes]) -> None:
+                wire.extend(bytes(x) for x in parts)
+
+            def is_closing(self) -> bool:
+                return False
+
+        q._batch.transport = Wire()  # type: ignore[assignment]
+        send(q)
+        assert len(q.cmds) == 1
+        q._batch.flush()
+        return b"".join(wire)
+    return asyncio.run(run())
+
+
 @pytest.mark.parametrize("hd,dd,cpda", [(False, False, 0), (True, False, 0), (False, True, 0), (False, False, 3)])
 def test_read_then_sends_what_submit_sends(hd: bool, dd: bool, cpda: int) -> None:
     """NvmeQueue.read_then (read_soon's send) puts on the wire the bytes submit() puts there for the same Read,
     with and without digests and CPDA padding, and the command waits for `n` bytes; the controller's reader
     takes them."""
 
-    def sent(use_read_then: bool) -> bytes:
-        async def run() -> bytes:
-            q, _ = _queue_with_reads({})
-            q.hdgst, q.ddgst, q.cpda = hd, dd, cpda
-            wire: list[bytes] = []
+    def fast(q: NvmeQueue) -> None:
+        q.read_then(5, 0x1_0000_0010, 8, 4096, lambda r, e: None)
+        (c,) = q.cmds.values()
+        assert c.read_len == 4096 and c.data is None
 
-            class Wire:
-                def write(self, b: bytes) -> None:
-                    wire.append(bytes(b))
+    def normal(q: NvmeQueue) -> None:
+        q.submit(lambda cid: C.read(cid, 5, 0x1_0000_0010, 8, 4096), read_len=4096)
 
-                def writelines(self, parts: list[bytes]) -> None:
-                    wire.extend(bytes(x) for x in parts)
-
-                def is_closing(self) -> bool:
-                    return False
-
-            q._batch.transport = Wire()  # type: ignore[assignment]
-            if use_read_then:
-                q.read_then(5, 0x1_0000_0010, 8, 4096, lambda r, e: None)
-            else:
-                q.submit(lambda cid: C.read(cid, 5, 0x1_0000_0010, 8, 4096), read_len=4096)
-            (c,) = q.cmds.values()
-            assert c.read_len == 4096 and c.data is None
-            q._batch.flush()
-            return b"".join(wire)
-        return asyncio.run(run())
-
-    raw = sent(True)
-    assert raw == sent(False)
+    raw = _sent(hd, dd, cpda, fast)
+    assert raw == _sent(hd, dd, cpda, normal)
     (pdu,) = controller_reader(hd, dd).receive_data(raw)
     sqe = Sqe(pdu.header[8:72])
     assert sqe.opcode == C.IO_READ and sqe.nsid == 5 and sqe.cdw10 == 0x10 and sqe.cdw11 == 1 and sqe.cdw12 == 7
@@ -256,37 +263,11 @@ def test_read_then_sends_what_submit_sends(hd: bool, dd: bool, cpda: int) -> Non
 def test_write_then_sends_what_submit_then_sends(hd: bool, dd: bool, cpda: int) -> None:
     """NvmeQueue.write_then (a replicated write's send) puts on the wire the bytes submit_then puts there for the
     same Write, with and without digests and CPDA padding; the controller's reader takes them."""
-
-    def sent(use_write_then: bool) -> bytes:
-        async def run() -> bytes:
-            q, _ = _queue_with_reads({})
-            q.hdgst, q.ddgst, q.cpda = hd, dd, cpda
-            wire: list[bytes] = []
-
-            class Wire:
-                def write(self, b: bytes) -> None:
-                    wire.append(bytes(b))
-
-                def writelines(self, parts: list[bytes]) -> None:
-                    wire.extend(bytes(x) for x in parts)
-
-                def is_closing(self) -> bool:
-                    return False
-
-            q._batch.transport = Wire()  # type: ignore[assignment]
-            data = memoryview(bytes(range(256)) * 16)
-            if use_write_then:
-                q.write_then(5, 0x1_0000_0010, 8, data, True, lambda r, e: None)
-            else:
-                q.submit_then(lambda cid: C.write(cid, 5, 0x1_0000_0010, 8, 4096, fua=True, in_capsule=True), data,
-                              True, lambda r, e: None)
-            assert len(q.cmds) == 1
-            q._batch.flush()
-            return b"".join(wire)
-        return asyncio.run(run())
-
-    raw = sent(True)
-    assert raw == sent(False)
+    data = memoryview(bytes(range(256)) * 16)
+    raw = _sent(hd, dd, cpda, lambda q: q.write_then(5, 0x1_0000_0010, 8, data, True, lambda r, e: None))
+    assert raw == _sent(hd, dd, cpda, lambda q: q.submit_then(
+        lambda cid: C.write(cid, 5, 0x1_0000_0010, 8, 4096, fua=True, in_capsule=True), data, True,
+        lambda r, e: None))
     (pdu,) = controller_reader(hd, dd).receive_data(raw)
     sqe = Sqe(pdu.header[8:72])
     assert sqe.nsid == 5 and sqe.cdw10 == 0x10 and sqe.cdw11 == 1 and sqe.cdw12 == 7 | C.FUA
