@@ -236,3 +236,66 @@ def test_a_data_in_the_lane_does_not_know_goes_to_the_general_path() -> None:
         assert t.aborted
 
     asyncio.run(main())
+
+
+def _responses_stream(itts: list[int]) -> list[bytes]:
+    """Target PDUs answering the writes waiting on `itts`, one SCSI Response each: GOOD with nothing else (the
+    lane's), RESERVATION CONFLICT with no sense (the lane's), CHECK CONDITION with sense data, an underflow
+    residual, and a response other than "completed" (the general path's)."""
+    chunks = []
+    statsn = 5
+    for i, itt in enumerate(itts):
+        kind = i % 6
+        win = {"expcmdsn": 11 + i, "maxcmdsn": 41 + i}
+        if kind == 4:
+            sense = bytes([0x70, 0, 0x03, 0, 0, 0, 0, 10]) + bytes(10)    # MEDIUM ERROR
+            seg = struct.pack(">H", len(sense)) + sense
+            out = frame(P.scsi_response(itt, 0x02, statsn, dsl=len(seg), **win), seg)
+        elif kind == 5:
+            out = frame(P.scsi_response(itt, 0, statsn, flags=P.F_UNDERFLOW, residual=512, **win))
+        elif i == 8:
+            out = frame(P.scsi_response(itt, 0, statsn, response=1, **win))
+        else:
+            out = frame(P.scsi_response(itt, 0x18 if kind == 3 else 0, statsn, **win))
+        statsn += 1
+        chunks.append(b"".join(bytes(x) for x in out))
+    return chunks
+
+
+def test_the_lane_completes_writes_as_the_pdu_reader_does(monkeypatch: Any) -> None:
+    """Writes answered by SCSI Responses, in receives of whole PDUs (plain responses at the front of a receive
+    take the lane) and a few bytes at a time (every PDU through the PDU reader): the same statuses, sense,
+    failures, window and StatSN."""
+    async def run(cut: int | None) -> tuple[list[Any], tuple[int, int, int], int]:
+        c, t = await connected(immediate_data=True, initial_r2t=False, first_burst_length=65536)
+        by_reader = []
+        receive = c.reader.receive_data
+
+        def counted(data: Any) -> Any:
+            pdus = receive(data)
+            by_reader.extend(p for p in pdus if p.opcode == P.Op.SCSI_RSP)
+            return pdus
+        monkeypatch.setattr(c.reader, "receive_data", counted)
+        futs = [c.command(b"\x8a" + bytes(15), bytes(8), data=bytes([i]) * 4096) for i in range(12)]
+        await turn()
+        chunks = _responses_stream(list(c.tasks))
+        if cut is None:
+            for i in range(0, len(chunks), 3):
+                c.data_received(b"".join(chunks[i:i + 3]))
+        else:
+            stream = b"".join(chunks)
+            for i in range(0, len(stream), cut):
+                c.data_received(stream[i:i + cut])
+        done = await asyncio.gather(*futs, return_exceptions=True)
+        assert not c.tasks and not t.aborted
+        got = [(d.status, bytes(d.data), bytes(d.sense)) if isinstance(d, Completion) else repr(d) for d in done]
+        return got, (c.expcmdsn, c.maxcmdsn, c.expstatsn), len(by_reader)
+
+    whole, window, by_reader = asyncio.run(run(None))
+    trickled, window2, by_reader2 = asyncio.run(run(7))
+    assert whole == trickled and window == window2 == (22, 52, 17)
+    assert [g[0] if isinstance(g, tuple) else "failed" for g in whole] == [
+        0, 0, 0, 0x18, 0x02, 0, 0, 0, "failed", 0x18, 0x02, 0]
+    assert whole[4][2][:3] == bytes([0x70, 0, 0x03])
+    assert by_reader2 == 12                 # trickled: every response through the reader
+    assert by_reader == 5                   # whole: the plain ones at the front of a receive took the lane

@@ -32,6 +32,10 @@ _U32 = struct.Struct(">I")
 _BHS = 48
 _DATA_IN_OP = int(Op.DATA_IN)
 _FINAL_STATUS = Q.F_FINAL | Q.F_STATUS   # a Data-In that ends its command with GOOD-or-not status, no residual
+# a SCSI Response's flags, response, status, TotalAHSLength+DataSegmentLength, ITT and StatSN (§11.4)
+_RESPONSE = struct.Struct(">xBBBI8xI4xI")
+_RESPONSE_OP = int(Op.SCSI_RSP)
+_FINAL = Q.F_FINAL      # a SCSI Response with no residual flag set
 Buf = bytes | bytearray | memoryview
 
 
@@ -168,8 +172,8 @@ class IscsiConnection(asyncio.Protocol):
         self._batch.send(parts)
 
     def _frame(self, bhs: bytes, data: Sequence[Buf] | Buf = b"") -> list[Buf]:
-        return list(frame(bhs, data, header_digest=self.params.header_digest,  # type: ignore[arg-type]
-                          data_digest=self.params.data_digest))
+        return frame(bhs, data, header_digest=self.params.header_digest,  # type: ignore[arg-type]
+                     data_digest=self.params.data_digest)
 
     def _next_itt(self) -> int:
         self._itt = (self._itt + 1) & M32
@@ -245,17 +249,33 @@ class IscsiConnection(asyncio.Protocol):
             handler(self, pdu)
 
     def _read_lane(self, data: bytes) -> bytes | memoryview:
-        """The lane for what a target sends most: a whole read in one Data-In with its status (phase collapse,
-        §11.7.4), no residual, no digests, at the front of a receive. It completes its command as _data_in
-        does (the data a view of the receive, the window and StatSN taken as for any PDU). Returns what is
-        left for the PDU reader: from the first PDU that is anything else, is cut by the end of the receive,
-        or is not exactly the whole read of a command waiting for one (the general path judges those)."""
+        """The lane for what a target sends most, at the front of a receive, without digests: a whole read in
+        one Data-In with its status (phase collapse, §11.7.4), no residual; and a SCSI Response (§11.4) with
+        no residual, no sense data and no AHS, its response "completed" (every write's, with any status). It
+        completes its command as _data_in and _scsi_response do (a read's data a view of the receive, the
+        window and StatSN taken as for any PDU). Returns what is left for the PDU reader: from the first PDU
+        that is anything else, is cut by the end of the receive, or is not exactly the whole read of a
+        command waiting for one, or answers no command waiting (the general path judges those)."""
         n = len(data)
         pos = 0
         tasks = self.tasks
         max_dsl = self.reader.max_dsl
         view: memoryview | None = None
-        while n - pos >= _BHS and data[pos] & 0x3F == _DATA_IN_OP and data[pos + 1] == _FINAL_STATUS:
+        while n - pos >= _BHS:
+            op = data[pos] & 0x3F
+            if op == _RESPONSE_OP:
+                flags, response, status, ahs_dsl, itt, statsn = _RESPONSE.unpack_from(data, pos)
+                t = tasks.get(itt)
+                if flags != _FINAL or response or ahs_dsl or t is None:
+                    break
+                self._window_at(data, pos)
+                self.expstatsn = (statsn + 1) & M32
+                del tasks[itt]
+                self._complete(t, status, b"", 0)
+                pos += _BHS
+                continue
+            if op != _DATA_IN_OP or data[pos + 1] != _FINAL_STATUS:
+                break
             dsl = _U32.unpack_from(data, pos + 4)[0]   # TotalAHSLength (byte 4) must be 0: then this is the DSL
             end = pos + _BHS + dsl + (-dsl & 3)
             if end > n or dsl > max_dsl:

@@ -56,19 +56,22 @@ def read_capacity_16(alloc: int = 32) -> bytes:
     return struct.pack(">BBQIBB", SERVICE_ACTION_IN_16, SA_READ_CAPACITY_16, 0, alloc, 0, 0)
 
 
+_CDB16 = struct.Struct(">BBQIBB")   # READ(16), WRITE(16), SYNCHRONIZE CACHE(16): opcode, flags, LBA, count, group, control
+
+
 def read_16(lba: int, blocks: int) -> bytes:
     """SBC-4 5.13."""
-    return struct.pack(">BBQIBB", READ_16, 0, lba, blocks, 0, 0)
+    return _CDB16.pack(READ_16, 0, lba, blocks, 0, 0)
 
 
 def write_16(lba: int, blocks: int, *, fua: bool = False) -> bytes:
     """SBC-4 5.40: FUA is bit 3 of byte 1."""
-    return struct.pack(">BBQIBB", WRITE_16, 0x08 if fua else 0, lba, blocks, 0, 0)
+    return _CDB16.pack(WRITE_16, 0x08 if fua else 0, lba, blocks, 0, 0)
 
 
 def synchronize_cache_16(lba: int = 0, blocks: int = 0) -> bytes:
     """SBC-4 5.25: 0 blocks = to the end of the medium."""
-    return struct.pack(">BBQIBB", SYNCHRONIZE_CACHE_16, 0, lba, blocks, 0, 0)
+    return _CDB16.pack(SYNCHRONIZE_CACHE_16, 0, lba, blocks, 0, 0)
 
 
 def write_same_16(lba: int, blocks: int, *, unmap: bool) -> bytes:

@@ -181,8 +181,10 @@ def frame(bhs: bytes, data: Sequence[bytes | memoryview] | bytes | memoryview = 
     if header_digest:
         parts.append(digest(bhs))
     if isinstance(data, (bytes, bytearray, memoryview)):
-        data = [data] if len(data) else []
-    n = sum(len(d) for d in data)
+        n = len(data)
+        data = [data] if n else []
+    else:
+        n = sum(len(d) for d in data)
     if n:
         parts.extend(data)
         pad = _PADS[n & 3]

@@ -47,6 +47,9 @@ def _dsl(n: int) -> int:
 
 # --- requests ----------------------------------------------------------------------------------------
 
+_SCSI_CMD_OP = int(Op.SCSI_CMD)
+
+
 def scsi_command(itt: int, lun: bytes, cdb: bytes, edtl: int, cmdsn: int, expstatsn: int, *, read: bool = False,
                  write: bool = False, final: bool = True, immediate_len: int = 0, immediate: bool = False) -> bytes:
     """SCSI Command, §11.3. final=False when unsolicited Data-Out PDUs follow (§11.3.1.1); immediate_len is the
@@ -54,7 +57,7 @@ def scsi_command(itt: int, lun: bytes, cdb: bytes, edtl: int, cmdsn: int, expsta
     if len(cdb) > 16:
         raise ValueError("CDB longer than 16 bytes needs an extended CDB AHS")
     flags = (F_FINAL if final else 0) | (F_READ if read else 0) | (F_WRITE if write else 0) | ATTR_SIMPLE
-    return _SCSI_CMD.pack(Op.SCSI_CMD | (0x40 if immediate else 0), flags, 0, 0, _dsl(immediate_len), lun, itt,
+    return _SCSI_CMD.pack(_SCSI_CMD_OP | (0x40 if immediate else 0), flags, 0, 0, _dsl(immediate_len), lun, itt,
                           edtl, cmdsn, expstatsn, cdb.ljust(16, b"\0"))
 
 
