@@ -183,6 +183,19 @@ def _reads_stream(c: IscsiConnection, itts: list[int], lengths: list[int]) -> li
     return chunks
 
 
+def _seen_by_reader(c: IscsiConnection, op: P.Op, monkeypatch: Any) -> list[P.Pdu]:
+    """The PDUs of opcode `op` that c's PDU reader (not its receive lane) takes from now on."""
+    seen: list[P.Pdu] = []
+    receive = c.reader.receive_data
+
+    def counted(data: Any) -> Any:
+        pdus = receive(data)
+        seen.extend(p for p in pdus if p.opcode == op)
+        return pdus
+    monkeypatch.setattr(c.reader, "receive_data", counted)
+    return seen
+
+
 def test_the_read_lane_completes_reads_as_the_pdu_reader_does(monkeypatch: Any) -> None:
     """The same target stream in receives of whole PDUs (whole Data-Ins at the front of a receive take the
     lane) and a few bytes at a time (every PDU goes through the PDU reader): the same results, window and
@@ -191,14 +204,7 @@ def test_the_read_lane_completes_reads_as_the_pdu_reader_does(monkeypatch: Any) 
 
     async def run(cut: int | None) -> tuple[list[tuple[int, bytes]], tuple[int, int, int], int]:
         c, t = await connected()
-        read_by_reader = []
-        receive = c.reader.receive_data
-
-        def counted(data: Any) -> Any:
-            pdus = receive(data)
-            read_by_reader.extend(p for p in pdus if p.opcode == P.Op.DATA_IN)
-            return pdus
-        monkeypatch.setattr(c.reader, "receive_data", counted)
+        read_by_reader = _seen_by_reader(c, P.Op.DATA_IN, monkeypatch)
         futs = [c.command(b"\x88" + bytes(15), bytes(8), read_len=n) for n in lengths]
         await turn()
         chunks = _reads_stream(c, list(c.tasks), lengths)
@@ -268,14 +274,7 @@ def test_the_lane_completes_writes_as_the_pdu_reader_does(monkeypatch: Any) -> N
     failures, window and StatSN."""
     async def run(cut: int | None) -> tuple[list[Any], tuple[int, int, int], int]:
         c, t = await connected(immediate_data=True, initial_r2t=False, first_burst_length=65536)
-        by_reader = []
-        receive = c.reader.receive_data
-
-        def counted(data: Any) -> Any:
-            pdus = receive(data)
-            by_reader.extend(p for p in pdus if p.opcode == P.Op.SCSI_RSP)
-            return pdus
-        monkeypatch.setattr(c.reader, "receive_data", counted)
+        by_reader = _seen_by_reader(c, P.Op.SCSI_RSP, monkeypatch)
         futs = [c.command(b"\x8a" + bytes(15), bytes(8), data=bytes([i]) * 4096) for i in range(12)]
         await turn()
         chunks = _responses_stream(list(c.tasks))
