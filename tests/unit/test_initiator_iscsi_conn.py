@@ -183,6 +183,17 @@ def _reads_stream(c: IscsiConnection, itts: list[int], lengths: list[int]) -> li
     return chunks
 
 
+def _receive(c: IscsiConnection, chunks: list[bytes], per: int, cut: int | None) -> None:
+    """Each command's PDUs (`chunks`) into c: `per` commands' a receive, or (cut) `cut` bytes a receive."""
+    if cut is None:
+        for i in range(0, len(chunks), per):
+            c.data_received(b"".join(chunks[i:i + per]))
+        return
+    stream = b"".join(chunks)
+    for i in range(0, len(stream), cut):
+        c.data_received(stream[i:i + cut])
+
+
 def _seen_by_reader(c: IscsiConnection, op: P.Op, monkeypatch: Any) -> list[P.Pdu]:
     """The PDUs of opcode `op` that c's PDU reader (not its receive lane) takes from now on."""
     seen: list[P.Pdu] = []
@@ -208,14 +219,8 @@ def test_the_read_lane_completes_reads_as_the_pdu_reader_does(monkeypatch: Any) 
         futs = [c.command(b"\x88" + bytes(15), bytes(8), read_len=n) for n in lengths]
         await turn()
         chunks = _reads_stream(c, list(c.tasks), lengths)
-        if cut is None:
-            # two commands' PDUs a receive: whole ones at the front take the lane, the rest the reader
-            for i in range(0, len(chunks), 2):
-                c.data_received(b"".join(chunks[i:i + 2]))
-        else:
-            stream = b"".join(chunks)
-            for i in range(0, len(stream), cut):
-                c.data_received(stream[i:i + cut])
+        # whole: two commands' PDUs a receive (whole ones at the front take the lane, the rest the reader)
+        _receive(c, chunks, 2, cut)
         done = [await f for f in futs]
         assert not c.tasks and not t.aborted
         return [(d.status, bytes(d.data)) for d in done], (c.expcmdsn, c.maxcmdsn, c.expstatsn), len(read_by_reader)
@@ -278,13 +283,7 @@ def test_the_lane_completes_writes_as_the_pdu_reader_does(monkeypatch: Any) -> N
         futs = [c.command(b"\x8a" + bytes(15), bytes(8), data=bytes([i]) * 4096) for i in range(12)]
         await turn()
         chunks = _responses_stream(list(c.tasks))
-        if cut is None:
-            for i in range(0, len(chunks), 3):
-                c.data_received(b"".join(chunks[i:i + 3]))
-        else:
-            stream = b"".join(chunks)
-            for i in range(0, len(stream), cut):
-                c.data_received(stream[i:i + cut])
+        _receive(c, chunks, 3, cut)
         done = await asyncio.gather(*futs, return_exceptions=True)
         assert not c.tasks and not t.aborted
         got = [(d.status, bytes(d.data), bytes(d.sense)) if isinstance(d, Completion) else repr(d) for d in done]
