@@ -9,34 +9,15 @@ import asyncio
 import struct
 from typing import Any
 
+import fake_transport
+
 from openvsan.initiator.iscsi_conn import Completion, IscsiConnection
 from openvsan.protocol.iscsi import pdu as P
 from openvsan.protocol.iscsi.framing import PduReader, frame
 from openvsan.protocol.iscsi.initiator_login import SessionParams
 
 
-class FakeTransport(asyncio.Transport):
-    def __init__(self) -> None:
-        super().__init__()
-        self.sent = bytearray()
-        self.aborted = False
-
-    def writelines(self, data: Any) -> None:
-        for d in data:
-            self.sent += d
-
-    def write(self, data: Any) -> None:
-        self.sent += data
-
-    def abort(self) -> None:
-        self.aborted = True
-
-    def close(self) -> None:
-        self.aborted = True
-
-    def is_closing(self) -> bool:
-        return self.aborted
-
+class FakeTransport(fake_transport.FakeTransport):
     def pdus(self) -> list[P.Pdu]:
         out = PduReader().receive_data(bytes(self.sent))
         self.sent.clear()

@@ -9,15 +9,18 @@ the client already knows from the cookie). Several connections when the server s
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import parse_qsl, unquote
 
 from openvsan.block.capabilities import Capabilities
-from openvsan.block.device import Buffer, check_range
+from openvsan.block.device import Buffer, ReadDone, WriteDone, check_range
 from openvsan.block.errors import BlockError, DeviceFailed, MediumError, NoSpace, OutOfRange, ReadOnly
 from openvsan.initiator.url import UrlError
+from openvsan.netio import WriteBatcher
 from openvsan.protocol.nbd.wire import (
     GREETING,
     IHAVEOPT,
@@ -46,6 +49,11 @@ from openvsan.protocol.nbd.wire import (
 
 NBD_PORT = 10809
 DEFAULT_MAX_PAYLOAD = 32 << 20  # proto.md "Block size constraints": 32 MiB when the server says nothing
+_REPLY_LEN = SIMPLE_REPLY.size
+_READ, _WRITE = int(Cmd.READ), int(Cmd.WRITE)
+# a request's answer: (payload, None); (None, the error number of an error reply); (None, the exception of a
+# lost connection)
+Reply = Callable[[Buffer | None, "BaseException | int | None"], None]
 
 
 @dataclass(frozen=True)
@@ -102,41 +110,92 @@ class Export:
     max_payload: int = DEFAULT_MAX_PAYLOAD
 
 
-class NbdConnection:
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, what: str) -> None:
-        self.reader, self.writer, self.what = reader, writer, what
-        self.pending: dict[int, tuple[asyncio.Future[Buffer], int]] = {}  # cookie -> (future, read length)
+class NbdConnection(asyncio.Protocol):
+    """One NBD connection: the handshake, then requests sent in batches (netio.WriteBatcher: what one turn of
+    the event loop asks leaves in one send) and simple replies taken straight from each receive."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        # cookie -> (then, read length): then(payload, None) once answered, then(None, error number) for an
+        # error reply; a lost connection calls then(None, exception)
+        self.pending: dict[int, tuple[Reply, int]] = {}
         self.cookies = itertools.count(1)
-        self.pump: asyncio.Task[None] | None = None
         self.dead: BaseException | None = None
+        self.transport: asyncio.Transport | None = None
+        self._batch = WriteBatcher()
+        self._buf = bytearray()         # handshake bytes not yet read; a reply cut by the end of a receive
+        self._handshaking = True
+        self._waiter: asyncio.Future[None] | None = None
+        self._closed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
     @classmethod
     async def connect(cls, u: NbdUrl) -> tuple[NbdConnection, Export]:
-        reader, writer = await asyncio.open_connection(u.host, u.port)
-        conn = cls(reader, writer, u.redacted())
+        _, conn = await asyncio.get_running_loop().create_connection(lambda: cls(u.redacted()), u.host, u.port)
         try:
             export = await conn._handshake(u.export)
         except BaseException:
-            writer.close()
+            conn.abort()
             raise
-        conn.pump = asyncio.create_task(conn._replies())
         return conn, export
 
+    # ---- transport
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        self._batch.transport = self.transport
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._batch.transport = None
+        self._die(exc or ConnectionResetError("closed by the server"))
+        if not self._closed.done():
+            self._closed.set_result(None)
+        self._wake()
+
+    def abort(self) -> None:
+        if self.transport is not None:
+            self.transport.abort()
+
+    def data_received(self, data: bytes) -> None:
+        if self._handshaking:
+            self._buf += data
+            self._wake()
+            return
+        if self._buf:
+            self._buf += data
+            data, self._buf = bytes(self._buf), bytearray()
+        self._replies(data)
+
+    def _wake(self) -> None:
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    async def _readexactly(self, n: int) -> bytes:
+        while len(self._buf) < n:
+            if self.dead is not None:
+                raise DeviceFailed(f"{self.what}: connection lost during the handshake ({self.dead})")
+            self._waiter = asyncio.get_running_loop().create_future()
+            await self._waiter
+        out = bytes(self._buf[:n])
+        del self._buf[:n]
+        return out
+
+    # ---- handshake
     async def _handshake(self, name: str) -> Export:
         # proto.md "Fixed newstyle negotiation": NBDMAGIC, IHAVEOPT, handshake flags
-        magic, opt_magic, hflags = GREETING.unpack(await self.reader.readexactly(GREETING.size))
+        magic, opt_magic, hflags = GREETING.unpack(await self._readexactly(GREETING.size))
         if magic != NBDMAGIC or opt_magic != IHAVEOPT or not hflags & HandshakeFlag.FIXED_NEWSTYLE:
             raise DeviceFailed(f"{self.what}: not a fixed-newstyle NBD server")
         cflags = ClientFlag.FIXED_NEWSTYLE | (ClientFlag.NO_ZEROES if hflags & HandshakeFlag.NO_ZEROES else 0)
         raw = name.encode()
         # proto.md NBD_OPT_GO: u32 name length, name, u16 count of info requests, u16 each
         data = U32.pack(len(raw)) + raw + U16.pack(1) + U16.pack(Info.BLOCK_SIZE)
-        self.writer.write(U32.pack(cflags) + OPTION.pack(IHAVEOPT, Opt.GO, len(data)) + data)
+        assert self.transport is not None
+        self.transport.write(U32.pack(cflags) + OPTION.pack(IHAVEOPT, Opt.GO, len(data)) + data)
         export: Export | None = None
         block: tuple[int, int] | None = None
         while True:
-            magic, opt, rep, length = OPTION_REPLY.unpack(await self.reader.readexactly(OPTION_REPLY.size))
-            body = await self.reader.readexactly(length) if length else b""
+            magic, opt, rep, length = OPTION_REPLY.unpack(await self._readexactly(OPTION_REPLY.size))
+            body = await self._readexactly(length) if length else b""
             if magic != OPTION_REPLY_MAGIC or opt != Opt.GO:
                 raise DeviceFailed(f"{self.what}: bad option reply")
             if rep == Rep.ACK:
@@ -158,63 +217,94 @@ class NbdConnection:
             raise DeviceFailed(f"{self.what}: NBD_OPT_GO ended without NBD_INFO_EXPORT")
         if block is not None:
             export.min_block, export.max_payload = block[0], block[1]
+        self._handshaking = False
+        if self._buf:   # the server spoke before we asked: a reply to no request, which _replies refuses
+            data, self._buf = bytes(self._buf), bytearray()
+            self._replies(data)
         return export
 
-    async def _replies(self) -> None:
-        try:
-            while True:
-                # proto.md "Simple reply message"
-                magic, err, cookie = SIMPLE_REPLY.unpack(await self.reader.readexactly(SIMPLE_REPLY.size))
-                if magic != SIMPLE_REPLY_MAGIC:
-                    raise DeviceFailed(f"{self.what}: bad reply magic {magic:#x}")
-                fut, length = self.pending.pop(cookie, (None, 0))
-                if fut is None:
-                    raise DeviceFailed(f"{self.what}: reply to unknown cookie {cookie}")
-                data = await self.reader.readexactly(length) if length and not err else b""
-                if not fut.done():
-                    if err:
-                        fut.set_exception(_ErrnoReply(err))
-                    else:
-                        fut.set_result(data)
-        except (asyncio.IncompleteReadError, ConnectionError, DeviceFailed) as e:
-            self._die(e)
+    # ---- transmission
+    def _replies(self, data: bytes) -> None:
+        """proto.md "Simple reply message": each whole reply in `data` answers its request (a READ's payload a
+        view of the receive); a reply cut by the end of the receive waits in _buf for the rest."""
+        n = len(data)
+        pos = 0
+        pending = self.pending
+        view: memoryview | None = None
+        while n - pos >= _REPLY_LEN:
+            magic, err, cookie = SIMPLE_REPLY.unpack_from(data, pos)
+            if magic != SIMPLE_REPLY_MAGIC:
+                self._fail(f"bad reply magic {magic:#x}")
+                return
+            got = pending.get(cookie)
+            if got is None:
+                self._fail(f"reply to unknown cookie {cookie}")
+                return
+            then, length = got
+            end = pos + _REPLY_LEN + (0 if err else length)
+            if end > n:
+                break
+            del pending[cookie]
+            if err:
+                then(None, err)
+            elif length:
+                if view is None:
+                    view = memoryview(data)
+                then(view[pos + _REPLY_LEN:end], None)
+            else:
+                then(b"", None)
+            pos = end
+            if self.dead is not None:
+                return
+        if pos < n:
+            self._buf = bytearray(data[pos:])
+
+    def _fail(self, why: str) -> None:
+        self._die(DeviceFailed(f"{self.what}: {why}"))
+        self.abort()
 
     def _die(self, e: BaseException) -> None:
-        self.dead = e
-        for fut, _ in self.pending.values():
-            if not fut.done():
-                fut.set_exception(DeviceFailed(f"{self.what}: connection lost ({e})"))
-        self.pending.clear()
+        if self.dead is None:
+            self.dead = e
+        lost = DeviceFailed(f"{self.what}: connection lost ({e})")
+        pending, self.pending = self.pending, {}
+        for then, _ in pending.values():
+            then(None, lost)
 
-    async def request(self, cmd: Cmd, offset: int, length: int, *, flags: int = 0,
-                      data: Buffer | None = None) -> Buffer:
+    def request_then(self, cmd: int, offset: int, length: int, flags: int, data: Buffer | None,
+                     then: Reply) -> None:
+        """Send one request now (its header and a WRITE's payload leave with the rest of this turn's):
+        then(payload, None) once answered (b"" but for a READ), then(None, errno) for an error reply,
+        then(None, exception) once the connection is lost."""
         if self.dead is not None:
             raise DeviceFailed(f"{self.what}: connection lost ({self.dead})")
         cookie = next(self.cookies)
-        fut: asyncio.Future[Buffer] = asyncio.get_running_loop().create_future()
-        self.pending[cookie] = (fut, length if cmd == Cmd.READ else 0)
+        self.pending[cookie] = (then, length if cmd == _READ else 0)
         # proto.md "Request message": magic, command flags, type, cookie, offset, length (+ WRITE payload)
         hdr = REQUEST.pack(REQUEST_MAGIC, flags, cmd, cookie, offset, length)
-        if data is None:
-            self.writer.write(hdr)
-        else:
-            self.writer.writelines((hdr, data))
+        self._batch.send((hdr,) if data is None else (hdr, data))
+
+    async def request(self, cmd: int, offset: int, length: int, *, flags: int = 0,
+                      data: Buffer | None = None) -> Buffer:
+        fut: asyncio.Future[Buffer] = asyncio.get_running_loop().create_future()
+
+        def answered(payload: Buffer | None, e: BaseException | int | None) -> None:
+            if fut.done():
+                return
+            if e is None:
+                fut.set_result(payload if payload is not None else b"")
+            else:
+                fut.set_exception(_ErrnoReply(e) if isinstance(e, int) else e)
+        self.request_then(cmd, offset, length, flags, data, answered)
         return await fut
 
     async def close(self) -> None:
-        if self.dead is None:
-            try:
-                self.writer.write(REQUEST.pack(REQUEST_MAGIC, 0, Cmd.DISC, 0, 0, 0))  # proto.md NBD_CMD_DISC
-                await self.writer.drain()
-            except ConnectionError:
-                pass
-        if self.pump:
-            self.pump.cancel()
-        self.writer.close()
-        try:
-            await self.writer.wait_closed()
-        except ConnectionError:
-            pass
+        if self.dead is None and self.transport is not None:
+            self._batch.flush()
+            self.transport.write(REQUEST.pack(REQUEST_MAGIC, 0, Cmd.DISC, 0, 0, 0))  # proto.md NBD_CMD_DISC
+            self.transport.close()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(self._closed), 5)
 
 
 class _ErrnoReply(Exception):
@@ -233,6 +323,8 @@ class NbdInitiator:
         self.capabilities = Capabilities(volatile_cache=True)  # the remote end may cache writes until flush
         self.max_io_blocks = max(1, min(export.max_payload, DEFAULT_MAX_PAYLOAD) // self.block_size)
         self._rr = itertools.cycle(range(len(conns)))
+        self._read_only = self._flag(TransmissionFlag.READ_ONLY)
+        self._fua = self._flag(TransmissionFlag.SEND_FUA)
 
     @classmethod
     async def open_url(cls, url: str, **overrides: Any) -> NbdInitiator:
@@ -260,11 +352,54 @@ class NbdInitiator:
         try:
             return await self._conn().request(cmd, lba * bs, blocks * bs, flags=flags, data=data)
         except _ErrnoReply as e:
-            raise _error(e.err, f"{self.url.redacted()} {cmd.name} LBA {lba}", lba,
-                         cmd != Cmd.READ) from None
+            raise self._failure(e.err, cmd, lba) from None
 
     def _flag(self, f: TransmissionFlag) -> bool:
         return bool(self.export.flags & f)
+
+    def read_soon(self, lba: int, blocks: int, done: ReadDone) -> bool:
+        """read()'s fast path (block/device.py ReadSoon): one READ sent in this turn on a live connection,
+        done(data, None) once read, done(None, exc) on an error reply (read()'s typed error) or a lost
+        connection, with no retry. False: not sent."""
+        if blocks <= 0 or blocks > self.max_io_blocks or lba < 0 or lba + blocks > self.num_blocks:
+            return False
+        conn = self._conn()
+        if conn.dead is not None:
+            return False
+        bs = self.block_size
+
+        def answered(data: Buffer | None, e: BaseException | int | None) -> None:
+            if e is None:
+                done(data, None)
+            else:
+                done(None, self._failure(e, _READ, lba))
+        conn.request_then(_READ, lba * bs, blocks * bs, 0, None, answered)
+        return True
+
+    def write_soon(self, lba: int, data: Buffer, fua: bool, done: WriteDone) -> bool:
+        """write()'s fast path (block/device.py WriteSoon): one WRITE sent in this turn on a live connection
+        (FUA only where the export takes it: else write() writes and flushes); done(None) once written,
+        done(exc) otherwise, with no retry. False: not sent."""
+        mv = memoryview(data).cast("B")
+        bs = self.block_size
+        blocks = len(mv) // bs
+        if (self._read_only or (fua and not self._fua) or not blocks or len(mv) % bs
+                or blocks > self.max_io_blocks or lba < 0 or lba + blocks > self.num_blocks):
+            return False
+        conn = self._conn()
+        if conn.dead is not None:
+            return False
+
+        def answered(_: Buffer | None, e: BaseException | int | None) -> None:
+            done(None if e is None else self._failure(e, _WRITE, lba))
+        conn.request_then(_WRITE, lba * bs, len(mv), CmdFlag.FUA if fua else 0, mv, answered)
+        return True
+
+    def _failure(self, e: BaseException | int, cmd: int, lba: int) -> BaseException:
+        """The typed block error of an error reply (an error number), as _do raises it; a lost connection's own."""
+        if isinstance(e, int):
+            return _error(e, f"{self.url.redacted()} {Cmd(cmd).name} LBA {lba}", lba, cmd != _READ)
+        return e
 
     async def read(self, lba: int, blocks: int) -> Buffer:
         check_range(self, lba, blocks)
@@ -275,7 +410,7 @@ class NbdInitiator:
         return b"".join(parts)
 
     async def write(self, lba: int, data: Buffer, *, fua: bool = False) -> None:
-        if self._flag(TransmissionFlag.READ_ONLY):
+        if self._read_only:
             raise ReadOnly(f"{self.url.redacted()}: read-only export")
         view = memoryview(data).cast("B")
         bs = self.block_size
@@ -283,11 +418,14 @@ class NbdInitiator:
             raise ValueError(f"write of {len(view)} bytes is not a multiple of the block size {bs}")
         blocks = len(view) // bs
         check_range(self, lba, blocks)
-        flags = CmdFlag.FUA if fua and self._flag(TransmissionFlag.SEND_FUA) else 0
+        flags = CmdFlag.FUA if fua and self._fua else 0
         step = self.max_io_blocks
-        await asyncio.gather(*(self._do(Cmd.WRITE, a, min(step, lba + blocks - a), flags=flags,
-                                        data=view[(a - lba) * bs:(a - lba + min(step, lba + blocks - a)) * bs])
-                               for a in range(lba, lba + blocks, step)))
+        if blocks <= step:
+            await self._do(Cmd.WRITE, lba, blocks, flags=flags, data=view)
+        else:
+            await asyncio.gather(*(self._do(Cmd.WRITE, a, min(step, lba + blocks - a), flags=flags,
+                                            data=view[(a - lba) * bs:(a - lba + min(step, lba + blocks - a)) * bs])
+                                   for a in range(lba, lba + blocks, step)))
         if fua and not flags and self._flag(TransmissionFlag.SEND_FLUSH):
             await self.flush()
 
