@@ -56,7 +56,7 @@ log = logging.getLogger("openvsan.nvme")
 _CAPSULE_CMD = int(PduType.CAPSULE_CMD)
 _C2H_DATA = int(PduType.C2H_DATA)
 _LAST_SUCCESS = F_LAST_PDU | F_SUCCESS
-_U32 = struct.Struct("<I")
+_CH = struct.Struct("<BBBBI")   # a PDU's common header (§3.6.1): type, flags, HLEN, PDO, PLEN
 
 IN_CAPSULE = 8192            # in-capsule data we take on I/O queues (Identify Controller IOCCSZ)
 MAXH2CDATA = 131072          # data per H2CData PDU (ICResp)
@@ -251,6 +251,7 @@ class Connection(BatchedConnection):
         self.sqsize = 32
         self.sq_flow_off = False
         self.sqhd = 0
+        self._max_transfer = max(MAX_TRANSFER, ADMIN_IN_CAPSULE)   # a command's data at most (_set_qid)
         self.pending: dict[int, Sqe] = {}      # CID -> command waiting for data, running, or held (AER)
         self.tasks: set[asyncio.Task[None]] = set()
         self._timer: asyncio.TimerHandle | None = None
@@ -320,6 +321,13 @@ class Connection(BatchedConnection):
             elif isinstance(ev, Terminated):
                 self._terminate(ev)
 
+    def _in_capsule_for(self, qid: int) -> None:
+        """The in-capsule data this queue takes (an I/O queue: the server's; the admin queue: ADMIN_IN_CAPSULE),
+        and so the most data a command may move (_command's data_plan)."""
+        in_capsule = self.server.in_capsule if qid else ADMIN_IN_CAPSULE
+        self.queue.reader.max_capsule_data = in_capsule
+        self._max_transfer = max(MAX_TRANSFER, in_capsule)
+
     def _capsule_lane(self, data: bytes) -> bytes | memoryview:
         """The lane for what hosts send most on an I/O queue: CapsuleCmd PDUs (NVMe/TCP 1.0 §3.6.2.5) at the
         front of a receive, without digests, each with its data right behind the 72-byte header. They skip
@@ -329,10 +337,11 @@ class Connection(BatchedConnection):
         pos = 0
         view = memoryview(data)
         max_data = self.queue.reader.max_capsule_data
-        while n - pos >= 72 and data[pos] == _CAPSULE_CMD and data[pos + 1] == 0 and data[pos + 2] == 72:
-            plen = _U32.unpack_from(data, pos + 4)[0]
+        while n - pos >= 72:
+            t, flags, hlen, pdo, plen = _CH.unpack_from(data, pos)
             end = pos + plen
-            if plen < 72 or end > n or plen - 72 > max_data or (plen > 72 and data[pos + 3] != 72):
+            if (t != _CAPSULE_CMD or flags or hlen != 72 or plen < 72 or end > n or plen - 72 > max_data
+                    or (plen > 72 and pdo != 72)):
                 break
             self._command(view[pos + 8:pos + 72], view[pos + 72:end], True)
             pos = end
@@ -380,8 +389,7 @@ class Connection(BatchedConnection):
         if cid in self.pending:
             self._complete(sqe, Completion(S.CID_CONFLICT), 0)
             return
-        max_data = self.server.in_capsule if self.qid else ADMIN_IN_CAPSULE
-        status, length, r2t = data_plan(sqe, len(data), max(MAX_TRANSFER, max_data))
+        status, length, r2t = data_plan(sqe, len(data), self._max_transfer)
         if status:
             self._complete(sqe, Completion(status), 0)
             return
@@ -557,7 +565,7 @@ class Connection(BatchedConnection):
         self.settle()
         self.sqhd = 1 % self.sqsize
         srv.bind(self, ctrl)
-        self.queue.reader.max_capsule_data = srv.in_capsule if self.qid else ADMIN_IN_CAPSULE
+        self._in_capsule_for(self.qid)
         self.dhchap = res.auth
         if self.dhchap is None:
             self._open_queue()
@@ -762,7 +770,7 @@ class Connection(BatchedConnection):
         self.ctrl, self.qid, self.sqsize = ctrl, qid, int(state["sqsize"])
         self.sq_flow_off, self.sqhd = bool(state["sq_flow_off"]), int(state["sqhd"])
         self.queue.resume(dict(state["queue"]))
-        self.queue.reader.max_capsule_data = srv.in_capsule if qid else ADMIN_IN_CAPSULE
+        self._in_capsule_for(qid)
         srv.bind(self, ctrl)
         self._open_queue()
         log.info("%s: %s of controller %d of %s for %s: moved here with its subsystem", self.peer,

@@ -67,22 +67,28 @@ class Sqe:
 def data_plan(sqe: Sqe, in_capsule: int, max_transfer: int) -> tuple[int, int, bool]:
     """What data moves for this command: (status, length, needs_r2t). NVMe/TCP 1.0 §3.3: in-capsule data
     is described by an offset data block descriptor, everything else by a transport data block one."""
-    direction = sqe.direction
+    # the direction as Sqe.direction gives it, compared as an int: every command of every queue asks
+    direction = (sqe.nsid if sqe.opcode == FABRICS_OPCODE else sqe.opcode) & 3
     n = sqe.sgl_len
-    if direction == Direction.NONE or n == 0:
-        return S.SUCCESS, 0, False
+    if direction == _NONE or n == 0:
+        return _SUCCESS, 0, False
     if n > max_transfer:
         return S.DATA_SGL_LENGTH_INVALID, n, False
-    if sqe.sgl_id == SGL_DATA_BLOCK_OFFSET:
-        if direction != Direction.HOST_TO_CONTROLLER:
+    sgl_id = sqe.sgl_id
+    if sgl_id == SGL_DATA_BLOCK_OFFSET:
+        if direction != _TO_CONTROLLER:
             return S.SGL_TYPE_INVALID, n, False
         if sqe.sgl_addr != 0:
             return S.SGL_OFFSET_INVALID, n, False   # ICDOFF is 0: data starts at the capsule's data
         if n != in_capsule:
             return S.DATA_SGL_LENGTH_INVALID, n, False
-        return S.SUCCESS, n, False
-    if sqe.sgl_id == SGL_TRANSPORT_DATA_BLOCK:
+        return _SUCCESS, n, False
+    if sgl_id == SGL_TRANSPORT_DATA_BLOCK:
         if in_capsule:
             return S.SGL_DESCRIPTOR_INVALID, n, False
-        return S.SUCCESS, n, direction == Direction.HOST_TO_CONTROLLER
+        return _SUCCESS, n, direction == _TO_CONTROLLER
     return S.SGL_TYPE_INVALID, n, False
+
+
+_NONE, _TO_CONTROLLER = int(Direction.NONE), int(Direction.HOST_TO_CONTROLLER)
+_SUCCESS = int(S.SUCCESS)
