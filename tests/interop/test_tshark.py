@@ -5,7 +5,8 @@ pages, READ CAPACITY, large writes (R2T + Data-Out), reads, WRITE SAME, UNMAP, S
 logouts, then `tshark` with the iSCSI dissector on the test's port: no `[Malformed Packet]`, no error-level
 expert info. One known false alarm is allowed: a VPD page cut short at the initiator's ALLOCATION LENGTH
 (SPC-4 6.6.1 says to do exactly that, and libiscsi asks with 64 bytes first), which the SCSI dissector
-cannot parse to its end.
+cannot parse to its end. TCP retransmissions (the kernel's, on lo under load) are not judged: their bytes are
+dissected in their first copy.
 """
 
 from __future__ import annotations
@@ -98,10 +99,15 @@ def test_dissectors_find_nothing_malformed(vsan: Callable[..., VsanServer], tmp_
     for op in ("0x03", "0x04", "0x01", "0x05", "0x06", "0x23", "0x24", "0x21", "0x31", "0x25", "0x26"):
         assert op in opcodes, f"no iSCSI opcode {op} in the capture (dissector not applied?): {sorted(opcodes)}"
 
+    # A TCP retransmission on lo (the kernel dropped a segment under load and sent it again) carries bytes the
+    # capture already holds: Wireshark's TCP reassembly flags the overlap as an error of its own, not of any PDU
+    # (seen once in CI: "Reassembly error, protocol TCP: New fragment overlaps old data (retransmission?)").
+    # The first copy of those bytes was dissected with the rest.
     bad = tshark_fields(
         cap,
         server.port,
-        '_ws.malformed || _ws.expert.severity >= "Error"',
+        '(_ws.malformed || _ws.expert.severity >= "Error") && !tcp.analysis.retransmission'
+        " && !tcp.analysis.fast_retransmission && !tcp.analysis.spurious_retransmission",
         "frame.number",
         "iscsi.datasegmentlength",
         "iscsi.request_frame",
