@@ -251,7 +251,7 @@ class Connection(BatchedConnection):
         self.sqsize = 32
         self.sq_flow_off = False
         self.sqhd = 0
-        self._max_transfer = max(MAX_TRANSFER, ADMIN_IN_CAPSULE)   # a command's data at most (_set_qid)
+        self._max_transfer = max(MAX_TRANSFER, ADMIN_IN_CAPSULE)   # a command's data at most (_in_capsule_for)
         self.pending: dict[int, Sqe] = {}      # CID -> command waiting for data, running, or held (AER)
         self.tasks: set[asyncio.Task[None]] = set()
         self._timer: asyncio.TimerHandle | None = None

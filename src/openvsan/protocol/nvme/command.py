@@ -67,8 +67,7 @@ class Sqe:
 def data_plan(sqe: Sqe, in_capsule: int, max_transfer: int) -> tuple[int, int, bool]:
     """What data moves for this command: (status, length, needs_r2t). NVMe/TCP 1.0 §3.3: in-capsule data
     is described by an offset data block descriptor, everything else by a transport data block one."""
-    # the direction as Sqe.direction gives it, compared as an int: every command of every queue asks
-    direction = (sqe.nsid if sqe.opcode == FABRICS_OPCODE else sqe.opcode) & 3
+    direction = sqe.direction   # compared with ints below, not Direction's members: every command asks
     n = sqe.sgl_len
     if direction == _NONE or n == 0:
         return _SUCCESS, 0, False
