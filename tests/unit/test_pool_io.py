@@ -571,6 +571,47 @@ def test_parity_computed_into_the_members_equals_parity_copied_in(level: int) ->
 
 
 @pytest.mark.parametrize("level", [5, 6])
+def test_a_span_plan_made_once_serves_every_row_of_its_rotation(level: int) -> None:
+    """Sequential writes spanning rows, of a length that is not a whole number of rows (a 1 MiB write to 64 KiB
+    chunks), start at a few places of rows of a few rotations: each place and rotation is planned once
+    (ParityIO._span) and the plan is used again wherever the pattern recurs, with every member byte for byte
+    as with members that lend no memory, and a clean scrub."""
+    async def go() -> None:
+        pools = []
+        for cls in (CountedWindows, NoWindow):
+            members = [cls((HEADER + 200 * CHUNK) // BS, BS, name=f"r{i}") for i in range(5)]
+            pools.append((await Pool.create(members, level, CHUNK, data_offset=HEADER, bitmap_idle_s=3600), members))
+        geo = pools[0][0].geo
+        row = geo.chunk_blocks * geo.data_chunks
+        blocks = 2 * row + geo.chunk_blocks        # 2 1/4 rows (RAID 6: 2 1/3), so 4 (3) places in a row
+        total = pools[0][0].num_blocks
+        rnd = random.Random(level)
+        CountedWindows.lent = 0
+        lba, writes = 0, 0
+        for _ in range(3):   # three passes: the rows of each rotation are written at other places each time
+            while lba + blocks <= total:
+                data = rnd.randbytes(blocks * BS)
+                for pool, _ in pools:
+                    await pool.write(lba, data)
+                lba += blocks
+                writes += 1
+            lba = lba % row + 1
+        spans = pools[0][0].io._spans
+        assert CountedWindows.lent >= (writes - 1) * geo.members   # the first waits for its bitmap bit: write()
+        places = 3 * geo.data_chunks * geo.members       # per pass: where a write starts in a row, and its rotation
+        assert len(spans) <= places < writes / 3, f"{len(spans)} plans made for {writes} writes"
+        (a, ma), (_, mb) = pools
+        start = HEADER // BS
+        for x, y in zip(ma, mb, strict=True):
+            assert x.read_now(start, x.num_blocks - start) == y.read_now(start, y.num_blocks - start)
+        assert (await a.scrub(repair=False)).mismatches == 0
+        for pool, _ in pools:
+            await pool.close()
+
+    asyncio.run(go())
+
+
+@pytest.mark.parametrize("level", [5, 6])
 def test_a_fast_write_spanning_rows_declined_in_a_later_row(level: int) -> None:
     """A write over rows 0 to 2 whose parity members of row 1 decline from row 1 on (after that row's data
     was written): row 0 is written by the fast path, row 1 is left torn, and write() (which a declined write_now hands the request to) writes the whole request

@@ -28,7 +28,7 @@ from openvsan.block.errors import DeviceFailed
 from openvsan.pool.layout import Geometry, Level, Segment
 from openvsan.pool.locks import StripeLocks
 from openvsan.pool.members import MemberSet
-from openvsan.pool.parity import backend
+from openvsan.pool.parity import Stripe, backend
 from openvsan.pool.scrub import RowCheck
 
 FULL, RMW, RCW = 0, 1, 2   # how a row's parity is made for a write (ParityIO._how)
@@ -40,6 +40,20 @@ class _Plan(NamedTuple):
     hi: int
     total: int                                   # blocks written
     full: int                                    # data chunks the write covers over all of [lo, hi)
+
+
+class _Span(NamedTuple):
+    """Where a write spanning rows goes in the members' memory (_rows_now), relative to its first row: the same
+    for every request of the same length that starts at the same place in a row of the same rotation, so it is
+    made once for them all (_span)."""
+    rows: int                                        # rows the request touches, from its first
+    base: int                                        # block offset in the chunk where each member's window starts
+    size: int                                        # blocks of each window
+    copies: tuple[tuple[int, int, int, int, int], ...]   # (member, window byte start, end, request byte start, end)
+    stripes: tuple[Stripe, ...]   # each row's (data members, parity members, window byte start, length)
+
+
+SPANS_KEPT = 4096   # _span plans kept per pool (sequential and aligned writes need a handful; odd ones start over)
 
 
 class ParityIO:
@@ -59,6 +73,7 @@ class ParityIO:
         # RAID 5's XOR, update in place (_chunk_now)
         self._narrow_pq = self.raid6 and self.k <= 4
         self._data_members = geo.data_member_rows   # a small read looks its member up there, with no call
+        self._spans: dict[tuple[int, int, int], _Span] = {}   # _span's plans by (rotation, start in row, blocks)
 
     def _parity(self, chunks: Sequence[Buffer]) -> list[Buffer]:
         if self.raid6:
@@ -305,14 +320,13 @@ class ParityIO:
                 return False
             return self._chunk_now(row, column, off, view) or self._row_now(row, [Segment(row, column, off, blocks, 0)],
                                                                           view)
-        segs = self.geo.segments(lba, blocks)
-        for row in range(segs[0].row, segs[-1].row + 1):   # every row free before the first is written
-            if locks.busy(row) or row in torn:
+        span = self._span(lba, blocks, row)
+        for r in range(row, row + span.rows):   # every row free before the first is written
+            if locks.busy(r) or r in torn:
                 return False
-        rows = list(self._by_row(segs).items())
-        if self._rows_now(rows, view):
+        if self._rows_now(row, span, view):
             return True
-        for row, rsegs in rows:
+        for row, rsegs in self._by_row(self.geo.segments(lba, blocks)).items():
             if not self._row_now(row, rsegs, view):
                 return False
         return True
@@ -348,40 +362,57 @@ class ParityIO:
         d[:] = view
         return True
 
-    def _rows_now(self, rows: list[tuple[int, list[Segment]]], view: memoryview) -> bool:
+    def _span(self, lba: int, blocks: int, row: int) -> _Span:
+        """The _Span of a write of `blocks` from `lba` (in row `row`), made from its segments the first time a
+        write starts at that place of a row of that rotation with that length, then looked up."""
+        geo = self.geo
+        rotation, start = row % geo.members, lba - row * self.cb * self.k
+        key = (rotation, start, blocks)
+        span = self._spans.get(key)
+        if span is None:
+            if len(self._spans) >= SPANS_KEPT:
+                self._spans.clear()
+            span = self._spans[key] = self._make_span(row, geo.segments(lba, blocks))
+        return span
+
+    def _make_span(self, first: int, segs: list[Segment]) -> _Span:
+        """One window per member over the span of rows the segments touch, from block `base` of the first row's
+        chunks; in each row the data goes to its data members, and parity is computed over the part [lo, hi)
+        of the row the request touches."""
+        geo, bs, cb = self.geo, self.bs, self.cb
+        rows = list(self._by_row(segs).items())
+        spans = [(min(s.offset for s in rsegs), max(s.offset + s.blocks for s in rsegs)) for _, rsegs in rows]
+        base = spans[0][0]
+        copies, stripes = [], []
+        for j, (row, rsegs) in enumerate(rows):
+            at = (j * cb - base) * bs
+            dm = geo.data_members(row)
+            for s in rsegs:
+                a = at + s.offset * bs
+                copies.append((dm[s.column], a, a + s.blocks * bs, s.start * bs, (s.start + s.blocks) * bs))
+            lo, hi = spans[j]
+            stripes.append((dm, geo.parity_members(row), at + lo * bs, (hi - lo) * bs))
+        assert rows[0][0] == first
+        return _Span(len(rows), base, (len(rows) - 1) * cb + spans[-1][1] - base, tuple(copies), tuple(stripes))
+
+    def _rows_now(self, first: int, span: _Span, view: memoryview) -> bool:
         """A request's rows written through their members' own memory (RAM members lend it: MemberSet.window),
-        one window per member over the span of rows the request touches: in each row the new data is copied
-        into its data members, then the parity over the part [lo, hi) of the row the request touches is
-        computed from the data members' memory (new data and old alike) straight into the parity members. That
-        is a reconstruct-write whose reads copy nothing and whose parity needs no buffer of its own (a row
-        covered whole: a full stripe, as _row_now makes it). False, nothing written: a member lends no window
-        (then _row_now writes each row through member calls)."""
-        ms, geo, bs, cb = self.ms, self.geo, self.bs, self.cb
-        spans = []
-        for _, segs in rows:
-            if len(segs) == 1:
-                s = segs[0]
-                spans.append((s.offset, s.offset + s.blocks))
-            else:
-                spans.append((min(s.offset for s in segs), max(s.offset + s.blocks for s in segs)))
-        first, base = rows[0][0], spans[0][0]
-        size = (len(rows) - 1) * cb + spans[-1][1] - base
+        one window per member over the rows it touches (`span`, from row `first`): in each row the new data is
+        copied into its data members, then the parity over the part of the row the request touches is computed
+        from the data members' memory (new data and old alike) straight into the parity members. That is a
+        reconstruct-write whose reads copy nothing and whose parity needs no buffer of its own (a row covered
+        whole: a full stripe, as _row_now makes it). False, nothing written: a member lends no window (then
+        _row_now writes each row through member calls)."""
+        ms, base, size = self.ms, span.base, span.size
         wins = []
-        for m in range(geo.members):
+        for m in range(self.geo.members):
             w = ms.window(m, first, base, size)
             if w is None:
                 return False
             wins.append(w)
-        stripes = []
-        for j, (row, segs) in enumerate(rows):
-            at = (j * cb - base) * bs
-            dm = geo.data_members(row)
-            for s in segs:
-                a = at + s.offset * bs
-                wins[dm[s.column]][a:a + s.blocks * bs] = view[s.start * bs:(s.start + s.blocks) * bs]
-            lo, hi = spans[j]
-            stripes.append((dm, geo.parity_members(row), at + lo * bs, (hi - lo) * bs))
-        self.par.encode_stripes_into(wins, stripes)   # each row's parity from its members' memory, data and all
+        for m, a, b, s, e in span.copies:
+            wins[m][a:b] = view[s:e]
+        self.par.encode_stripes_into(wins, span.stripes)   # each row's parity from its members' memory, data and all
         return True
 
     def _row_now(self, row: int, segs: list[Segment], view: memoryview) -> bool:
