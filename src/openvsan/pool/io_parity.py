@@ -372,10 +372,10 @@ class ParityIO:
         if span is None:
             if len(self._spans) >= SPANS_KEPT:
                 self._spans.clear()
-            span = self._spans[key] = self._make_span(row, geo.segments(lba, blocks))
+            span = self._spans[key] = self._make_span(geo.segments(lba, blocks))
         return span
 
-    def _make_span(self, first: int, segs: list[Segment]) -> _Span:
+    def _make_span(self, segs: list[Segment]) -> _Span:
         """One window per member over the span of rows the segments touch, from block `base` of the first row's
         chunks; in each row the data goes to its data members, and parity is computed over the part [lo, hi)
         of the row the request touches."""
@@ -392,7 +392,6 @@ class ParityIO:
                 copies.append((dm[s.column], a, a + s.blocks * bs, s.start * bs, (s.start + s.blocks) * bs))
             lo, hi = spans[j]
             stripes.append((dm, geo.parity_members(row), at + lo * bs, (hi - lo) * bs))
-        assert rows[0][0] == first
         return _Span(len(rows), base, (len(rows) - 1) * cb + spans[-1][1] - base, tuple(copies), tuple(stripes))
 
     def _rows_now(self, first: int, span: _Span, view: memoryview) -> bool:
